@@ -1,0 +1,36 @@
+# `make demo` and `make test` set themselves up: a virtualenv in .venv (override with
+# VENV=...), the package installed editable with its extras. On machines whose Python lacks
+# ensurepip (some Colab/Debian images) the virtualenv package is used instead.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) 2>/dev/null || \
+		{ echo "python -m venv unavailable; using virtualenv"; rm -rf $(VENV); \
+		  $(PYTHON) -m pip install -q --user virtualenv && $(PYTHON) -m virtualenv -q $(VENV); }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[data,plots,checkpoint,dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m scaffold_jax.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check scaffold_jax tests benchmarks
+	$(VENV)/bin/ruff format --check scaffold_jax tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_round.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache results/demo

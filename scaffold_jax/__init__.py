@@ -1,0 +1,46 @@
+"""scaffold_jax: SCAFFOLD, FedAvg, FedProx and large-batch SGD as a vectorized JAX simulator.
+
+Client state is stacked along a leading client axis, the local steps are a ``lax.scan``
+vmapped across the sampled clients, and a whole round (many rounds, in fact) compiles into
+one XLA program.
+"""
+
+from scaffold_jax import algorithms, data, models
+from scaffold_jax.algorithms import fedavg, fedprox, scaffold, sgd
+from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
+from scaffold_jax.simulate import RunResult, Simulation, init_state
+from scaffold_jax.types import (
+    Algorithm,
+    ClientOutput,
+    HParams,
+    Problem,
+    SimState,
+    check_hparams,
+    hparams,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Algorithm",
+    "BatchPlan",
+    "ClientOutput",
+    "FederatedData",
+    "HParams",
+    "Problem",
+    "RunResult",
+    "SimState",
+    "Simulation",
+    "algorithms",
+    "check_hparams",
+    "data",
+    "fedavg",
+    "fedprox",
+    "from_client_arrays",
+    "from_partition",
+    "hparams",
+    "init_state",
+    "models",
+    "scaffold",
+    "sgd",
+]

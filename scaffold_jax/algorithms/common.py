@@ -1,0 +1,105 @@
+"""Pieces shared by the algorithms: the server model step and the local-update client.
+
+The server step applies ``x ← x + η_g Δx`` or, with an optax transformation, treats
+``−Δx`` as a pseudo-gradient (Reddi et al. 2021, "Adaptive Federated Optimization"):
+``optax.trace(0.9)`` gives FedAvgM, ``optax.scale_by_adam()`` FedAdam,
+``optax.scale_by_yogi()`` FedYogi. The transformation must NOT include a learning rate;
+η_g stays in :class:`~scaffold_jax.types.HParams`, so it can be swept without recompiling.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scaffold_jax.local import Correction, local_sgd
+from scaffold_jax.tree import weighted_mean
+from scaffold_jax.types import ClientOutput, HParams, PyTree
+
+
+class ServerState(NamedTuple):
+    """Server state of the stateless algorithms (FedAvg, FedProx, SGD).
+
+    Attributes:
+      params: the server model x.
+      opt_state: the server optimizer's state (``()`` without one).
+    """
+
+    params: PyTree
+    opt_state: PyTree
+
+
+def init_server_optimizer(server_optimizer, params: PyTree) -> PyTree:
+    return () if server_optimizer is None else server_optimizer.init(params)
+
+
+def server_model_step(
+    server_optimizer, hparams: HParams, params: PyTree, opt_state: PyTree, delta: PyTree
+) -> tuple[PyTree, PyTree]:
+    """``x ← x + η_g Δx``, or x ← x − η_g · opt(−Δx) with an optax transformation."""
+    if server_optimizer is None:
+        return optax.tree.add_scale(params, hparams.server_lr, delta), opt_state
+    pseudo_grad = optax.tree.scale(-1.0, delta)
+    updates, opt_state = server_optimizer.update(pseudo_grad, opt_state, params)
+    return optax.tree.add_scale(params, -hparams.server_lr, updates), opt_state
+
+
+def aggregate_params(outputs: ClientOutput) -> PyTree:
+    """Δx: the weighted mean of the Δy_i (uniform weights ⇒ the paper's 1/|S| mean)."""
+    return weighted_mean(outputs.delta_params, outputs.weight)
+
+
+def local_update(
+    loss_fn,
+    hparams: HParams,
+    server_params: PyTree,
+    batches,
+    mask,
+    correction: Correction | None = None,
+):
+    """K corrected local steps from x.
+
+    Returns:
+      ``(y, output, info)``: the final params, a :class:`ClientOutput` without controls
+      (weight 1) and the solver's :class:`~scaffold_jax.local.LocalResult`.
+    """
+    y, info = local_sgd(loss_fn, server_params, batches, mask, hparams.client_lr, correction)
+    delta = optax.tree.sub(y, server_params)
+    output = ClientOutput(
+        delta_params=delta,
+        delta_control=(),
+        weight=jnp.ones((), jnp.float32),
+        metrics={
+            "local_loss": info.mean_loss,
+            "local_steps": info.num_steps.astype(jnp.float32),
+        },
+    )
+    return y, output, info
+
+
+def stateless_server_update(server_optimizer):
+    """The server update of FedAvg, FedProx and SGD (no control variates)."""
+
+    def server_update(hparams: HParams, state: ServerState, outputs: ClientOutput, total_weight):
+        del total_weight  # only stateful algorithms need the population weight
+        params, opt_state = server_model_step(
+            server_optimizer, hparams, state.params, state.opt_state, aggregate_params(outputs)
+        )
+        return ServerState(params=params, opt_state=opt_state)
+
+    return server_update
+
+
+def stateless_init(server_optimizer):
+    def init(params: PyTree):
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        return ServerState(params, init_server_optimizer(server_optimizer, params)), ()
+
+    return init
+
+
+def server_params(state) -> PyTree:
+    return state.params

@@ -1,0 +1,50 @@
+"""FedAvg: Federated Averaging.
+
+McMahan, Moore, Ramage, Hampson, Agüera y Arcas, "Communication-Efficient Learning of Deep
+Networks from Decentralized Data", AISTATS 2017. https://arxiv.org/abs/1602.05629
+
+With two step sizes (η_l local, η_g global) as in Karimireddy et al. 2020, and optionally an
+optax server optimizer on the pseudo-gradient −Δx (Reddi et al. 2021,
+https://arxiv.org/abs/2003.00295): FedAvgM, FedAdam, FedYogi.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from scaffold_jax.algorithms.common import (
+    local_update,
+    server_params,
+    stateless_init,
+    stateless_server_update,
+)
+from scaffold_jax.types import Algorithm, HParams
+
+
+def fedavg(loss_fn, server_optimizer: optax.GradientTransformation | None = None) -> Algorithm:
+    """FedAvg: K local SGD steps per client, then ``x ← x + η_g · mean Δy_i``.
+
+    Args:
+      loss_fn: per-example loss ``loss_fn(params, batch) -> [B]``.
+      server_optimizer: optional optax transformation WITHOUT a learning rate, applied to
+        ``−Δx`` (e.g. ``optax.trace(0.9)`` for FedAvgM); the step is scaled by η_g.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> alg = fedavg(lambda p, b: jnp.sum((p["w"] - b["x"]) ** 2, axis=-1))
+      >>> alg.name
+      'fedavg'
+    """
+
+    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+        del key  # the batches already carry the client's randomness
+        _, output, _ = local_update(loss_fn, hparams, server_state.params, batches, mask)
+        return client_state, output
+
+    return Algorithm(
+        name="fedavg",
+        init=stateless_init(server_optimizer),
+        client_update=client_update,
+        server_update=stateless_server_update(server_optimizer),
+        server_params=server_params,
+    )

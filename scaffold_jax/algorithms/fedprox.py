@@ -1,0 +1,47 @@
+"""FedProx: local steps on a proximally regularised objective.
+
+Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, "Federated Optimization in Heterogeneous
+Networks", MLSys 2020. https://arxiv.org/abs/1812.06127
+
+Client i minimises ``f_i(y) + (μ/2)‖y − x‖²`` with K SGD steps; the server averages as
+FedAvg does. μ is :attr:`HParams.prox_mu` (the SCAFFOLD paper fixes μ = 1).
+"""
+
+from __future__ import annotations
+
+import optax
+
+from scaffold_jax.algorithms.common import (
+    local_update,
+    server_params,
+    stateless_init,
+    stateless_server_update,
+)
+from scaffold_jax.types import Algorithm, HParams
+
+
+def fedprox(loss_fn, server_optimizer: optax.GradientTransformation | None = None) -> Algorithm:
+    """FedProx: the local gradient is ``g + μ (y − x)``.
+
+    Args:
+      loss_fn: per-example loss ``loss_fn(params, batch) -> [B]``.
+      server_optimizer: as in :func:`~scaffold_jax.algorithms.fedavg.fedavg`.
+    """
+
+    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+        del key
+        x = server_state.params
+
+        def proximal(y, grad):
+            return optax.tree.add_scale(grad, hparams.prox_mu, optax.tree.sub(y, x))
+
+        _, output, _ = local_update(loss_fn, hparams, x, batches, mask, proximal)
+        return client_state, output
+
+    return Algorithm(
+        name="fedprox",
+        init=stateless_init(server_optimizer),
+        client_update=client_update,
+        server_update=stateless_server_update(server_optimizer),
+        server_params=server_params,
+    )

@@ -1,0 +1,147 @@
+"""Batch plans: which of a client's examples each of its K local steps sees.
+
+A plan is static (it fixes the shapes ``[K, B]`` of a round's batches). For one client it
+turns ``(key, count)`` into positions ``[K, B]`` in ``[0, count)`` and a mask ``[K, B]``;
+slots beyond a client's data are masked to 0 and contribute nothing. A step whose mask is
+all zero is skipped entirely (that is how clients of unequal size take different numbers of
+steps under ``epochs`` and ``fraction`` plans).
+
+Plans:
+  * ``fixed(batch_size, num_steps)``: K steps; each draws ``min(B, n_i)`` distinct examples
+    uniformly at random (steps are independent of each other).
+  * ``epochs(batch_size, num_epochs)``: each epoch is a fresh permutation of the client's
+    data cut into ``ceil(n_i / B)`` batches (the last one short), so client i takes
+    ``num_epochs * ceil(n_i / B)`` steps; K is the maximum over clients.
+  * ``fraction(fraction, num_epochs)``: the paper's plan. Each epoch is a permutation cut
+    into ``round(1 / fraction)`` near-equal batches (0.2 ⇒ 5 steps per epoch), so every
+    client takes the same K = epochs × steps-per-epoch, with batch size ≈ fraction × n_i.
+  * ``full(num_steps)``: every step uses all of the client's data (full-batch gradients,
+    no randomness).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+
+_KINDS = ("fixed", "epochs", "fraction", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """A static description of the local steps. Build it with the constructors below."""
+
+    kind: str
+    batch_size: int = 0
+    num_steps: int = 0
+    num_epochs: int = 0
+    fraction: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"BatchPlan kind {self.kind!r} is unknown; use one of {_KINDS}.")
+        if self.kind in ("fixed", "full") and self.num_steps < 1:
+            raise ValueError(
+                f"num_local_steps (K) = {self.num_steps} is invalid: it must be >= 1."
+            )
+        if self.kind in ("fixed", "epochs") and self.batch_size < 1:
+            raise ValueError(f"batch_size = {self.batch_size} is invalid: it must be >= 1.")
+        if self.kind in ("epochs", "fraction") and self.num_epochs < 1:
+            raise ValueError(f"num_epochs = {self.num_epochs} is invalid: it must be >= 1.")
+        if self.kind == "fraction" and not 0.0 < self.fraction <= 1.0:
+            raise ValueError(
+                f"batch fraction = {self.fraction} is invalid: it must be in (0, 1]; "
+                "the paper uses 0.2 (5 steps per epoch)."
+            )
+
+    @classmethod
+    def fixed(cls, batch_size: int, num_steps: int) -> BatchPlan:
+        return cls("fixed", batch_size=int(batch_size), num_steps=int(num_steps))
+
+    @classmethod
+    def epochs(cls, batch_size: int, num_epochs: int) -> BatchPlan:
+        return cls("epochs", batch_size=int(batch_size), num_epochs=int(num_epochs))
+
+    @classmethod
+    def fraction_of_data(cls, fraction: float, num_epochs: int) -> BatchPlan:
+        return cls("fraction", fraction=float(fraction), num_epochs=int(num_epochs))
+
+    @classmethod
+    def full(cls, num_steps: int = 1) -> BatchPlan:
+        return cls("full", num_steps=int(num_steps))
+
+    @property
+    def steps_per_epoch_fraction(self) -> int:
+        return max(1, round(1.0 / self.fraction))
+
+    def shape(self, max_count: int) -> tuple[int, int]:
+        """``(K, B)`` of the padded batches for clients of at most ``max_count`` examples."""
+        if self.kind == "fixed":
+            return self.num_steps, min(self.batch_size, max_count)
+        if self.kind == "epochs":
+            return self.num_epochs * math.ceil(max_count / self.batch_size), min(
+                self.batch_size, max_count
+            )
+        if self.kind == "fraction":
+            spe = self.steps_per_epoch_fraction
+            return self.num_epochs * spe, math.ceil(max_count / spe)
+        return self.num_steps, max_count
+
+    def positions(
+        self, key: jax.Array, count: jax.Array, max_count: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """Positions ``[K, B]`` (int32, in ``[0, count)``) and mask ``[K, B]`` (float32).
+
+        Args:
+          key: the client's key for this round.
+          count: the client's number of examples n_i (int32 scalar, may be traced).
+          max_count: static upper bound on ``count`` (the padded width).
+        """
+        num_steps, width = self.shape(max_count)
+        slots = jnp.arange(width)
+        count = jnp.asarray(count, jnp.int32)
+        if self.kind == "full":
+            pos = jnp.broadcast_to(jnp.minimum(slots, jnp.maximum(count - 1, 0)), (num_steps, width))
+            mask = jnp.broadcast_to(slots < count, (num_steps, width))
+            return pos.astype(jnp.int32), mask.astype(jnp.float32)
+        if self.kind == "fixed":
+            perms = _permutations(key, count, max_count, num_steps)  # [K, max_count]
+            pos = perms[:, :width]
+            mask = jnp.broadcast_to(slots < count, (num_steps, width))
+            return pos, mask.astype(jnp.float32)
+        if self.kind == "epochs":
+            perms = _permutations(key, count, max_count, self.num_epochs)  # [E, max_count]
+            batch = self.batch_size
+            steps_per_epoch = (count + batch - 1) // batch  # per client, traced
+            t = jnp.arange(num_steps)
+            epoch = t // jnp.maximum(steps_per_epoch, 1)
+            within = t % jnp.maximum(steps_per_epoch, 1)
+            start = within * batch  # [K]
+            idx = start[:, None] + slots[None, :]  # [K, B]
+            valid = (idx < count) & (epoch < self.num_epochs)[:, None]
+            epoch = jnp.minimum(epoch, self.num_epochs - 1)
+            pos = perms[epoch[:, None], jnp.minimum(idx, max_count - 1)]
+            return jnp.where(valid, pos, 0).astype(jnp.int32), valid.astype(jnp.float32)
+        # fraction: epoch e, batch j covers [floor(j n / s), floor((j + 1) n / s)).
+        spe = self.steps_per_epoch_fraction
+        perms = _permutations(key, count, max_count, self.num_epochs)
+        t = jnp.arange(num_steps)
+        epoch, j = t // spe, t % spe
+        start = (j * count) // spe
+        stop = ((j + 1) * count) // spe
+        idx = start[:, None] + slots[None, :]
+        valid = idx < stop[:, None]
+        pos = perms[epoch[:, None], jnp.minimum(idx, max_count - 1)]
+        return jnp.where(valid, pos, 0).astype(jnp.int32), valid.astype(jnp.float32)
+
+
+def _permutations(key: jax.Array, count: jax.Array, max_count: int, num: int) -> jax.Array:
+    """``num`` independent permutations; the first ``count`` entries of each row are a
+    uniformly random permutation of ``[0, count)`` (padding sorts to the end)."""
+    u = jr.uniform(key, (num, max_count))
+    u = jnp.where(jnp.arange(max_count) < count, u, 2.0)
+    return jnp.argsort(u, axis=-1).astype(jnp.int32)

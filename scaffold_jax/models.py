@@ -1,0 +1,122 @@
+"""Ready problems: flax models reduced to ``(params, per-example loss, accuracy)``.
+
+Models take batches ``{"x": [B, ...], "y": [B]}``. Integer inputs (uint8 images kept on
+device) are scaled to [0, 1] inside the step; float inputs are used as they are.
+The engine only ever sees the params pytree and the pure functions (flax's functional API).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+
+from scaffold_jax.types import Problem
+
+
+def _features(x: jax.Array) -> jax.Array:
+    """Flattens an example to float32 features; integer pixels are divided by 255."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        x = x.astype(jnp.float32) * (1.0 / 255.0)
+    return x.astype(jnp.float32).reshape((x.shape[0], -1))
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: one dense layer to the class logits."""
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.num_classes, name="linear")(_features(x))
+
+
+class MLP(nn.Module):
+    """Fully connected network with ReLU hidden layers (the paper's "2-layer" network)."""
+
+    hidden_sizes: Sequence[int]
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = _features(x)
+        for i, width in enumerate(self.hidden_sizes):
+            h = nn.relu(nn.Dense(width, name=f"hidden_{i}")(h))
+        return nn.Dense(self.num_classes, name="output")(h)
+
+
+def classification_problem(module: nn.Module, input_shape: Sequence[int], key) -> Problem:
+    """Wraps a flax classifier into a :class:`Problem` with cross-entropy loss.
+
+    Args:
+      module: a flax module mapping ``[B, *input_shape]`` to ``[B, num_classes]`` logits.
+      input_shape: shape of ONE example (e.g. ``(28, 28)``).
+      key: PRNG key for the initial params.
+    """
+    params = module.init(key, jnp.zeros((1, *input_shape), jnp.float32))["params"]
+
+    def loss_fn(params, batch):
+        logits = module.apply({"params": params}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    def accuracy_fn(params, batch):
+        logits = module.apply({"params": params}, batch["x"])
+        return (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
+
+    return Problem(params=params, loss_fn=loss_fn, accuracy_fn=accuracy_fn)
+
+
+def logistic_regression(
+    input_shape: Sequence[int], num_classes: int, key=None, zero_init: bool = True
+) -> Problem:
+    """Multinomial logistic regression (the paper's Table 3 model).
+
+    Args:
+      input_shape: shape of one example, e.g. ``(28, 28)``.
+      num_classes: number of classes.
+      key: PRNG key (default ``jax.random.key(0)``).
+      zero_init: start from all-zero weights (a convex problem; the usual choice, and it
+        makes runs independent of the init seed).
+
+    Examples:
+      >>> problem = logistic_regression((28, 28), 10)
+      >>> problem.params["linear"]["kernel"].shape
+      (784, 10)
+    """
+    _check_shape(input_shape, num_classes)
+    problem = classification_problem(
+        LogisticRegression(num_classes), input_shape, jr.key(0) if key is None else key
+    )
+    if zero_init:
+        problem = problem._replace(params=jax.tree.map(jnp.zeros_like, problem.params))
+    return problem
+
+
+def mlp(
+    input_shape: Sequence[int], num_classes: int, hidden_sizes: Sequence[int] = (256, 256), key=None
+) -> Problem:
+    """The 2-layer fully connected network of the paper's Table 5.
+
+    The paper does not state the hidden sizes; the default (256, 256) is our choice and
+    is a parameter.
+    """
+    _check_shape(input_shape, num_classes)
+    if not hidden_sizes or any(int(h) < 1 for h in hidden_sizes):
+        raise ValueError(f"hidden_sizes={tuple(hidden_sizes)} must be positive integers.")
+    return classification_problem(
+        MLP(tuple(int(h) for h in hidden_sizes), num_classes),
+        input_shape,
+        jr.key(0) if key is None else key,
+    )
+
+
+def _check_shape(input_shape, num_classes) -> None:
+    if len(input_shape) == 0 or math.prod(input_shape) < 1:
+        raise ValueError(f"input_shape={tuple(input_shape)} must describe a non-empty example.")
+    if int(num_classes) < 2:
+        raise ValueError(f"num_classes={num_classes} must be >= 2.")

@@ -1,0 +1,55 @@
+"""Client-axis pytree helpers: gather and scatter rows of the client table, masked means.
+
+Every leaf of a client table has a leading ``[N, ...]`` client axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from scaffold_jax.types import PyTree
+
+
+def take_rows(table: PyTree, ids: jax.Array) -> PyTree:
+    """Rows ``ids`` (``[S]`` int32) of every leaf: ``[N, ...] -> [S, ...]``."""
+    return jax.tree.map(lambda a: a[ids], table)
+
+
+def set_rows(table: PyTree, ids: jax.Array, rows: PyTree) -> PyTree:
+    """Writes ``rows`` (``[S, ...]``) at ``ids``; ids must be distinct.
+
+    Inside a jit whose client table is donated, XLA performs this scatter in place: no copy
+    of the ``[N, ...]`` table is made per round.
+    """
+    return jax.tree.map(
+        lambda a, r: a.at[ids].set(r.astype(a.dtype), unique_indices=True), table, rows
+    )
+
+
+def broadcast_rows(tree: PyTree, num_rows: int) -> PyTree:
+    """Stacks ``num_rows`` copies of a single client's pytree: ``[...] -> [N, ...]``."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_rows, *jnp.shape(a))).copy(), tree)
+
+
+def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
+    """``Σ_s w_s t_s / Σ_s w_s`` over the leading axis of every leaf (float32)."""
+    total = jnp.sum(weights)
+    return jax.tree.map(
+        lambda a: jnp.tensordot(weights, a.astype(jnp.float32), axes=1) / total, stacked
+    )
+
+
+def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
+    """``Σ_s w_s t_s`` over the leading axis of every leaf (float32)."""
+    return jax.tree.map(lambda a: jnp.tensordot(weights, a.astype(jnp.float32), axes=1), stacked)
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of ``values`` over slots where ``mask`` is 1; 0 when the mask is empty."""
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def sq_norm(tree: PyTree) -> jax.Array:
+    """Squared Euclidean norm of a whole pytree."""
+    return sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree))

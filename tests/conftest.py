@@ -1,0 +1,75 @@
+"""Shared test helpers.
+
+Rank promotion is set to "raise" (as equinox's tests do) so that a client axis broadcast
+by accident fails loudly instead of silently producing wrong numbers.
+"""
+
+import jax
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import scaffold_jax as sj  # noqa: E402
+
+
+def make_classification_clients(sizes, dim=5, num_classes=3, seed=0, skew=True):
+    """Unequal-size clients with label skew: client i mostly sees labels near i."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(num_classes, dim)).astype(np.float32) * 2
+    clients = []
+    for i, n in enumerate(sizes):
+        if skew:
+            y = (rng.integers(0, 2, n) + i) % num_classes
+        else:
+            y = rng.integers(0, num_classes, n)
+        x = centers[y] + rng.normal(size=(n, dim)).astype(np.float32)
+        clients.append({"x": x.astype(np.float32), "y": y.astype(np.int32)})
+    return clients
+
+
+@pytest.fixture(scope="session")
+def small_data():
+    """7 clients of unequal sizes (2..13 examples), 5 features, 3 classes, a test set."""
+    sizes = [2, 9, 5, 13, 3, 7, 11]
+    clients = make_classification_clients(sizes)
+    test = make_classification_clients([40], seed=1, skew=False)[0]
+    return sj.from_client_arrays(clients, test=test)
+
+
+@pytest.fixture(scope="session")
+def small_problem():
+    return sj.models.logistic_regression((5,), 3, zero_init=False, key=jax.random.key(3))
+
+
+def quadratic_clients(num_clients=4, dim=3, seed=0):
+    """Heterogeneous quadratics f_i(x) = ½ xᵀA_i x − b_iᵀx, one "example" per client.
+
+    Returns (data, problem, x_star) with x* = (Σ A_i)⁻¹ Σ b_i.
+    """
+    rng = np.random.default_rng(seed)
+    a = []
+    for _ in range(num_clients):
+        q, _ = np.linalg.qr(rng.normal(size=(dim, dim)))
+        a.append((q * rng.uniform(0.2, 1.0, dim)) @ q.T)
+    a = np.stack(a).astype(np.float32)
+    b = (rng.normal(size=(num_clients, dim)) * 3).astype(np.float32)
+    x_star = np.linalg.solve(a.astype(np.float64).sum(0), b.astype(np.float64).sum(0))
+    clients = [{"A": a[i : i + 1], "b": b[i : i + 1]} for i in range(num_clients)]
+    data = sj.from_client_arrays(clients)
+
+    def loss_fn(params, batch):
+        x = params["x"]
+        return 0.5 * jnp.einsum("i,bij,j->b", x, batch["A"], x) - batch["b"] @ x
+
+    problem = sj.Problem(params={"x": jnp.zeros(dim, jnp.float32)}, loss_fn=loss_fn)
+    return data, problem, x_star
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

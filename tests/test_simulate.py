@@ -1,0 +1,309 @@
+"""The vmapped engine against a plain per-client Python reference loop, determinism,
+compilation counts, evaluation and input validation."""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from conftest import assert_trees_close, make_classification_clients, quadratic_clients
+
+import scaffold_jax as sj
+
+
+# --------------------------------------------------------------------------- reference loop
+def reference_run(name, problem, data, plan, num_sampled, hp, rounds, seed, option=2,
+                  weighting="uniform"):
+    """Algorithm 1 of the paper (and its baselines) written out client by client.
+
+    No vmap, no client table: Python lists of per-client controls, one client at a time.
+    Only the documented randomness contract is shared with the engine (round key
+    fold_in(root, r), split into (sample key, clients key), client key fold_in(clients
+    key, id), and the batch plan's positions), so both see the same minibatches.
+    """
+    n_clients = data.num_clients
+    lr, glr, mu = float(hp.client_lr), float(hp.server_lr), float(hp.prox_mu)
+    x = jax.tree.map(lambda a: np.asarray(a, np.float64), problem.params)
+    c = jax.tree.map(np.zeros_like, x)
+    c_i = [jax.tree.map(np.zeros_like, x) for _ in range(n_clients)]
+    counts = np.asarray(data.counts)
+    weights = np.ones(n_clients) if weighting == "uniform" else counts.astype(np.float64)
+    root = jr.key(seed)
+
+    def grad_at(params, batch, mask):
+        def mean_loss(p):
+            losses = problem.loss_fn(p, batch)
+            return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+        p32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        return jax.tree.map(lambda g: np.asarray(g, np.float64), jax.grad(mean_loss)(p32))
+
+    all_ids = []
+    for r in range(rounds):
+        round_key = jr.fold_in(root, r)
+        sample_key, clients_key = jr.split(round_key)
+        ids = np.asarray(jr.choice(sample_key, n_clients, (num_sampled,), replace=False))
+        all_ids.append(ids)
+        dys, dcs, ws = [], [], []
+        for i in ids:
+            key = jr.fold_in(clients_key, int(i))
+            pos, mask = plan.positions(key, counts[i], data.max_count)
+            pos, mask = np.asarray(pos), np.asarray(mask)
+            examples = data.client_examples(int(i))
+            batches = [jax.tree.map(lambda a, k=k: a[pos[k]], examples) for k in range(len(pos))]
+            if name == "sgd":
+                flat = jax.tree.map(lambda a: a[pos.reshape(-1)], examples)
+                g = grad_at(x, flat, mask.reshape(-1))
+                dys.append(jax.tree.map(lambda gg: -lr * gg, g))
+                ws.append(weights[i])
+                continue
+            y = jax.tree.map(np.copy, x)
+            steps = 0
+            for k, batch in enumerate(batches):
+                if mask[k].sum() == 0:
+                    continue
+                g = grad_at(y, batch, mask[k])
+                if name == "scaffold":
+                    g = jax.tree.map(lambda gg, ci, cc: gg - ci + cc, g, c_i[i], c)
+                if name == "fedprox":
+                    g = jax.tree.map(lambda gg, yy, xx: gg + mu * (yy - xx), g, y, x)
+                y = jax.tree.map(lambda yy, gg: yy - lr * gg, y, g)
+                steps += 1
+            if name == "scaffold":
+                if option == 2:
+                    new = jax.tree.map(lambda ci, cc, xx, yy: ci - cc + (xx - yy) / (steps * lr),
+                                       c_i[i], c, x, y)
+                else:
+                    flat = jax.tree.map(lambda a: a[pos.reshape(-1)], examples)
+                    new = grad_at(x, flat, mask.reshape(-1))
+                dcs.append((weights[i], jax.tree.map(lambda a, b: a - b, new, c_i[i])))
+                c_i[i] = new
+            dys.append(jax.tree.map(lambda yy, xx: yy - xx, y, x))
+            ws.append(weights[i])
+        total = sum(ws)
+        dx = jax.tree.map(lambda *d: sum(w * v for w, v in zip(ws, d, strict=True)) / total, *dys)
+        x = jax.tree.map(lambda xx, d: xx + glr * d, x, dx)
+        for w, dc in dcs:
+            c = jax.tree.map(lambda cc, d, w=w: cc + w * d / weights.sum(), c, dc)
+    return x, c, c_i, np.stack(all_ids)
+
+
+CASES = [
+    ("fedavg", 2, "uniform"),
+    ("fedprox", 2, "uniform"),
+    ("sgd", 2, "uniform"),
+    ("scaffold", 1, "uniform"),
+    ("scaffold", 2, "uniform"),
+    ("scaffold", 2, "num_examples"),
+]
+
+
+@pytest.mark.parametrize(("name", "option", "weighting"), CASES,
+                         ids=[f"{n}-{o}-{w}" for n, o, w in CASES])
+def test_engine_matches_per_client_reference_loop(name, option, weighting, small_data,
+                                                  small_problem):
+    # epochs plan: clients of 2..13 examples take 1..5 steps of a batch of 3, padded slots.
+    plan = sj.BatchPlan.epochs(batch_size=3, num_epochs=1)
+    hp = sj.hparams(client_lr=0.4, server_lr=0.8, prox_mu=0.5)
+    options = {"option": option} if name == "scaffold" else {}
+    alg = sj.algorithms.make(name, small_problem.loss_fn, **options)
+    sim = sj.Simulation(alg, small_problem, plan, clients_per_round=3, weighting=weighting)
+    result = sim.run(small_data, hp, num_rounds=4, seed=7)
+    x, c, c_i, ids = reference_run(name, small_problem, small_data, plan, 3, hp, 4, 7,
+                                   option=option, weighting=weighting)
+    np.testing.assert_array_equal(result.client_ids, ids)
+    assert_trees_close(result.state.server.params, x, rtol=1e-5, atol=1e-6)
+    if name == "scaffold":
+        assert_trees_close(result.state.server.control, c, rtol=1e-5, atol=1e-6)
+        table = jax.tree.map(lambda *rows: np.stack(rows), *c_i)
+        assert_trees_close(result.state.clients.control, table, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- convergence
+def test_scaffold_reaches_the_optimum_where_fedavg_stalls():
+    """Heterogeneous quadratics, full-batch, K = 10: FedAvg converges to a biased point
+    (client drift) and stays there; SCAFFOLD converges to x*."""
+    data, problem, x_star = quadratic_clients(num_clients=4, dim=3)
+    plan = sj.BatchPlan.full(num_steps=10)
+    hp = sj.hparams(client_lr=0.1)
+
+    def distance_after(alg, rounds):
+        sim = sj.Simulation(alg, problem, plan, clients_per_round=4)
+        state = sim.run(data, hp, num_rounds=rounds).state
+        return float(np.linalg.norm(np.asarray(state.server.params["x"]) - x_star))
+
+    scaffold_err = distance_after(sj.scaffold(problem.loss_fn), 300)
+    fedavg_err = distance_after(sj.fedavg(problem.loss_fn), 300)
+    fedavg_err_later = distance_after(sj.fedavg(problem.loss_fn), 600)
+    assert scaffold_err < 1e-4
+    assert fedavg_err > 0.05  # the drift bias
+    assert abs(fedavg_err_later - fedavg_err) < 1e-3 * fedavg_err  # ...and it is a fixed point
+
+
+# --------------------------------------------------------------------------- determinism
+def test_same_seed_gives_bitwise_identical_results(small_data, small_problem):
+    def run(seed):
+        sim = sj.Simulation(sj.scaffold(small_problem.loss_fn), small_problem,
+                            sj.BatchPlan.fixed(4, 3), 3)
+        return sim.run(small_data, sj.hparams(0.3), num_rounds=5, eval_every=2, seed=seed)
+
+    a, b, other = run(0), run(0), run(1)
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(a.client_ids, b.client_ids)
+    assert not np.array_equal(a.client_ids, other.client_ids)
+
+
+def test_client_ids_are_distinct_and_auditable(small_data, small_problem):
+    sim = sj.Simulation(sj.fedavg(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(2, 1),
+                        clients_per_round=4)
+    result = sim.run(small_data, sj.hparams(0.1), num_rounds=30, eval_every=10, seed=3)
+    assert result.client_ids.shape == (30, 4)
+    for row in result.client_ids:
+        assert len(set(row.tolist())) == 4 and row.min() >= 0 and row.max() < 7
+    # Replay: round r's ids follow from the root key alone.
+    for r in (0, 17, 29):
+        sample_key = jr.split(jr.fold_in(jr.key(3), r))[0]
+        expected = jr.choice(sample_key, 7, (4,), replace=False)
+        np.testing.assert_array_equal(result.client_ids[r], np.asarray(expected))
+    # Uniform sampling: every client is drawn, with frequency near S/N = 4/7.
+    freq = np.bincount(result.client_ids.ravel(), minlength=7) / 30
+    assert np.all(np.abs(freq - 4 / 7) < 0.3)
+
+
+def test_resuming_from_a_state_continues_the_same_run(small_data, small_problem):
+    def sim():
+        return sj.Simulation(sj.scaffold(small_problem.loss_fn), small_problem,
+                             sj.BatchPlan.fixed(4, 3), 3)
+
+    full = sim().run(small_data, sj.hparams(0.3), num_rounds=6, seed=5)
+    half = sim().run(small_data, sj.hparams(0.3), num_rounds=3, seed=5)
+    rest = sim().run(small_data, sj.hparams(0.3), num_rounds=3, seed=5, state=half.state)
+    assert int(rest.state.round) == 6
+    assert_trees_close(rest.state, full.state, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- compilation
+def test_no_recompilation_in_round_two_nor_for_a_new_learning_rate(small_data, small_problem):
+    traces = []
+
+    def counting_loss(params, batch):
+        traces.append(1)  # runs only while tracing
+        return small_problem.loss_fn(params, batch)
+
+    problem = small_problem._replace(loss_fn=counting_loss)
+    sim = sj.Simulation(sj.scaffold(counting_loss), problem, sj.BatchPlan.fixed(3, 2), 3)
+    state = sim.init(small_data)
+    key = jr.key(0)
+    state, _ = sim.run_rounds(sj.hparams(0.1), state, small_data, key, num_rounds=2)
+    first = len(traces)
+    assert first > 0
+    state, _ = sim.run_rounds(sj.hparams(0.1), state, small_data, key, num_rounds=2)
+    state, _ = sim.run_rounds(sj.hparams(0.05, server_lr=0.5), state, small_data, key,
+                              num_rounds=2)
+    assert len(traces) == first
+    assert sim.run_rounds._cache_size() == 1
+
+
+def test_client_table_is_donated(small_data, small_problem):
+    sim = sj.Simulation(sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 2),
+                        3)
+    state = sim.init(small_data)
+    table = state.clients.control["linear"]["kernel"]
+    sim.round(sj.hparams(0.1), state, small_data, jr.key(0))
+    assert table.is_deleted()  # the buffer was handed to XLA and reused in place
+
+
+# --------------------------------------------------------------------------- evaluation
+def test_evaluation_matches_a_direct_computation(small_data, small_problem):
+    sim = sj.Simulation(sj.fedavg(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 1),
+                        2, eval_batch_size=8)  # 60 train / 40 test examples: ragged chunks
+    server, _ = sim.algorithm.init(small_problem.params)
+    out = jax.device_get(sim.evaluate(server, small_data))
+    params = small_problem.params
+    test = small_data.test
+    np.testing.assert_allclose(out["test_loss"], np.mean(small_problem.loss_fn(params, test)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(out["test_accuracy"],
+                               np.mean(small_problem.accuracy_fn(params, test)), rtol=1e-6)
+    per_client = [np.mean(small_problem.loss_fn(params, small_data.client_examples(i)))
+                  for i in range(small_data.num_clients)]
+    np.testing.assert_allclose(out["train_loss"], np.mean(per_client), rtol=1e-5)
+
+
+def test_learning_on_separable_data_improves_accuracy():
+    clients = make_classification_clients([30] * 10, dim=6, num_classes=4, seed=2)
+    test = make_classification_clients([200], dim=6, num_classes=4, seed=2, skew=False)[0]
+    data = sj.from_client_arrays(clients, test=test)
+    problem = sj.models.mlp((6,), 4, hidden_sizes=(16,))
+    sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, sj.BatchPlan.fixed(10, 5), 5)
+    result = sim.run(data, sj.hparams(0.1), num_rounds=40, eval_every=20)
+    assert result.records[0]["test_accuracy"] < 0.5
+    assert result.records[-1]["test_accuracy"] > 0.8
+    assert result.records[-1]["train_loss"] < result.records[0]["train_loss"]
+
+
+# --------------------------------------------------------------------------- bad input
+def _sim(problem, s=2, plan=None, **kw):
+    return sj.Simulation(sj.scaffold(problem.loss_fn), problem, plan or sj.BatchPlan.fixed(2, 2),
+                         s, **kw)
+
+
+def test_more_sampled_clients_than_clients_is_rejected(small_data, small_problem):
+    with pytest.raises(ValueError, match=r"clients_per_round \(S\) = 8 exceeds .* N = 7"):
+        _sim(small_problem, s=8).run(small_data, sj.hparams(0.1), num_rounds=1)
+
+
+def test_zero_sampled_clients_is_rejected(small_problem):
+    with pytest.raises(ValueError, match=r"clients_per_round \(S\) = 0 is invalid"):
+        _sim(small_problem, s=0)
+
+
+@pytest.mark.parametrize("make_plan", [lambda: sj.BatchPlan.fixed(2, 0),
+                                       lambda: sj.BatchPlan.full(0)])
+def test_zero_local_steps_is_rejected(make_plan):
+    with pytest.raises(ValueError, match=r"num_local_steps \(K\) = 0 is invalid"):
+        make_plan()
+
+
+@pytest.mark.parametrize("lr", [0.0, -0.1, float("nan"), float("inf")])
+def test_bad_client_step_size_is_rejected(lr):
+    with pytest.raises(ValueError, match="client_lr=.* is invalid"):
+        sj.hparams(client_lr=lr)
+
+
+@pytest.mark.parametrize("lr", [0.0, float("nan")])
+def test_bad_server_step_size_is_rejected(lr):
+    with pytest.raises(ValueError, match="server_lr=.* is invalid"):
+        sj.hparams(client_lr=0.1, server_lr=lr)
+
+
+def test_bad_step_size_smuggled_into_run_is_rejected(small_data, small_problem):
+    hp = sj.HParams(jnp.float32(-1.0), jnp.float32(1.0), jnp.float32(0.0))
+    with pytest.raises(ValueError, match="client_lr"):
+        _sim(small_problem).run(small_data, hp, num_rounds=1)
+
+
+def test_params_that_do_not_fit_the_data_are_rejected(small_data):
+    wrong = sj.models.logistic_regression((7,), 3)  # data has 5 features
+    with pytest.raises(ValueError, match="params do not fit the data"):
+        _sim(wrong).run(small_data, sj.hparams(0.1), num_rounds=1)
+
+
+def test_a_loss_that_returns_a_mean_is_rejected(small_data, small_problem):
+    mean_loss = small_problem._replace(
+        loss_fn=lambda p, b: jnp.mean(small_problem.loss_fn(p, b)))
+    with pytest.raises(ValueError, match="one loss per example"):
+        _sim(mean_loss).run(small_data, sj.hparams(0.1), num_rounds=1)
+
+
+def test_a_client_with_no_data_is_rejected():
+    clients = make_classification_clients([3, 4])
+    clients.append({"x": np.zeros((0, 5), np.float32), "y": np.zeros((0,), np.int32)})
+    with pytest.raises(ValueError, match="client 2 has no data"):
+        sj.from_client_arrays(clients)
+
+
+def test_unknown_weighting_is_rejected(small_problem):
+    with pytest.raises(ValueError, match="weighting='size' is unknown"):
+        _sim(small_problem, weighting="size")

@@ -1,7 +1,7 @@
 """Federated datasets: the device-resident container, batch plans, sources, partitioners
 and synthetic problems."""
 
-from scaffold_jax.data import partition, sources
+from scaffold_jax.data import partition, sources, synthetic
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData, from_client_arrays, from_partition
 
@@ -12,4 +12,5 @@ __all__ = [
     "from_partition",
     "partition",
     "sources",
+    "synthetic",
 ]

@@ -5,7 +5,7 @@ vmapped across the sampled clients, and a whole round (many rounds, in fact) com
 one XLA program.
 """
 
-from scaffold_jax import algorithms, data, models
+from scaffold_jax import algorithms, data, diagnostics, models
 from scaffold_jax.algorithms import fedavg, fedprox, scaffold, sgd
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
 from scaffold_jax.simulate import RunResult, Simulation, init_state
@@ -34,6 +34,7 @@ __all__ = [
     "algorithms",
     "check_hparams",
     "data",
+    "diagnostics",
     "fedavg",
     "fedprox",
     "from_client_arrays",

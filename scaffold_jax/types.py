@@ -71,9 +71,7 @@ def check_hparams(hp: HParams) -> None:
         bad = ~np.isfinite(value) | (value < 0) | ((value == 0) & (not allow_zero))
         if np.any(bad):
             allowed = "finite and >= 0" if allow_zero else "finite and > 0"
-            raise ValueError(
-                f"{name}={value.tolist()} is invalid: every value must be {allowed}."
-            )
+            raise ValueError(f"{name}={value.tolist()} is invalid: every value must be {allowed}.")
 
 
 class ClientOutput(NamedTuple):

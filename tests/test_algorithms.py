@@ -42,8 +42,11 @@ def test_scaffold_with_zero_controls_is_fedavg(small_data, small_problem):
     np.testing.assert_array_equal(zero.client_ids, avg.client_ids)
     # ...and the real SCAFFOLD differs from FedAvg, so the comparison above can fail.
     real = _run(sj.scaffold(small_problem.loss_fn), small_problem, small_data, plan, 3, hp)
-    diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), real.state.server.params,
-                        avg.state.server.params)
+    diff = jax.tree.map(
+        lambda a, b: float(jnp.max(jnp.abs(a - b))),
+        real.state.server.params,
+        avg.state.server.params,
+    )
     assert max(jax.tree.leaves(diff)) > 1e-3
 
 
@@ -61,15 +64,22 @@ def _gradient_descent(problem, data, lr, rounds):
 
 
 @pytest.mark.parametrize(
-    "make", [sj.fedavg, sj.sgd, lambda f: sj.scaffold(f, option=1),
-             lambda f: sj.scaffold(f, option=2)],
+    "make",
+    [sj.fedavg, sj.sgd, lambda f: sj.scaffold(f, option=1), lambda f: sj.scaffold(f, option=2)],
     ids=["fedavg", "sgd", "scaffold-I", "scaffold-II"],
 )
 def test_one_full_batch_step_with_all_clients_is_gradient_descent(make, small_data, small_problem):
     hp = sj.hparams(client_lr=0.5, server_lr=1.0)
     n = small_data.num_clients
-    result = _run(make(small_problem.loss_fn), small_problem, small_data, sj.BatchPlan.full(1), n,
-                  hp, rounds=5)
+    result = _run(
+        make(small_problem.loss_fn),
+        small_problem,
+        small_data,
+        sj.BatchPlan.full(1),
+        n,
+        hp,
+        rounds=5,
+    )
     expected = _gradient_descent(small_problem, small_data, 0.5, 5)
     assert_trees_close(result.state.server.params, expected, rtol=1e-5, atol=1e-6)
 
@@ -88,10 +98,16 @@ def test_fedprox_with_zero_mu_is_fedavg(small_data, small_problem):
 
 @pytest.mark.parametrize("option", [1, 2])
 @pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
-def test_server_control_is_the_mean_of_client_controls(option, weighting, small_data,
-                                                       small_problem):
-    sim = sj.Simulation(sj.scaffold(small_problem.loss_fn, option=option), small_problem,
-                        sj.BatchPlan.fixed(3, 4), 3, weighting=weighting)
+def test_server_control_is_the_mean_of_client_controls(
+    option, weighting, small_data, small_problem
+):
+    sim = sj.Simulation(
+        sj.scaffold(small_problem.loss_fn, option=option),
+        small_problem,
+        sj.BatchPlan.fixed(3, 4),
+        3,
+        weighting=weighting,
+    )
     state = sim.init(small_data)
     hp = sj.hparams(client_lr=0.2)
     key = jax.random.key(1)
@@ -99,8 +115,11 @@ def test_server_control_is_the_mean_of_client_controls(option, weighting, small_
     w = np.ones_like(counts) if weighting == "uniform" else counts
     for _ in range(5):
         state, _ = sim.round(hp, state, small_data, key)
-        for c, c_i in zip(jax.tree.leaves(state.server.control),
-                          jax.tree.leaves(state.clients.control), strict=True):
+        for c, c_i in zip(
+            jax.tree.leaves(state.server.control),
+            jax.tree.leaves(state.clients.control),
+            strict=True,
+        ):
             expected = np.tensordot(w, np.asarray(c_i, np.float64), axes=1) / w.sum()
             np.testing.assert_allclose(np.asarray(c), expected, rtol=1e-5, atol=1e-6)
             assert np.abs(np.asarray(c)).max() > 0  # the controls really moved
@@ -113,8 +132,9 @@ def test_bfloat16_control_table_keeps_the_invariant(small_data, small_problem):
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(state.clients))
     for _ in range(4):
         state, _ = sim.round(sj.hparams(0.2), state, small_data, jax.random.key(0))
-    for c, c_i in zip(jax.tree.leaves(state.server.control),
-                      jax.tree.leaves(state.clients.control), strict=True):
+    for c, c_i in zip(
+        jax.tree.leaves(state.server.control), jax.tree.leaves(state.clients.control), strict=True
+    ):
         assert c.dtype == jnp.float32 and c_i.dtype == jnp.bfloat16
         mean = np.asarray(c_i, np.float64).mean(0)
         np.testing.assert_allclose(np.asarray(c), mean, rtol=1e-5, atol=1e-6)
@@ -127,13 +147,27 @@ def test_server_optimizer_momentum_is_fedavgm(small_data, small_problem):
     hp = sj.hparams(client_lr=0.3, server_lr=0.5)
     n = small_data.num_clients
     plain = _run(sj.fedavg(small_problem.loss_fn), small_problem, small_data, plan, n, hp)
-    nodecay = _run(sj.fedavg(small_problem.loss_fn, server_optimizer=optax.trace(0.0)),
-                   small_problem, small_data, plan, n, hp)
+    nodecay = _run(
+        sj.fedavg(small_problem.loss_fn, server_optimizer=optax.trace(0.0)),
+        small_problem,
+        small_data,
+        plan,
+        n,
+        hp,
+    )
     assert_trees_close(plain.state.server.params, nodecay.state.server.params, rtol=1e-6)
-    momentum = _run(sj.fedavg(small_problem.loss_fn, server_optimizer=optax.trace(0.9)),
-                    small_problem, small_data, plan, n, hp)
-    assert not np.allclose(jax.tree.leaves(momentum.state.server.params)[0],
-                           jax.tree.leaves(plain.state.server.params)[0])
+    momentum = _run(
+        sj.fedavg(small_problem.loss_fn, server_optimizer=optax.trace(0.9)),
+        small_problem,
+        small_data,
+        plan,
+        n,
+        hp,
+    )
+    assert not np.allclose(
+        jax.tree.leaves(momentum.state.server.params)[0],
+        jax.tree.leaves(plain.state.server.params)[0],
+    )
 
 
 def test_unknown_scaffold_option_is_rejected(small_problem):

@@ -45,9 +45,7 @@ class BatchPlan:
         if self.kind not in _KINDS:
             raise ValueError(f"BatchPlan kind {self.kind!r} is unknown; use one of {_KINDS}.")
         if self.kind in ("fixed", "full") and self.num_steps < 1:
-            raise ValueError(
-                f"num_local_steps (K) = {self.num_steps} is invalid: it must be >= 1."
-            )
+            raise ValueError(f"num_local_steps (K) = {self.num_steps} is invalid: it must be >= 1.")
         if self.kind in ("fixed", "epochs") and self.batch_size < 1:
             raise ValueError(f"batch_size = {self.batch_size} is invalid: it must be >= 1.")
         if self.kind in ("epochs", "fraction") and self.num_epochs < 1:
@@ -105,7 +103,9 @@ class BatchPlan:
         slots = jnp.arange(width)
         count = jnp.asarray(count, jnp.int32)
         if self.kind == "full":
-            pos = jnp.broadcast_to(jnp.minimum(slots, jnp.maximum(count - 1, 0)), (num_steps, width))
+            pos = jnp.broadcast_to(
+                jnp.minimum(slots, jnp.maximum(count - 1, 0)), (num_steps, width)
+            )
             mask = jnp.broadcast_to(slots < count, (num_steps, width))
             return pos.astype(jnp.int32), mask.astype(jnp.float32)
         if self.kind == "fixed":

@@ -69,9 +69,7 @@ class FederatedData:
         return jax.tree.map(lambda a: np.asarray(a[start:stop]), self.examples)
 
 
-def from_client_arrays(
-    clients: Sequence[Examples], test: Examples | None = None
-) -> FederatedData:
+def from_client_arrays(clients: Sequence[Examples], test: Examples | None = None) -> FederatedData:
     """Builds a :class:`FederatedData` from per-client example pytrees of unequal sizes.
 
     Args:

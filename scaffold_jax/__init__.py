@@ -5,10 +5,16 @@ vmapped across the sampled clients, and a whole round (many rounds, in fact) com
 one XLA program.
 """
 
-from scaffold_jax import algorithms, data, diagnostics, models
+from scaffold_jax import algorithms, checkpoint, data, diagnostics, models, sweep
 from scaffold_jax.algorithms import fedavg, fedprox, scaffold, sgd
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
-from scaffold_jax.simulate import RunResult, Simulation, init_state
+from scaffold_jax.simulate import (
+    DivergenceError,
+    RunResult,
+    RunTerminated,
+    Simulation,
+    init_state,
+)
 from scaffold_jax.types import (
     Algorithm,
     ClientOutput,
@@ -25,14 +31,17 @@ __all__ = [
     "Algorithm",
     "BatchPlan",
     "ClientOutput",
+    "DivergenceError",
     "FederatedData",
     "HParams",
     "Problem",
     "RunResult",
+    "RunTerminated",
     "SimState",
     "Simulation",
     "algorithms",
     "check_hparams",
+    "checkpoint",
     "data",
     "diagnostics",
     "fedavg",
@@ -44,4 +53,5 @@ __all__ = [
     "models",
     "scaffold",
     "sgd",
+    "sweep",
 ]

@@ -13,12 +13,21 @@ A round is one pure function ``round(hparams, state, data, key) -> (state, metri
 Many rounds run as one ``lax.scan`` inside one ``jit`` whose state argument is donated,
 so the ``[N, ...]`` client table is updated in place. Nothing per client or per step
 happens in Python.
+
+Between those compiled blocks, :meth:`Simulation.run` evaluates, saves checkpoints of the
+whole state (:mod:`scaffold_jax.checkpoint`; ``resume=True`` continues bit for bit), turns
+SIGINT / SIGTERM into a clean stop after the current block, and stops a run whose server
+state became NaN/Inf with :class:`DivergenceError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,17 +75,29 @@ def round_key_and_ids(key, round_index, num_clients, clients_per_round):
     return round_key, ids
 
 
+STATUSES = ("finished", "diverged", "interrupted")
+
+
 @dataclasses.dataclass
 class RunResult:
-    """What :meth:`Simulation.run` returns.
+    """What :meth:`Simulation.run` returns (or attaches to the exception it raises).
 
     Attributes:
       state: the final :class:`SimState`.
-      records: one dict per evaluation (round, test/train metrics, elapsed seconds).
-      client_ids: ``[R, S]`` int32, the clients sampled in every round (audit and replay).
-      round_metrics: per-round metrics, each ``[R]``.
+      records: one dict per evaluation (round, test/train metrics, elapsed seconds). After
+        ``resume=True`` it starts with the records restored from the checkpoint.
+      client_ids: ``[R, S]`` int32, the clients sampled in every round run by THIS call
+        (audit and replay); after a resume the first row is round ``resumed_from``.
+      round_metrics: per-round metrics of the rounds run by this call, each ``[R]``.
       compile_seconds: time spent compiling the round program(s) and the evaluation.
-      run_seconds: wall time of the rounds and evaluations after compilation.
+      run_seconds: wall time of the rounds and evaluations after compilation (checkpoint
+        writing excluded).
+      status: ``"finished"`` for a returned result; ``"diverged"`` on the result carried
+        by a :class:`DivergenceError`; ``"interrupted"`` on the result carried (as
+        ``.result``) by the ``KeyboardInterrupt`` or :class:`RunTerminated` raised on
+        SIGINT / SIGTERM.
+      resumed_from: the round of the checkpoint this call resumed from, else None.
+      checkpoint_seconds: wall time spent writing checkpoints.
     """
 
     state: SimState
@@ -85,9 +106,161 @@ class RunResult:
     round_metrics: dict[str, np.ndarray]
     compile_seconds: float
     run_seconds: float
+    status: str = "finished"
+    resumed_from: int | None = None
+    checkpoint_seconds: float = 0.0
 
     def final(self, name: str) -> float:
         return float(self.records[-1][name])
+
+
+class DivergenceError(ValueError):
+    """The server state of a run became NaN or Inf; the run stopped.
+
+    Attributes:
+      result: the :class:`RunResult` so far, ``status="diverged"``; its ``state`` is the
+        non-finite one, its ``records`` the (finite) evaluations made before.
+      records: ``result.records``.
+      diverged_round: the round that produced the non-finite values (1-based, i.e. the
+        value of ``state.round`` after it, as :mod:`scaffold_jax.sweep` reports it).
+    """
+
+    def __init__(self, message: str, result: RunResult, diverged_round: int):
+        super().__init__(message)
+        self.result = result
+        self.records = result.records
+        self.diverged_round = diverged_round
+
+
+class RunTerminated(SystemExit):
+    """SIGTERM stopped a run after its current compiled block (and its checkpoint).
+
+    A ``SystemExit`` with code 143 (128 + SIGTERM, what a shell reports for a process
+    killed by SIGTERM). ``result`` is the :class:`RunResult` so far,
+    ``status="interrupted"``; ``message`` says where the checkpoint is.
+    """
+
+    def __init__(self, message: str, result: RunResult):
+        super().__init__(128 + int(signal.SIGTERM))
+        self.message = message
+        self.result = result
+
+
+class _DeferredSignals:
+    """Holds SIGINT and SIGTERM back until the current compiled block has finished.
+
+    A compiled block cannot be stopped half-way without losing it, so the first signal is
+    only noted; the run loop saves a checkpoint at the end of the block and then raises. A
+    second signal acts at once (the user does not want to wait). The previous handlers are
+    restored on exit. Off the main thread Python cannot install handlers: nothing changes.
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _DeferredSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(sig)
+            # None: a handler installed outside Python; SIG_IGN: the signal is ignored on
+            # purpose (e.g. nohup). Either way it is not ours to take over.
+            if previous is None or previous is signal.SIG_IGN:
+                continue
+            self._previous[sig] = previous
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            return
+        self._restore()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def __exit__(self, *exc_info) -> None:
+        self._restore()
+
+
+@jax.jit
+def _all_finite(tree: PyTree) -> jax.Array:
+    """True when every floating-point value in ``tree`` is finite."""
+    flags = [
+        jnp.all(jnp.isfinite(a))
+        for a in jax.tree.leaves(tree)
+        if jnp.issubdtype(a.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
+def _check_count(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` as an int; ValueError unless it is an integer >= ``minimum``.
+
+    Integral floats (``1e3``) are accepted; ``2.5`` or ``True`` are not: ``int()`` would
+    silently truncate them.
+    """
+    if isinstance(value, bool):
+        as_int = None
+    elif isinstance(value, (int, np.integer)):
+        as_int = int(value)
+    elif isinstance(value, (float, np.floating)) and float(value).is_integer():
+        as_int = int(value)
+    else:
+        as_int = None
+    if as_int is None:
+        raise ValueError(f"{name} = {value!r} is invalid: it must be an integer >= {minimum}.")
+    if as_int < minimum:
+        raise ValueError(f"{name} = {value} is invalid: it must be >= {minimum}.")
+    return as_int
+
+
+def _run_identity(sim: Simulation, data, hparams: HParams, seed: int) -> dict[str, Any]:
+    """What fixes a run's trajectory; a resumed run must agree on all of it."""
+    identity = {
+        "algorithm": sim.algorithm.name,
+        "num_clients": int(data.num_clients),
+        "clients_per_round": sim.clients_per_round,
+        "weighting": sim.weighting,
+        "plan": repr(sim.plan),
+        "seed": int(seed),
+        "hparams": {k: np.asarray(v).tolist() for k, v in hparams._asdict().items()},
+    }
+    return json.loads(json.dumps(identity))  # the form it has after a JSON round trip
+
+
+def _format_hparams(values: dict[str, Any]) -> str:
+    """``client_lr=0.1, ...`` with float32 values printed as float32 (0.1, not 0.100000001)."""
+    return ", ".join(f"{k}={np.asarray(v, np.float32)[()]!s}" for k, v in values.items())
+
+
+def _check_same_run(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
+    if saved is None:
+        return  # written by checkpoint.save() directly: nothing to compare
+
+    def show(key, value):
+        if key == "hparams" and isinstance(value, dict):
+            return f"({_format_hparams(value)})"
+        return repr(value)
+
+    diffs = [
+        f"{k}: {show(k, saved.get(k))} in the checkpoint, {show(k, v)} now"
+        for k, v in current.items()
+        if saved.get(k) != v
+    ]
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {where}: it belongs to a different run ({'; '.join(diffs)}). "
+            "Resume with the same algorithm, data, batch plan, S, weighting, hparams and "
+            "seed, or start a new run in another checkpoint directory."
+        )
 
 
 class Simulation:
@@ -133,16 +306,12 @@ class Simulation:
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r} is unknown; use one of {WEIGHTINGS}.")
-        if int(clients_per_round) < 1:
-            raise ValueError(
-                f"clients_per_round (S) = {clients_per_round} is invalid: it must be >= 1."
-            )
         self.algorithm = algorithm
         self.problem = problem
         self.plan = plan
-        self.clients_per_round = int(clients_per_round)
+        self.clients_per_round = _check_count("clients_per_round (S)", clients_per_round)
         self.weighting = weighting
-        self.eval_batch_size = int(eval_batch_size)
+        self.eval_batch_size = _check_count("eval_batch_size", eval_batch_size)
         self.round = jax.jit(self.round_fn, donate_argnums=(1,))
         self.run_rounds = jax.jit(
             self.run_rounds_fn, static_argnames=("num_rounds",), donate_argnums=(1,)
@@ -154,9 +323,14 @@ class Simulation:
         """One round (pure; :attr:`round` is its jitted, state-donating version)."""
         num_clients, num_sampled = data.num_clients, self.clients_per_round
         round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled)
+        # The _constrain calls are layout hints, no-ops here (see scaffold_jax.sharding):
+        # the table is read and written with the REPLICATED ids; the clients' work is split
+        # over devices by position in the sampled set.
+        ids = self._constrain(ids, "replicated")
         keys = client_keys(round_key, ids)
-        batches, mask = jax.vmap(lambda i, k: data.client_batches(i, k, self.plan))(ids, keys)
-        rows = take_rows(state.clients, ids)
+        work_ids, keys = self._constrain((ids, keys), "sampled")
+        batches, mask = jax.vmap(lambda i, k: data.client_batches(i, k, self.plan))(work_ids, keys)
+        rows = self._constrain(take_rows(state.clients, ids), "sampled")
         new_rows, outputs = jax.vmap(
             self.algorithm.client_update, in_axes=(None, None, 0, 0, 0, 0)
         )(hparams, state.server, rows, batches, mask, keys)
@@ -168,13 +342,25 @@ class Simulation:
             total_weight = jnp.asarray(num_clients, jnp.float32)
         outputs = outputs._replace(weight=weights)
         server = self.algorithm.server_update(hparams, state.server, outputs, total_weight)
-        clients = set_rows(state.clients, ids, new_rows)
+        clients = set_rows(state.clients, ids, self._constrain(new_rows, "replicated"))
         metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
         metrics["client_ids"] = ids
         # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
         metrics["client_drift"] = jnp.mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
         metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
-        return SimState(server=server, clients=clients, round=state.round + 1), metrics
+        new_state = SimState(server=server, clients=clients, round=state.round + 1)
+        return self._constrain(new_state, "state"), self._constrain(metrics, "replicated")
+
+    def _constrain(self, tree: PyTree, layout: str) -> PyTree:
+        """Sharding hook of :meth:`round_fn`: returns ``tree`` unchanged.
+
+        :class:`scaffold_jax.sharding.ShardedSimulation` overrides it to pin ``layout``:
+        ``"replicated"`` (on every device), ``"sampled"`` (``[S, ...]`` leaves split over
+        the mesh's client axis) or ``"state"`` (a :class:`SimState`: table rows split,
+        server and round replicated).
+        """
+        del layout
+        return tree
 
     def run_rounds_fn(self, hparams: HParams, state: SimState, data, key, num_rounds: int):
         """``num_rounds`` rounds as one ``lax.scan``; metrics gain a leading ``[R]`` axis."""
@@ -202,9 +388,7 @@ class Simulation:
         if hasattr(data, "examples"):
             losses = self._per_example(self.problem.loss_fn, params, data.examples)
             n = losses.shape[0]
-            owner = jnp.repeat(
-                jnp.arange(data.num_clients), data.counts, total_repeat_length=n
-            )
+            owner = jnp.repeat(jnp.arange(data.num_clients), data.counts, total_repeat_length=n)
             sums = jax.ops.segment_sum(losses, owner, num_segments=data.num_clients)
             if self.weighting == "num_examples":
                 out["train_loss"] = jnp.sum(sums) / n
@@ -242,6 +426,12 @@ class Simulation:
 
     def check(self, data) -> None:
         """Raises ValueError naming the problem if the simulation cannot run on ``data``."""
+        if not all(hasattr(data, a) for a in ("num_clients", "counts", "client_batches")):
+            raise TypeError(
+                "data must be a federated dataset (a FederatedData, e.g. from "
+                "scaffold_jax.from_client_arrays, or a procedural dataset with num_clients, "
+                f"counts and client_batches); got {type(data).__name__}."
+            )
         num_clients = data.num_clients
         if self.clients_per_round > num_clients:
             raise ValueError(
@@ -274,6 +464,21 @@ class Simulation:
                 f"loss_fn must return one loss per example, shape {tuple(mask.shape[1:])}; it "
                 f"returned shape {tuple(out.shape)}. Return per-example losses, not a mean."
             )
+        test = getattr(data, "test", None)
+        if test is not None:
+            # Evaluation runs the loss on the test set too; a set the model cannot read would
+            # otherwise fail deep inside the compiled evaluation with a flax or KeyError.
+            structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), test)
+            try:
+                jax.eval_shape(self.problem.loss_fn, self.problem.params, structs)
+            except Exception as err:
+                shapes = jax.tree.map(lambda s: (tuple(s.shape), str(s.dtype)), structs)
+                train = jax.tree.map(lambda s: (tuple(s.shape[1:]), str(s.dtype)), batch)
+                raise ValueError(
+                    f"the test set does not fit the model: loss_fn(params, test) failed for a "
+                    f"test set with shapes {shapes} (training batches: {train}). Give the "
+                    f"test set the fields and example shape of the training data. ({err})"
+                ) from err
 
     def run(
         self,
@@ -284,83 +489,309 @@ class Simulation:
         seed: int = 0,
         state: SimState | None = None,
         callback: Callable[[dict[str, Any]], None] | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        resume: bool = False,
     ) -> RunResult:
-        """Runs ``num_rounds`` rounds, evaluating at round 0 and every ``eval_every`` rounds.
+        """Runs ``num_rounds`` rounds, evaluating at the start and every ``eval_every`` rounds.
 
-        Rounds between two evaluations run as ONE compiled ``lax.scan``. The root key is
-        ``jax.random.key(seed)``; round r uses ``fold_in(root, r)``, so a run resumed from a
-        state at round r continues exactly as an uninterrupted one.
+        Rounds between two evaluations (or checkpoints) run as ONE compiled ``lax.scan``.
+        The root key is ``jax.random.key(seed)``; round r uses ``fold_in(root, r)``, so a
+        run resumed from a state at round r continues exactly as an uninterrupted one.
+
+        The schedule is anchored at the round the run started from, r0 (0 for a fresh run):
+        evaluations at r0, r0 + E, r0 + 2E, ... and at the last round r0 + ``num_rounds``;
+        checkpoints (with ``checkpoint_dir``) at r0 and every ``checkpoint_every`` rounds
+        after it, and at the last round, so a finished run always leaves its final state.
+
+        Resuming. ``resume=True`` restores the newest readable checkpoint in
+        ``checkpoint_dir`` (falling back past corrupt ones with a warning, see
+        :func:`scaffold_jax.checkpoint.restore_latest`) and continues the SAME run: pass the
+        arguments of the interrupted call unchanged. ``num_rounds`` then still counts from
+        r0, so the resumed call runs only the rounds left; the evaluation records restored
+        from the checkpoint open ``records`` and ``callback`` sees only the new ones. The
+        final state is bitwise identical to an uninterrupted run's. A checkpoint written by
+        another configuration (algorithm, data, plan, S, weighting, hparams, seed, shapes)
+        is refused with ``ValueError``.
+
+        Signals. While it runs, SIGINT and SIGTERM are deferred: the current compiled block
+        finishes, a checkpoint is saved (with ``checkpoint_dir``), then SIGINT raises a
+        plain ``KeyboardInterrupt`` and SIGTERM a :class:`RunTerminated` (a ``SystemExit``
+        with code 143), each carrying the result so far, ``status="interrupted"``, as its
+        ``result`` attribute. A second signal acts at once (and carries no result). The
+        previous handlers are restored when ``run`` returns or raises.
+
+        Divergence. After every block the server state is checked; NaN or Inf stops the run
+        with :class:`DivergenceError` (a ``ValueError``) naming the round, the algorithm and
+        the step sizes, and carrying the result so far (``status="diverged"``). We raise
+        rather than return: a single run that diverged is almost always a mistake to be
+        seen, and a grid search can catch it and read ``err.result``. (Vectorised sweeps
+        flag divergence per config instead; see :mod:`scaffold_jax.sweep`.) The diverged
+        state is never checkpointed.
 
         Args:
           data: a federated dataset (:class:`~scaffold_jax.data.FederatedData` or a
             procedural one).
           hparams: an :class:`HParams` (build it with :func:`scaffold_jax.hparams`).
-          num_rounds: rounds to run (>= 1).
+          num_rounds: rounds to run from r0 (>= 1).
           eval_every: evaluation period E in rounds (default: ``num_rounds``).
           seed: the root seed.
           state: a state to continue from (default: a fresh :meth:`init`). It is donated.
+            Not with ``resume=True``.
           callback: called with each evaluation record as it is made.
+          checkpoint_dir: where to save checkpoints (see :mod:`scaffold_jax.checkpoint`).
+            Without ``resume`` it must not hold checkpoints already.
+          checkpoint_every: checkpoint period in rounds (default: at every evaluation).
+          keep_checkpoints: how many of the newest checkpoints to keep.
+          resume: continue from the newest checkpoint in ``checkpoint_dir``.
+
+        Returns:
+          A :class:`RunResult` with ``status="finished"``.
+
+        Raises:
+          ValueError: bad arguments, data that do not fit, a checkpoint directory already
+            in use, or a checkpoint of another run.
+          FileNotFoundError: ``resume=True`` and no checkpoint in ``checkpoint_dir``.
+          scaffold_jax.checkpoint.CheckpointError: every checkpoint there is corrupt.
+          DivergenceError: the server state became NaN or Inf.
+          KeyboardInterrupt: SIGINT (after the current block and its checkpoint).
+          RunTerminated: SIGTERM (after the current block and its checkpoint).
         """
-        if int(num_rounds) < 1:
-            raise ValueError(f"num_rounds = {num_rounds} is invalid: it must be >= 1.")
-        eval_every = int(num_rounds if eval_every is None else eval_every)
-        if eval_every < 1:
-            raise ValueError(f"eval_every = {eval_every} is invalid: it must be >= 1.")
+        num_rounds = _check_count("num_rounds", num_rounds)
+        eval_every = _check_count("eval_every", num_rounds if eval_every is None else eval_every)
+        seed = _check_count("seed", seed, minimum=0)
         check_hparams(hparams)
-        if state is None:
-            state = self.init(data)
+        for name, value in hparams._asdict().items():
+            if np.ndim(value) != 0:
+                raise ValueError(
+                    f"hparams.{name} has shape {np.shape(value)}: Simulation.run takes scalar "
+                    "hyper-parameters; use scaffold_jax.sweep to run a grid of them."
+                )
+        if checkpoint_dir is None:
+            if resume:
+                raise ValueError("resume=True needs the checkpoint_dir to resume from.")
+            if checkpoint_every is not None:
+                raise ValueError(
+                    f"checkpoint_every = {checkpoint_every} was given without a checkpoint_dir "
+                    "to save in."
+                )
         else:
-            self.check(data)
+            checkpoint_every = _check_count(
+                "checkpoint_every", eval_every if checkpoint_every is None else checkpoint_every
+            )
+            keep_checkpoints = _check_count("keep_checkpoints", keep_checkpoints)
+        if resume and state is not None:
+            raise ValueError(
+                "pass either state= (continue from a state in memory) or resume=True "
+                "(continue from the checkpoint), not both."
+            )
+
+        self.check(data)
+        identity = _run_identity(self, data, hparams, seed)
+        ckpt = None
+        if checkpoint_dir is not None:
+            from scaffold_jax.checkpoint import Checkpointer  # orbax is an optional extra
+
+            ckpt = Checkpointer(checkpoint_dir, max_to_keep=keep_checkpoints)
+        try:
+            return self._run(
+                data,
+                hparams,
+                num_rounds,
+                eval_every,
+                seed,
+                state,
+                callback,
+                ckpt,
+                checkpoint_every,
+                resume,
+                identity,
+            )
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+
+    def _run(
+        self,
+        data,
+        hparams: HParams,
+        num_rounds: int,
+        eval_every: int,
+        seed: int,
+        state: SimState | None,
+        callback: Callable[[dict[str, Any]], None] | None,
+        ckpt,
+        checkpoint_every: int | None,
+        resume: bool,
+        identity: dict[str, Any],
+    ) -> RunResult:
+        """The body of :meth:`run` once the arguments and data are checked and ``ckpt`` is
+        open."""
         key = jr.key(seed)
+        records: list[dict[str, Any]] = []
+        resumed_from = None
+        seconds_before = 0.0  # run time spent by the process(es) before a resume
+        start = 0
+        if resume:
+            like = jax.eval_shape(
+                lambda: init_state(self.algorithm, self.problem.params, data.num_clients)
+            )
+            restored = ckpt.restore_latest(like)
+            _check_same_run(restored.extra.get("identity"), identity, str(restored.path))
+            state, key, resumed_from = restored.state, restored.key, restored.round
+            records = list(restored.extra.get("records", []))
+            seconds_before = float(restored.extra.get("seconds", 0.0))
+            start = int(restored.extra.get("start_round", 0))
+        else:
+            if ckpt is not None and ckpt.latest_round() is not None:
+                raise ValueError(
+                    f"checkpoint_dir {ckpt.directory} already holds checkpoints (the newest "
+                    f"at round {ckpt.latest_round()}); pass resume=True to continue that run "
+                    "or use an empty directory."
+                )
+            if state is None:
+                state = init_state(self.algorithm, self.problem.params, data.num_clients)
+            start = int(state.round)
+        end = start + num_rounds
+        current = int(state.round)
+        if current > end:
+            raise ValueError(
+                f"the checkpoint is at round {current}, past the end of this run (round "
+                f"{end} = {start} + num_rounds {num_rounds}); pass a larger num_rounds."
+            )
+
         compile_seconds = 0.0
         compiled = {}
 
         def program(length):
             nonlocal compile_seconds
             if length not in compiled:
-                start = time.perf_counter()
+                t0 = time.perf_counter()
                 compiled[length] = self.run_rounds.lower(
                     hparams, state, data, key, num_rounds=length
                 ).compile()
-                compile_seconds += time.perf_counter() - start
+                compile_seconds += time.perf_counter() - t0
             return compiled[length]
 
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         evaluate = self.evaluate.lower(state.server, data).compile()
-        compile_seconds += time.perf_counter() - start
+        all_finite = _all_finite.lower(state.server).compile()
+        compile_seconds += time.perf_counter() - t0
 
-        records, all_metrics = [], []
+        all_metrics = []
+        checkpoint_seconds = 0.0
         run_start = time.perf_counter()
         compile_before = compile_seconds
+
+        def elapsed() -> float:
+            spent = time.perf_counter() - run_start
+            return seconds_before + spent - (compile_seconds - compile_before) - checkpoint_seconds
 
         def record():
             metrics = jax.device_get(evaluate(state.server, data))
             entry = {"round": int(state.round), **{k: float(v) for k, v in metrics.items()}}
-            entry["seconds"] = time.perf_counter() - run_start - (compile_seconds - compile_before)
+            entry["seconds"] = elapsed()
             records.append(entry)
             if callback is not None:
                 callback(entry)
 
-        record()
-        done = 0
-        while done < num_rounds:
-            length = min(eval_every, num_rounds - done)
-            state, metrics = program(length)(hparams, state, data, key)
-            all_metrics.append(jax.device_get(metrics))
-            done += length
-            record()
-        jax.block_until_ready(state)
-        run_seconds = time.perf_counter() - run_start - (compile_seconds - compile_before)
-        round_metrics = {
-            k: np.concatenate([m[k] for m in all_metrics]) for k in all_metrics[0]
-        }
-        client_ids = round_metrics.pop("client_ids")
-        return RunResult(
-            state=state,
-            records=records,
-            client_ids=client_ids,
-            round_metrics=round_metrics,
-            compile_seconds=compile_seconds,
-            run_seconds=run_seconds,
-        )
+        def save():
+            nonlocal checkpoint_seconds
+            t0 = time.perf_counter()
+            extra = {
+                "identity": identity,
+                "start_round": start,
+                "records": records,
+                "seconds": elapsed(),
+            }
+            ckpt.save(state, key, extra)
+            checkpoint_seconds += time.perf_counter() - t0
 
+        def result(status):
+            jax.block_until_ready(state)
+            if all_metrics:
+                metrics = {k: np.concatenate([m[k] for m in all_metrics]) for k in all_metrics[0]}
+                client_ids = metrics.pop("client_ids")
+            else:
+                metrics = {}
+                client_ids = np.zeros((0, self.clients_per_round), np.int32)
+            run_seconds = time.perf_counter() - run_start - (compile_seconds - compile_before)
+            return RunResult(
+                state=state,
+                records=records,
+                client_ids=client_ids,
+                round_metrics=metrics,
+                compile_seconds=compile_seconds,
+                run_seconds=run_seconds - checkpoint_seconds,
+                status=status,
+                resumed_from=resumed_from,
+                checkpoint_seconds=checkpoint_seconds,
+            )
+
+        def due(r: int, every: int) -> bool:
+            return r == end or (r - start) % every == 0
+
+        def next_point(r: int, every: int) -> int:
+            return min(end, start + ((r - start) // every + 1) * every)
+
+        def stop_if_signalled(signals: _DeferredSignals) -> None:
+            if signals.received is None:
+                return
+            if ckpt is not None and ckpt.latest_round() != current:
+                save()
+            where = (
+                f"checkpoint at round {current} in {ckpt.directory}"
+                if ckpt is not None
+                else "no checkpoint_dir, nothing saved"
+            )
+            name = signal.Signals(signals.received).name
+            message = f"{name} received: stopped after round {current} ({where})."
+            partial = result("interrupted" if current < end else "finished")
+            if signals.received == signal.SIGTERM:
+                raise RunTerminated(message, partial)
+            # A plain KeyboardInterrupt, not a subclass: only then does an uncaught one make
+            # Python exit "killed by SIGINT" (status 130), which is what lets a shell loop
+            # around the command stop on Ctrl-C.
+            interrupt = KeyboardInterrupt(message)
+            interrupt.result = partial
+            raise interrupt
+
+        with _DeferredSignals() as signals:
+            if resumed_from is None:
+                record()
+                if ckpt is not None:
+                    save()  # so that resume=True works even if round r0 + 1 is never reached
+            while current < end:
+                stop_if_signalled(signals)
+                boundary = next_point(current, eval_every)
+                if ckpt is not None:
+                    boundary = min(boundary, next_point(current, checkpoint_every))
+                block_start = current
+                state, metrics = program(boundary - current)(hparams, state, data, key)
+                metrics = jax.device_get(metrics)
+                all_metrics.append(metrics)
+                current = boundary
+                if not bool(all_finite(state.server)):
+                    self._diverged(result("diverged"), hparams, block_start, current, metrics)
+                if due(current, eval_every):
+                    record()
+                if ckpt is not None and due(current, checkpoint_every):
+                    save()
+            # A signal during the last block (or before a run with nothing left to do) is
+            # still honoured: the caller asked to stop whatever comes after this run.
+            stop_if_signalled(signals)
+        return result("finished")
+
+    def _diverged(self, result: RunResult, hparams: HParams, first: int, last: int, metrics):
+        """Raises :class:`DivergenceError` for a block (rounds ``first``..``last``)."""
+        bad = np.flatnonzero(~np.isfinite(np.asarray(metrics["update_norm"])))
+        diverged_round = first + int(bad[0]) + 1 if bad.size else last
+        steps = _format_hparams(hparams._asdict())
+        raise DivergenceError(
+            f"{self.algorithm.name} diverged: the server state holds NaN/Inf after round "
+            f"{last} (the first non-finite update came from round {diverged_round}) with "
+            f"{steps}. Lower client_lr or server_lr.",
+            result,
+            diverged_round,
+        )

@@ -67,11 +67,14 @@ def check_hparams(hp: HParams) -> None:
         value = getattr(hp, name)
         if isinstance(value, jax.core.Tracer):
             continue
-        value = np.asarray(value, dtype=np.float64)
+        value = np.asarray(value, dtype=np.float32)
         bad = ~np.isfinite(value) | (value < 0) | ((value == 0) & (not allow_zero))
         if np.any(bad):
             allowed = "finite and >= 0" if allow_zero else "finite and > 0"
-            raise ValueError(f"{name}={value.tolist()} is invalid: every value must be {allowed}.")
+            # float32 digits (0.1, not 0.10000000149011612).
+            shown = ", ".join(f"{v:.7g}" for v in value.ravel().tolist())
+            shown = shown if value.ndim == 0 else f"[{shown}]"
+            raise ValueError(f"{name}={shown} is invalid: every value must be {allowed}.")
 
 
 class ClientOutput(NamedTuple):

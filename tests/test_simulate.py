@@ -12,8 +12,9 @@ import scaffold_jax as sj
 
 
 # --------------------------------------------------------------------------- reference loop
-def reference_run(name, problem, data, plan, num_sampled, hp, rounds, seed, option=2,
-                  weighting="uniform"):
+def reference_run(
+    name, problem, data, plan, num_sampled, hp, rounds, seed, option=2, weighting="uniform"
+):
     """Algorithm 1 of the paper (and its baselines) written out client by client.
 
     No vmap, no client table: Python lists of per-client controls, one client at a time.
@@ -71,8 +72,9 @@ def reference_run(name, problem, data, plan, num_sampled, hp, rounds, seed, opti
                 steps += 1
             if name == "scaffold":
                 if option == 2:
-                    new = jax.tree.map(lambda ci, cc, xx, yy: ci - cc + (xx - yy) / (steps * lr),
-                                       c_i[i], c, x, y)
+                    new = jax.tree.map(
+                        lambda ci, cc, xx, yy: ci - cc + (xx - yy) / (steps * lr), c_i[i], c, x, y
+                    )
                 else:
                     flat = jax.tree.map(lambda a: a[pos.reshape(-1)], examples)
                     new = grad_at(x, flat, mask.reshape(-1))
@@ -98,10 +100,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "option", "weighting"), CASES,
-                         ids=[f"{n}-{o}-{w}" for n, o, w in CASES])
-def test_engine_matches_per_client_reference_loop(name, option, weighting, small_data,
-                                                  small_problem):
+@pytest.mark.parametrize(
+    ("name", "option", "weighting"), CASES, ids=[f"{n}-{o}-{w}" for n, o, w in CASES]
+)
+def test_engine_matches_per_client_reference_loop(
+    name, option, weighting, small_data, small_problem
+):
     # epochs plan: clients of 2..13 examples take 1..5 steps of a batch of 3, padded slots.
     plan = sj.BatchPlan.epochs(batch_size=3, num_epochs=1)
     hp = sj.hparams(client_lr=0.4, server_lr=0.8, prox_mu=0.5)
@@ -109,8 +113,9 @@ def test_engine_matches_per_client_reference_loop(name, option, weighting, small
     alg = sj.algorithms.make(name, small_problem.loss_fn, **options)
     sim = sj.Simulation(alg, small_problem, plan, clients_per_round=3, weighting=weighting)
     result = sim.run(small_data, hp, num_rounds=4, seed=7)
-    x, c, c_i, ids = reference_run(name, small_problem, small_data, plan, 3, hp, 4, 7,
-                                   option=option, weighting=weighting)
+    x, c, c_i, ids = reference_run(
+        name, small_problem, small_data, plan, 3, hp, 4, 7, option=option, weighting=weighting
+    )
     np.testing.assert_array_equal(result.client_ids, ids)
     assert_trees_close(result.state.server.params, x, rtol=1e-5, atol=1e-6)
     if name == "scaffold":
@@ -143,8 +148,9 @@ def test_scaffold_reaches_the_optimum_where_fedavg_stalls():
 # --------------------------------------------------------------------------- determinism
 def test_same_seed_gives_bitwise_identical_results(small_data, small_problem):
     def run(seed):
-        sim = sj.Simulation(sj.scaffold(small_problem.loss_fn), small_problem,
-                            sj.BatchPlan.fixed(4, 3), 3)
+        sim = sj.Simulation(
+            sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(4, 3), 3
+        )
         return sim.run(small_data, sj.hparams(0.3), num_rounds=5, eval_every=2, seed=seed)
 
     a, b, other = run(0), run(0), run(1)
@@ -155,8 +161,12 @@ def test_same_seed_gives_bitwise_identical_results(small_data, small_problem):
 
 
 def test_client_ids_are_distinct_and_auditable(small_data, small_problem):
-    sim = sj.Simulation(sj.fedavg(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(2, 1),
-                        clients_per_round=4)
+    sim = sj.Simulation(
+        sj.fedavg(small_problem.loss_fn),
+        small_problem,
+        sj.BatchPlan.fixed(2, 1),
+        clients_per_round=4,
+    )
     result = sim.run(small_data, sj.hparams(0.1), num_rounds=30, eval_every=10, seed=3)
     assert result.client_ids.shape == (30, 4)
     for row in result.client_ids:
@@ -173,8 +183,9 @@ def test_client_ids_are_distinct_and_auditable(small_data, small_problem):
 
 def test_resuming_from_a_state_continues_the_same_run(small_data, small_problem):
     def sim():
-        return sj.Simulation(sj.scaffold(small_problem.loss_fn), small_problem,
-                             sj.BatchPlan.fixed(4, 3), 3)
+        return sj.Simulation(
+            sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(4, 3), 3
+        )
 
     full = sim().run(small_data, sj.hparams(0.3), num_rounds=6, seed=5)
     half = sim().run(small_data, sj.hparams(0.3), num_rounds=3, seed=5)
@@ -199,15 +210,15 @@ def test_no_recompilation_in_round_two_nor_for_a_new_learning_rate(small_data, s
     first = len(traces)
     assert first > 0
     state, _ = sim.run_rounds(sj.hparams(0.1), state, small_data, key, num_rounds=2)
-    state, _ = sim.run_rounds(sj.hparams(0.05, server_lr=0.5), state, small_data, key,
-                              num_rounds=2)
+    state, _ = sim.run_rounds(sj.hparams(0.05, server_lr=0.5), state, small_data, key, num_rounds=2)
     assert len(traces) == first
     assert sim.run_rounds._cache_size() == 1
 
 
 def test_client_table_is_donated(small_data, small_problem):
-    sim = sj.Simulation(sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 2),
-                        3)
+    sim = sj.Simulation(
+        sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 2), 3
+    )
     state = sim.init(small_data)
     table = state.clients.control["linear"]["kernel"]
     sim.round(sj.hparams(0.1), state, small_data, jr.key(0))
@@ -216,18 +227,27 @@ def test_client_table_is_donated(small_data, small_problem):
 
 # --------------------------------------------------------------------------- evaluation
 def test_evaluation_matches_a_direct_computation(small_data, small_problem):
-    sim = sj.Simulation(sj.fedavg(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 1),
-                        2, eval_batch_size=8)  # 60 train / 40 test examples: ragged chunks
+    sim = sj.Simulation(
+        sj.fedavg(small_problem.loss_fn),
+        small_problem,
+        sj.BatchPlan.fixed(3, 1),
+        2,
+        eval_batch_size=8,
+    )  # 60 train / 40 test examples: ragged chunks
     server, _ = sim.algorithm.init(small_problem.params)
     out = jax.device_get(sim.evaluate(server, small_data))
     params = small_problem.params
     test = small_data.test
-    np.testing.assert_allclose(out["test_loss"], np.mean(small_problem.loss_fn(params, test)),
-                               rtol=1e-6)
-    np.testing.assert_allclose(out["test_accuracy"],
-                               np.mean(small_problem.accuracy_fn(params, test)), rtol=1e-6)
-    per_client = [np.mean(small_problem.loss_fn(params, small_data.client_examples(i)))
-                  for i in range(small_data.num_clients)]
+    np.testing.assert_allclose(
+        out["test_loss"], np.mean(small_problem.loss_fn(params, test)), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        out["test_accuracy"], np.mean(small_problem.accuracy_fn(params, test)), rtol=1e-6
+    )
+    per_client = [
+        np.mean(small_problem.loss_fn(params, small_data.client_examples(i)))
+        for i in range(small_data.num_clients)
+    ]
     np.testing.assert_allclose(out["train_loss"], np.mean(per_client), rtol=1e-5)
 
 
@@ -245,8 +265,9 @@ def test_learning_on_separable_data_improves_accuracy():
 
 # --------------------------------------------------------------------------- bad input
 def _sim(problem, s=2, plan=None, **kw):
-    return sj.Simulation(sj.scaffold(problem.loss_fn), problem, plan or sj.BatchPlan.fixed(2, 2),
-                         s, **kw)
+    return sj.Simulation(
+        sj.scaffold(problem.loss_fn), problem, plan or sj.BatchPlan.fixed(2, 2), s, **kw
+    )
 
 
 def test_more_sampled_clients_than_clients_is_rejected(small_data, small_problem):
@@ -259,8 +280,9 @@ def test_zero_sampled_clients_is_rejected(small_problem):
         _sim(small_problem, s=0)
 
 
-@pytest.mark.parametrize("make_plan", [lambda: sj.BatchPlan.fixed(2, 0),
-                                       lambda: sj.BatchPlan.full(0)])
+@pytest.mark.parametrize(
+    "make_plan", [lambda: sj.BatchPlan.fixed(2, 0), lambda: sj.BatchPlan.full(0)]
+)
 def test_zero_local_steps_is_rejected(make_plan):
     with pytest.raises(ValueError, match=r"num_local_steps \(K\) = 0 is invalid"):
         make_plan()
@@ -291,8 +313,7 @@ def test_params_that_do_not_fit_the_data_are_rejected(small_data):
 
 
 def test_a_loss_that_returns_a_mean_is_rejected(small_data, small_problem):
-    mean_loss = small_problem._replace(
-        loss_fn=lambda p, b: jnp.mean(small_problem.loss_fn(p, b)))
+    mean_loss = small_problem._replace(loss_fn=lambda p, b: jnp.mean(small_problem.loss_fn(p, b)))
     with pytest.raises(ValueError, match="one loss per example"):
         _sim(mean_loss).run(small_data, sj.hparams(0.1), num_rounds=1)
 

@@ -124,6 +124,17 @@ def from_partition(
             "that gives every client at least one example."
         )
     order = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in client_indices])
+    num_examples = int(np.shape(jax.tree.leaves(examples)[0])[0])
+    if order.min() < 0 or order.max() >= num_examples:
+        raise ValueError(
+            f"the partition holds indices outside [0, {num_examples}), the number of examples; "
+            "partition the same examples you pass."
+        )
+    if np.unique(order).size != order.size:
+        raise ValueError(
+            f"the partition assigns {order.size - np.unique(order).size} examples to more than "
+            "one client; every example may belong to one client only."
+        )
     return _build(jax.tree.map(lambda a: np.asarray(a)[order], examples), counts, test)
 
 

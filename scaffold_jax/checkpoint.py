@@ -1,0 +1,460 @@
+"""Save and restore the full simulation state with orbax: atomic, rotating, verified.
+
+A checkpoint holds everything needed to continue a run exactly: every leaf of the
+:class:`~scaffold_jax.types.SimState` (the server state, the whole ``[N, ...]`` client
+table, the round), the root PRNG key (as ``jax.random.key_data`` plus the name of its
+implementation, since typed keys are not serialisable) and an arbitrary JSON-able ``extra``
+dict (``Simulation.run`` stores the evaluation records made so far there).
+
+Layout. ``directory/<round>/`` is one orbax :class:`~orbax.checkpoint.CheckpointManager`
+step with two items: ``arrays`` (the leaves, ``StandardSave``) and ``meta`` (``JsonSave``:
+the round, the key implementation, ``extra``, and for every leaf its path, shape, dtype and
+SHA-256). Leaves are stored flat, under their index, and rebuilt with the caller's
+``like_state`` tree: that sidesteps orbax's handling of NamedTuples and of the empty ``()``
+nodes stateless algorithms carry, and it lets a mismatch be reported leaf by leaf.
+
+Atomicity. Orbax writes a step to ``<round>.orbax-checkpoint-tmp-<timestamp>/`` and, once
+every file is written, renames it to ``<round>/`` (``AtomicRenameTemporaryPath``: a single
+``rename(2)``, atomic on a local filesystem). Saving is synchronous, so a process killed at
+any instant leaves either the complete new step or only a temporary directory, which the
+step listing ignores; a :class:`Checkpointer` deletes such leftovers when it opens the
+directory. The last ``max_to_keep`` steps are kept.
+
+Verification and fallback. Orbax does not checksum: a flipped byte in an array file restores
+silently as a wrong value (we checked with orbax 0.12.8). So the SHA-256 of every leaf and of
+the metadata itself are recorded at save time and checked at restore time.
+:func:`restore_latest` tries the newest step first; a step that cannot be read or fails
+verification is renamed to ``<round>.corrupt`` (kept for inspection, and out of the way of
+the step that will be saved again at that round), a :class:`UserWarning` names it, and the
+previous step is tried. A checkpoint that is intact but was written for a differently shaped
+simulation is NOT treated as corrupt: that raises ``ValueError`` at once and moves nothing.
+
+Examples:
+  >>> import tempfile, jax.random as jr, numpy as np
+  >>> import scaffold_jax as sj
+  >>> from scaffold_jax import checkpoint
+  >>> problem = sj.models.logistic_regression((4,), 3)
+  >>> state = sj.init_state(sj.scaffold(problem.loss_fn), problem.params, num_clients=5)
+  >>> with tempfile.TemporaryDirectory() as d:
+  ...     _ = checkpoint.save(d, state, jr.key(0), extra={"note": "demo"})
+  ...     restored = checkpoint.restore_latest(d, like_state=state)
+  >>> restored.round, restored.extra
+  (0, {'note': 'demo'})
+  >>> bool(np.array_equal(restored.state.clients.control["linear"]["kernel"],
+  ...                     state.clients.control["linear"]["kernel"]))
+  True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+from scaffold_jax.types import PyTree
+
+FORMAT = "scaffold_jax.checkpoint/1"
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_CORRUPT_SUFFIX = ".corrupt"
+
+
+class CheckpointError(ValueError):
+    """No checkpoint in a directory could be read (all of them are corrupt)."""
+
+
+class _Corrupt(Exception):
+    """Internal: one step is unreadable or fails verification."""
+
+
+class Restored(NamedTuple):
+    """What :func:`restore_latest` returns.
+
+    Attributes:
+      state: the restored state, with the tree structure of ``like_state`` (device arrays;
+        placed with ``like_state``'s shardings where it has them).
+      key: the root PRNG key saved with it (a typed key).
+      round: the checkpoint's round (its orbax step).
+      extra: the JSON-able ``extra`` dict given to :func:`save`.
+      path: the checkpoint's directory.
+    """
+
+    state: PyTree
+    key: jax.Array
+    round: int
+    extra: dict[str, Any]
+    path: Path
+
+
+def _leaf_paths(tree: PyTree) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _sha256(array: np.ndarray) -> str:
+    # Hash the raw bytes (no copy for contiguous arrays); reshape first so 0-d arrays and
+    # extension dtypes such as bfloat16 can be viewed as bytes.
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return hashlib.sha256(flat.view(np.uint8).data).hexdigest()
+
+
+def _canonical(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, sort_keys=True, allow_nan=True)
+
+
+def _step_dir(directory: Path, step: int) -> Path:
+    return directory / str(step)
+
+
+class Checkpointer:
+    """Saves and restores simulation states in one directory, keeping the last few.
+
+    Use it as a context manager (or call :meth:`close`): orbax runs background threads
+    that must be shut down before the interpreter exits.
+
+    Args:
+      directory: where the checkpoints live (created if missing).
+      max_to_keep: how many of the newest checkpoints to keep (>= 1).
+
+    Raises:
+      ValueError: ``max_to_keep < 1``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int = 3):
+        import orbax.checkpoint as ocp  # optional dependency: imported only when used
+
+        if int(max_to_keep) < 1:
+            raise ValueError(f"max_to_keep = {max_to_keep} is invalid: it must be >= 1.")
+        self._ocp = ocp
+        self.directory = Path(directory).absolute()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_partial_saves()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=int(max_to_keep),
+            # Synchronous: when save() returns the step is on disk, so an interrupt or a
+            # SIGKILL right after it cannot lose it.
+            enable_async_checkpointing=False,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, item_names=("arrays", "meta"), options=options
+        )
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Waits for orbax to finish and releases its threads."""
+        self._manager.close()
+
+    # ------------------------------------------------------------------ listing
+    def rounds(self) -> list[int]:
+        """The rounds of the complete checkpoints present, oldest first."""
+        self._manager.reload()
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_round(self) -> int | None:
+        """The newest checkpoint's round, or None when there is none."""
+        rounds = self.rounds()
+        return rounds[-1] if rounds else None
+
+    def _remove_partial_saves(self) -> None:
+        # A save killed half-way leaves only its temporary directory; it can never be
+        # completed, and orbax's own clean-up runs in a thread that may outlive us.
+        for path in self.directory.iterdir():
+            if _TMP_MARK in path.name and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ saving
+    def save(
+        self,
+        state: PyTree,
+        key: jax.Array,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
+    ) -> Path:
+        """Writes a checkpoint atomically and drops the oldest beyond ``max_to_keep``.
+
+        Args:
+          state: the state to save, usually a :class:`~scaffold_jax.types.SimState`. Its
+            arrays are copied to the host first, so it may be donated right afterwards.
+          key: the run's root key (a typed key or raw ``uint32`` key data).
+          extra: a JSON-able dict stored alongside (NaN and Inf floats are allowed).
+          step: the checkpoint's round; default ``int(state.round)``.
+
+        Returns:
+          The checkpoint's directory.
+
+        Raises:
+          TypeError: ``extra`` is not JSON-able.
+          ValueError: a checkpoint for this round already exists.
+        """
+        if step is None:
+            step = int(state.round)
+        step = int(step)
+        if _step_dir(self.directory, step).exists():
+            raise ValueError(
+                f"a checkpoint for round {step} already exists in {self.directory}; "
+                "checkpoints are never overwritten."
+            )
+        key_impl, key_data = _split_key(key)
+        leaves = [np.asarray(a) for a in jax.device_get(jax.tree.leaves(state))]
+        leaf_meta = [
+            {"path": p, "shape": list(a.shape), "dtype": str(a.dtype), "sha256": _sha256(a)}
+            for p, a in zip(_leaf_paths(state), leaves, strict=True)
+        ]
+        try:
+            extra = json.loads(json.dumps({} if extra is None else dict(extra)))
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"checkpoint extra must be JSON-able: {err}") from err
+        payload = {
+            "round": step,
+            "key_impl": key_impl,
+            "key_sha256": _sha256(key_data),
+            "leaves": leaf_meta,
+            "extra": extra,
+        }
+        meta = {"format": FORMAT, "payload": payload, "sha256": _digest(payload)}
+        # Orbax cannot write zero-size arrays; their shape in the metadata is all we need.
+        arrays = {f"{i:05d}": a for i, a in enumerate(leaves) if a.size > 0}
+        arrays["key"] = key_data
+        ocp = self._ocp
+        self._manager.reload()
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+        if not saved:  # pragma: no cover - orbax declines only for read-only managers
+            raise RuntimeError(f"orbax declined to save round {step} in {self.directory}.")
+        self._manager.wait_until_finished()
+        return _step_dir(self.directory, step)
+
+    # ------------------------------------------------------------------ restoring
+    def restore_latest(self, like_state: PyTree) -> Restored:
+        """Restores the newest readable checkpoint, falling back past corrupt ones.
+
+        Args:
+          like_state: a state (or ``jax.eval_shape`` of one) with the tree structure,
+            shapes and dtypes to restore into.
+
+        Returns:
+          A :class:`Restored`.
+
+        Raises:
+          FileNotFoundError: the directory holds no checkpoint.
+          ValueError: the newest intact checkpoint does not match ``like_state``
+            (different structure, shape or dtype: another configuration wrote it).
+          CheckpointError: every checkpoint present is corrupt.
+
+        Warns:
+          UserWarning: for each corrupt checkpoint skipped (it is renamed to
+            ``<round>.corrupt``).
+        """
+        rounds = self.rounds()
+        if not rounds:
+            raise FileNotFoundError(f"no checkpoint to restore in {self.directory}.")
+        broken = []
+        newest_first = rounds[::-1]
+        for i, step in enumerate(newest_first):
+            try:
+                return self._restore(step, like_state)
+            except _Corrupt as err:
+                moved = self._quarantine(step)
+                broken.append(f"round {step}: {err}")
+                then = (
+                    f"falling back to the checkpoint of round {newest_first[i + 1]}"
+                    if i + 1 < len(newest_first)
+                    else "no older checkpoint is left"
+                )
+                warnings.warn(
+                    f"checkpoint {_step_dir(self.directory, step)} is corrupt ({err}); "
+                    f"moved it to {moved.name}; {then}.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        raise CheckpointError(
+            f"no readable checkpoint in {self.directory}: every one is corrupt "
+            f"({'; '.join(broken)})."
+        )
+
+    def _restore(self, step: int, like_state: PyTree) -> Restored:
+        ocp = self._ocp
+        path = _step_dir(self.directory, step)
+        # Orbax and tensorstore raise many error types for damaged files (JSONDecodeError,
+        # FileNotFoundError, ValueError with a tensorstore status, ...): all mean "corrupt".
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            ).meta
+            payload = _verified_payload(meta)
+        except Exception as err:
+            raise _Corrupt(f"unreadable metadata: {_short(err)}") from err
+        if payload["round"] != step:
+            raise _Corrupt(f"its metadata says round {payload['round']}")
+        like_leaves, treedef = jax.tree.flatten(like_state)
+        _check_matches(path, payload["leaves"], like_state)
+        target = {
+            f"{i:05d}": np.zeros(m["shape"], _dtype(m["dtype"]))
+            for i, m in enumerate(payload["leaves"])
+            if int(np.prod(m["shape"])) > 0
+        }
+        try:
+            target["key"] = np.zeros((_key_size(payload["key_impl"]),), np.uint32)
+            arrays = self._manager.restore(
+                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target))
+            ).arrays
+            arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        except Exception as err:
+            raise _Corrupt(f"unreadable arrays: {_short(err)}") from err
+        leaves = []
+        for i, (m, like) in enumerate(zip(payload["leaves"], like_leaves, strict=True)):
+            name = f"{i:05d}"
+            value = arrays.get(name, np.zeros(m["shape"], _dtype(m["dtype"])))
+            if (
+                list(value.shape) != m["shape"]
+                or str(value.dtype) != m["dtype"]
+                or _sha256(value) != m["sha256"]
+            ):
+                raise _Corrupt(f"array {m['path']} fails its checksum")
+            leaves.append(_place(value, like))
+        key_data = arrays["key"]
+        if _sha256(key_data) != payload["key_sha256"]:
+            raise _Corrupt("the root key fails its checksum")
+        key = jr.wrap_key_data(key_data, impl=payload["key_impl"])
+        return Restored(
+            state=jax.tree.unflatten(treedef, leaves),
+            key=key,
+            round=step,
+            extra=payload["extra"],
+            path=path,
+        )
+
+    def _quarantine(self, step: int) -> Path:
+        source = _step_dir(self.directory, step)
+        target = self.directory / f"{step}{_CORRUPT_SUFFIX}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}{_CORRUPT_SUFFIX}-{n}"
+        source.rename(target)
+        self._manager.reload()
+        return target
+
+
+# ---------------------------------------------------------------------- module functions
+def save(
+    directory: str | os.PathLike,
+    state: PyTree,
+    key: jax.Array,
+    extra: dict[str, Any] | None = None,
+    max_to_keep: int = 3,
+) -> Path:
+    """Saves ``state`` at round ``state.round`` in ``directory``; see :meth:`Checkpointer.save`."""
+    with Checkpointer(directory, max_to_keep=max_to_keep) as ckpt:
+        return ckpt.save(state, key, extra)
+
+
+def restore_latest(directory: str | os.PathLike, like_state: PyTree) -> Restored:
+    """Restores the newest readable checkpoint; see :meth:`Checkpointer.restore_latest`.
+
+    Raises:
+      FileNotFoundError: ``directory`` does not exist or holds no checkpoint.
+    """
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"no checkpoint to restore: {directory} is not a directory.")
+    with Checkpointer(directory, max_to_keep=1_000_000) as ckpt:
+        return ckpt.restore_latest(like_state)
+
+
+def latest_round(directory: str | os.PathLike) -> int | None:
+    """The newest checkpoint's round in ``directory`` (None if none; not verified)."""
+    if not Path(directory).is_dir():
+        return None
+    rounds = [int(p.name) for p in Path(directory).iterdir() if p.name.isdigit() and p.is_dir()]
+    return max(rounds) if rounds else None
+
+
+# ---------------------------------------------------------------------- helpers
+def _split_key(key: jax.Array) -> tuple[str, np.ndarray]:
+    key = jnp.asarray(key)
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return str(jr.key_impl(key)), np.asarray(jr.key_data(key), np.uint32)
+    if key.dtype != jnp.uint32 or key.ndim != 1:
+        raise TypeError(
+            f"key must be a typed PRNG key or raw uint32 key data, got {key.dtype}{key.shape}."
+        )
+    # Raw key data of the default implementation (what jax.random.PRNGKey returns).
+    return str(jr.key_impl(jr.wrap_key_data(key))), np.asarray(key, np.uint32)
+
+
+def _key_size(impl: str) -> int:
+    return int(jr.key_data(jr.key(0, impl=impl)).shape[-1])
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(_canonical(payload).encode()).hexdigest()
+
+
+def _verified_payload(meta: Any) -> dict[str, Any]:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} checkpoint")
+    payload = meta.get("payload")
+    if not isinstance(payload, dict) or _digest(payload) != meta.get("sha256"):
+        raise ValueError("metadata checksum mismatch")
+    return payload
+
+
+def _dtype(name: str) -> np.dtype:
+    return jnp.dtype(name)  # jnp knows bfloat16 and the other ml_dtypes by name
+
+
+def _place(value: np.ndarray, like: Any) -> jax.Array:
+    sharding = getattr(like, "sharding", None)
+    if sharding is not None:
+        return jax.device_put(value, sharding)
+    return jnp.asarray(value)
+
+
+def _short(err: BaseException, limit: int = 200) -> str:
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_matches(path: Path, saved: list[dict[str, Any]], like_state: PyTree) -> None:
+    """Raises ValueError naming the differences if ``saved`` does not fit ``like_state``."""
+    paths = _leaf_paths(like_state)
+    like_leaves = jax.tree.leaves(like_state)
+    problems = []
+    if [m["path"] for m in saved] != paths:
+        problems.append(
+            f"it holds {len(saved)} arrays {[m['path'] for m in saved][:6]}, this simulation's "
+            f"state has {len(paths)} {paths[:6]}"
+        )
+    else:
+        for m, like in zip(saved, like_leaves, strict=True):
+            shape, dtype = list(np.shape(like)), str(jnp.dtype(like.dtype))
+            if m["shape"] != shape or m["dtype"] != dtype:
+                problems.append(
+                    f"{m['path']} is {m['dtype']}{tuple(m['shape'])} in the checkpoint but "
+                    f"{dtype}{tuple(shape)} here"
+                )
+    if problems:
+        raise ValueError(
+            f"checkpoint {path} does not match this simulation: {'; '.join(problems[:3])}. "
+            "It was written by a run with another model, number of clients or algorithm; "
+            "resume with the same configuration or use another checkpoint directory."
+        )

@@ -1,0 +1,400 @@
+"""The ``scaffold-jax`` command.
+
+Commands:
+
+* ``scaffold-jax run``: one experiment from flags and/or a config file (TOML or JSON;
+  flags override the file). Every field of :class:`~scaffold_jax.experiments.RunConfig`
+  is a flag (``client_lr`` -> ``--client-lr``).
+* ``scaffold-jax reproduce {fig3,table3,table4,table5}``: a protocol of Karimireddy et
+  al. (ICML 2020), with ``--quick`` for a test-sized run.
+* ``scaffold-jax sweep``: a step-size × seed grid per algorithm, one vmapped program each.
+* ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model.
+
+Each run writes its output folder (see :mod:`scaffold_jax.results`): ``config.json``,
+``metrics.jsonl``, ``summary.json``, ``metrics.csv`` and plots; a folder that already
+holds a run is refused unless ``--overwrite``.
+
+Exit status: 0 success; 1 a run that could not start or did not finish (missing data,
+an occupied folder, divergence); 2 invalid arguments or config; 130 (SIGINT) or 143
+(SIGTERM) interrupted: the folder keeps every finished record and says
+``"status": "interrupted"``.
+
+Examples::
+
+    scaffold-jax run --algorithm scaffold --dataset fashion_mnist --similarity 0 \\
+        --num-clients 100 --client-fraction 0.2 --local-epochs 1 --client-lr 0.1 \\
+        --rounds 200 --out results/scaffold-s0
+    scaffold-jax run --config my_run.toml --rounds 50 --overwrite
+    scaffold-jax reproduce fig3 --quick
+    scaffold-jax reproduce table3 --dataset fashion_mnist --out results/table3
+    scaffold-jax sweep --algorithms scaffold fedavg --lr-grid 0.03 0.1 0.3 --seeds 0 1 \\
+        --rounds 100 --out results/sweep
+    scaffold-jax diagnose --dataset fashion_mnist --similarity 0 --gd-steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from scaffold_jax.experiments import PROTOCOLS, ConfigError, RunConfig
+from scaffold_jax.simulate import DivergenceError
+
+_KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``scaffold-jax`` (run, reproduce)."""
+    parser = argparse.ArgumentParser(
+        prog="scaffold-jax",
+        description="Simulate SCAFFOLD, FedAvg, FedProx and large-batch SGD in JAX, and "
+        "reproduce the experiments of Karimireddy et al., 'SCAFFOLD: Stochastic Controlled "
+        "Averaging for Federated Learning' (ICML 2020).",
+        epilog="Run 'scaffold-jax <command> --help' for a command's options.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+
+    run = commands.add_parser(
+        "run",
+        help="one experiment from flags or a config file",
+        description="Run one federated experiment. Settings come from --config (TOML or "
+        "JSON, top-level keys named like the flags with underscores) and are overridden "
+        "by flags. Unset partition / batch-plan / sampling fields take the paper's "
+        "defaults: 0% similarity, batches of 0.2 of the client's data for 1 epoch "
+        "(SGD: one full-batch step), 20% of clients per round.",
+    )
+    _config_flags(run)
+    _common(run, out=False)  # --out is a RunConfig field, added above
+
+    rep = commands.add_parser(
+        "reproduce",
+        help="a protocol of the paper: fig3, table3, table4, table5",
+        description="Reproduce a paper experiment. fig3: quadratics (N = 2, beta = 1, "
+        "G in {1, 10, 100}, K in {2, 10}), error f(x) - f* vs rounds. table3/4/5: EMNIST "
+        "when it can be loaded, else Fashion-MNIST (the dataset is named in every output); "
+        "eta_l tuned per algorithm over a grid, chosen values reported.",
+    )
+    rep.add_argument("experiment", choices=sorted(PROTOCOLS), help="the protocol")
+    rep.add_argument("--quick", action="store_true", help="test-sized variant (seconds)")
+    rep.add_argument(
+        "--dataset",
+        help="tables: 'auto' (EMNIST balanced if available, else Fashion-MNIST) or a "
+        "dataset name [default: auto]",
+    )
+    rep.add_argument("--data-dir", help="folder of IDX files (e.g. NIST's EMNIST gzip/)")
+    rep.add_argument("--download", action="store_true", help="let TFDS download the dataset")
+    rep.add_argument("--rounds", type=int, help="horizon in rounds (the paper: 1000)")
+    rep.add_argument("--eval-every", type=int, help="evaluation period in rounds")
+    rep.add_argument("--target", type=float, help="target accuracy (fig3: relative error)")
+    rep.add_argument("--seed", type=int, help="seed")
+    rep.add_argument(
+        "--lr-grid", type=float, nargs="+", metavar="LR", help="eta_l grid for every method"
+    )
+    rep.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set any protocol field (VALUE parsed as JSON when it can be), e.g. "
+        "--set delta=0.99 or --set max_train_examples=20000; repeatable",
+    )
+    rep.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="loop over the eta_l grid instead of one vmapped sweep program",
+    )
+    _common(rep)
+
+    sw = commands.add_parser(
+        "sweep",
+        help="a grid of step sizes x seeds, one vmapped program per algorithm",
+        description="Sweep eta_l (and seeds) for one or more algorithms on the run described "
+        "by the config flags. Each grid is ONE compiled, vmapped program; writes sweep.json "
+        "(per-config records), summary.md (best eta_l per algorithm by rounds to --target, "
+        "mean +- std over seeds) and two plots to --out.",
+    )
+    _config_flags(sw)
+    sw.add_argument(
+        "--algorithms", nargs="+", metavar="NAME", help="algorithms to sweep [default: --algorithm]"
+    )
+    sw.add_argument("--lr-grid", type=float, nargs="+", metavar="LR", required=True)
+    sw.add_argument("--seeds", type=int, nargs="+", metavar="N", default=[0])
+    sw.add_argument("--target", type=float, default=0.7, help="target test accuracy [0.7]")
+    _common(sw, out=False)
+
+    diag = commands.add_parser(
+        "diagnose",
+        help="measure G, B, delta, beta and the suggested K on a dataset/partition/model",
+        description="Measure the paper's heterogeneity constants at the model's initial "
+        "params (and after --gd-steps full gradient steps, to fit (G, B)): gradient "
+        "dissimilarity G and B, Hessian dissimilarity delta and smoothness beta by power "
+        "iteration on Hessian-vector products, and SCAFFOLD's suggested K ~ beta / delta.",
+    )
+    _config_flags(diag)
+    diag.add_argument("--gd-steps", type=int, default=0, help="extra points along a GD path")
+    diag.add_argument("--num-iters", type=int, default=30, help="power iterations [30]")
+    diag.add_argument("--quiet", action="store_true", help="print nothing")
+    return parser
+
+
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    """--config plus one flag per :class:`RunConfig` field (flags override the file)."""
+    parser.add_argument("--config", metavar="FILE", help="a .toml or .json config file")
+    defaults = RunConfig()
+    for field in dataclasses.fields(RunConfig):
+        meta = field.metadata
+        kind = meta["kind"]
+        help_text = meta["help"]
+        if meta.get("choices"):
+            help_text += f" ({' | '.join(meta['choices'])})"
+        default = getattr(defaults, field.name)
+        # SUPPRESS: only flags actually given override the config file.
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": field.name}
+        if kind == "bool":
+            parser.add_argument(_flag(field.name), action="store_true", help=help_text, **kwargs)
+            continue
+        if kind in ("ints", "floats"):
+            kwargs["nargs"] = "+"
+        kwargs["type"] = _KIND_TYPES[kind]
+        kwargs["metavar"] = {"int": "N", "ints": "N", "float": "X", "floats": "X"}.get(
+            kind, "PATH" if field.name in ("data_dir", "out") else "NAME"
+        )
+        if default is not None:
+            help_text += f" [default: {default}]"
+        parser.add_argument(_flag(field.name), help=help_text, **kwargs)
+
+
+def _common(parser: argparse.ArgumentParser, out: bool = True) -> None:
+    """--out (unless the command has it already), --overwrite and --quiet."""
+    if out:
+        parser.add_argument("--out", help="output folder")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an output folder that holds a run"
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar or printed tables (for scripts)"
+    )
+
+
+def _parse_set(items: Sequence[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} is invalid: it must be FIELD=VALUE.")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    """The validated :class:`RunConfig` of --config and the flags given."""
+    from scaffold_jax import experiments
+
+    values: dict[str, Any] = {}
+    if args.config:
+        values.update(experiments.load_config_file(args.config))
+    names = [f.name for f in dataclasses.fields(RunConfig)]
+    values.update({name: getattr(args, name) for name in names if hasattr(args, name)})
+    return RunConfig.from_dict(values, where="config").validate()
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    from scaffold_jax import experiments
+
+    experiments.run(_config(args), overwrite=args.overwrite, quiet=args.quiet)
+    return 0
+
+
+def _sweep_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scaffold_jax import experiments
+    from scaffold_jax import sweep as sweeps
+
+    config = _config(args)
+    out = Path(config.out or f"results/sweep-{config.dataset}")
+    if (out / "sweep.json").exists() and not args.overwrite:
+        raise FileExistsError(
+            f"{out} already holds a sweep (sweep.json); pass --overwrite or another --out."
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    dataset, results = None, {}
+    for name in args.algorithms or [config.algorithm]:
+        built = experiments.build(config.replace(algorithm=name), dataset=dataset)
+        dataset = built.dataset
+        grid, seeds, configs = sweeps.grid(
+            client_lr=args.lr_grid,
+            server_lr=config.server_lr,
+            prox_mu=config.prox_mu if name == "fedprox" else 0.0,
+            seeds=args.seeds,
+        )
+        results[name] = sweeps.sweep(
+            built.simulation,
+            built.data,
+            grid,
+            seeds,
+            config.rounds,
+            config.eval_every,
+            targets=(args.target,),
+            configs=configs,
+        )
+        if not args.quiet:
+            print(
+                f"{name}: {len(configs)} configs x {config.rounds} rounds in "
+                f"{results[name].run_seconds:.1f} s (+{results[name].compile_seconds:.1f} s "
+                f"compile) on {built.info['dataset']}"
+            )
+    summary = sweeps.summarize(results, args.target)
+    table = sweeps.format_summary(summary)
+    record = {
+        "config": config.to_dict(),
+        "lr_grid": list(args.lr_grid),
+        "seeds": list(args.seeds),
+        "target": args.target,
+        "dataset": dataset.name,
+        "results": {
+            name: {
+                "configs": r.configs,
+                "records": r.records,
+                "diverged_round": r.diverged_round.tolist(),
+                "compile_seconds": r.compile_seconds,
+                "run_seconds": r.run_seconds,
+            }
+            for name, r in results.items()
+        },
+        "summary": summary,
+    }
+    (out / "sweep.json").write_text(json.dumps(record, indent=1, default=_json_default))
+    (out / "summary.md").write_text(f"Sweep on {dataset.name}, target {args.target:g}\n\n{table}\n")
+    sweeps.plot_rounds_to_target(results, args.target).savefig(out / "rounds_to_target.png")
+    sweeps.plot_best_curves(results, args.target).savefig(out / "best_curves.png")
+    if not args.quiet:
+        print(table)
+        print(f"wrote {out}/sweep.json, summary.md, rounds_to_target.png, best_curves.png")
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _diagnose_command(args: argparse.Namespace) -> int:
+    import jax
+
+    from scaffold_jax import diagnostics, experiments
+
+    built = experiments.build(_config(args))
+    problem, data = built.problem, built.data
+    trajectory, params = [], problem.params
+    if args.gd_steps < 0:
+        raise ConfigError(f"--gd-steps = {args.gd_steps} is invalid: it must be >= 0.")
+    for _ in range(args.gd_steps):  # points along a full-gradient path, to fit (G, B)
+        grad = diagnostics.full_gradient(problem, data, params)
+        params = jax.tree.map(lambda p, g: p - built.hparams.client_lr * g, params, grad)
+        trajectory.append(params)
+    report = diagnostics.diagnose(
+        problem, data, problem.params, trajectory=trajectory, num_iters=args.num_iters
+    )
+    if not args.quiet:
+        print(f"{built.info['dataset']}, {data.num_clients} clients, {built.info['partition']}")
+        print(diagnostics.format_report(report))
+    return 0
+
+
+def _reproduce_command(args: argparse.Namespace) -> int:
+    from scaffold_jax import experiments
+
+    overrides = _parse_set(args.set)
+    name = args.experiment
+    if name == "fig3":
+        for flag in ("dataset", "data_dir"):
+            if getattr(args, flag):
+                raise ConfigError(f"--{flag.replace('_', '-')} does not apply to fig3.")
+        mapping = {"rounds": "num_rounds", "lr_grid": "lr_grid"}
+    else:
+        mapping = {
+            "rounds": "num_rounds",
+            "dataset": "dataset",
+            "data_dir": "data_dir",
+        }
+        if args.download:
+            overrides["download"] = True
+        if args.lr_grid:
+            protocol = experiments.PROTOCOLS[name](quick=args.quick)
+            overrides["lr_grids"] = {r.method: tuple(args.lr_grid) for r in protocol.rows}
+    for flag in ("eval_every", "target", "seed"):
+        mapping[flag] = flag
+    for flag, field in mapping.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[field] = tuple(value) if isinstance(value, list) else value
+    experiments.reproduce(
+        name,
+        args.out,
+        quick=args.quick,
+        overwrite=args.overwrite,
+        quiet=args.quiet,
+        use_sweep=not args.no_sweep,
+        **overrides,
+    )
+    return 0
+
+
+def _terminate(signum, frame):  # noqa: ARG001 - the signal handler signature
+    # SIGTERM (a scheduler's kill, `timeout`) outside Simulation.run (which defers it to
+    # the end of its compiled block itself) exits as a shell would report it, 128 + 15,
+    # through SystemExit, so the run's writer records "interrupted" on its way out.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``scaffold-jax``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread (e.g. called from a worker): keep the default
+        previous = None
+    try:
+        commands = {
+            "run": _run_command,
+            "reproduce": _reproduce_command,
+            "sweep": _sweep_command,
+            "diagnose": _diagnose_command,
+        }
+        return commands[args.command](args)
+    except (FileExistsError, FileNotFoundError, DivergenceError) as err:
+        # DivergenceError first: it is a ValueError, but the config was valid.
+        print(f"scaffold-jax: error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # ConfigError, and the library's own input checks
+        print(f"scaffold-jax: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("scaffold-jax: interrupted; finished records are kept.", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

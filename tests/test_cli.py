@@ -1,0 +1,242 @@
+"""The `scaffold-jax` command: help, `run` end to end, config errors, and the quick
+paper protocols, whose numbers must show the paper's findings."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scaffold_jax import results
+from scaffold_jax.cli import main
+
+FASHION = "/usr/share/datasets/fashion-mnist"
+needs_fashion = pytest.mark.skipif(
+    not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist (CI installs it)"
+)
+
+TINY = """
+algorithm = "scaffold"
+dataset = "fashion_mnist"
+max_train_examples = 2000
+max_test_examples = 500
+num_clients = 10
+clients_per_round = 5
+local_epochs = 1
+client_lr = 0.1
+rounds = 10
+eval_every = 2
+targets = [0.3, 0.99]
+"""
+
+
+# ----------------------------------------------------------------------------- help
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["reproduce", "--help"]])
+def test_help_works(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: scaffold-jax" in out
+    if argv == ["run", "--help"]:
+        assert "--client-lr" in out and "--similarity" in out and "--config" in out
+    if argv == ["reproduce", "--help"]:
+        assert "fig3" in out and "table3" in out and "--quick" in out
+
+
+def test_the_console_script_is_installed():
+    # pyproject.toml declares scaffold-jax = "scaffold_jax.cli:main".
+    script = os.path.join(os.path.dirname(sys.executable), "scaffold-jax")
+    if not os.path.exists(script):
+        pytest.skip("package not installed as a script in this environment")
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "reproduce" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- run
+@needs_fashion
+def test_run_end_to_end_writes_every_file(tmp_path, capsys):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    out = tmp_path / "run"
+    argv = ["run", "--config", str(config), "--rounds", "6", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    files = {p.name for p in out.iterdir()}
+    assert {
+        "config.json", "metrics.jsonl", "summary.json", "metrics.csv", "accuracy.png", "loss.png"
+    } <= files  # fmt: skip
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["rounds"] == 6 and saved["client_lr"] == 0.1  # the flag beat the file
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert summary["dataset"] == "fashion_mnist"
+    assert summary["rounds_to_target"]["0.99"] is None
+    assert summary["compile_seconds"] > 0 and summary["run_seconds"] > 0
+    assert summary["environment"]["jax"]
+    assert [r["round"] for r in results.read_records(out)] == [0, 2, 4, 6]
+    assert capsys.readouterr().out == ""  # --quiet
+
+    # A finished run's folder is refused without --overwrite ...
+    assert main(argv) == 1
+    assert "already holds a finished run" in capsys.readouterr().err
+    # ... and replaced with it.
+    assert main([*argv, "--overwrite", "--algorithm", "fedavg", "--client-lr", "1.0"]) == 0
+    assert json.loads((out / "config.json").read_text())["algorithm"] == "fedavg"
+
+
+@pytest.mark.parametrize(
+    "text, suffix, message",
+    [
+        (
+            "algoritm = 'sgd'\n",
+            ".toml",
+            "unknown config key 'algoritm' (did you mean 'algorithm'?)",
+        ),
+        ('{"num_clients": -3}', ".json", "num_clients = -3 is invalid: it must be an integer >= 1"),
+        ("rounds = 0\nclient_lr = -0.1\n", ".toml", "rounds = 0 is invalid"),
+        (
+            "similarity = 200\n",
+            ".toml",
+            "similarity = 200 is invalid: it must be a percentage in [0, 100]",
+        ),
+    ],
+)
+def test_bad_configs_are_named_errors(tmp_path, capsys, text, suffix, message):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(text)
+    assert main(["run", "--config", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert not (tmp_path / "o").exists()  # nothing written for an invalid config
+
+
+def test_bad_flags_are_named_errors(tmp_path, capsys):
+    assert main(["run", "--client-fraction", "1.5", "--out", str(tmp_path / "o")]) == 2
+    assert "client_fraction = 1.5 is invalid: it must be in (0, 1]" in capsys.readouterr().err
+    assert main(["run", "--config", str(tmp_path / "none.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--rounds", "ten"])
+    assert exit_.value.code == 2
+    assert main(["reproduce", "fig3", "--set", "horizon=3", "--out", str(tmp_path / "f")]) == 2
+    assert "unknown protocol field" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- fig3
+def test_reproduce_fig3_quick_shows_the_papers_findings(tmp_path):
+    out = tmp_path / "fig3"
+    assert main(["reproduce", "fig3", "--quick", "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    horizon = summary["runs"][next(iter(summary["runs"]))].get("last_round", 150)
+
+    def rounds(method, k, g):
+        (cell,) = [
+            c for c in summary["cells"]
+            if c["method"] == method and c["local_steps"] == k and c["G"] == g
+        ]  # fmt: skip
+        return math.inf if cell["rounds"] is None else cell["rounds"]
+
+    gs = (1.0, 10.0, 100.0)
+    sgd = rounds("sgd", None, 1.0)
+    assert sgd < math.inf and all(rounds("sgd", None, g) == sgd for g in gs)  # GD ignores G
+    # FedAvg gets slower as G grows ...
+    for k in (2, 10):
+        assert rounds("fedavg", k, 1.0) < rounds("fedavg", k, 10.0) <= rounds("fedavg", k, 100.0)
+    # ... and as K grows; it is competitive with SGD only at G = 1.
+    for g in gs:
+        assert rounds("fedavg", 10, g) >= rounds("fedavg", 2, g)
+    assert rounds("fedavg", 10, 1.0) > rounds("fedavg", 2, 1.0)
+    assert rounds("fedavg", 2, 1.0) <= 1.25 * sgd
+    assert rounds("fedavg", 2, 100.0) > 2 * sgd
+    # SCAFFOLD: rounds to the target vary little with G, and it beats SGD, by more at K = 10
+    # (the paper: about 2x at K = 2 and 5x at K = 10).
+    for k in (2, 10):
+        values = [rounds("scaffold", k, g) for g in gs]
+        assert max(values) < math.inf and max(values) <= 1.6 * min(values), values
+    assert all(rounds("scaffold", 10, g) < rounds("scaffold", 2, g) for g in gs)
+    assert sgd / max(rounds("scaffold", 2, g) for g in gs) >= 1.5
+    assert sgd / max(rounds("scaffold", 10, g) for g in gs) >= 3.0
+    # The outputs: the table (with speed-ups over SGD), the figure, every record.
+    table = (out / "fig3.md").read_text()
+    assert "| method | K | G = 1 | G = 10 | G = 100 |" in table and "×)" in table
+    assert f"{horizon}+" in table  # FedAvg at G = 100 never gets there
+    assert (out / "fig3.png").read_bytes()[:4] == b"\x89PNG"
+    records = results.read_records(out)
+    assert {"error", "relative_error", "client_lr", "G"} <= set(records[-1])
+
+
+# ----------------------------------------------------------------------------- table3
+@needs_fashion
+def test_reproduce_table3_quick_on_fashion_mnist(tmp_path, capsys):
+    out = tmp_path / "table3"
+    argv = ["reproduce", "table3", "--quick", "--dataset", "fashion_mnist", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["dataset"] == "fashion_mnist"
+    assert json.loads((out / "config.json").read_text())["dataset"] == "fashion_mnist"
+    target = summary["target"]
+    assert target == 0.7
+    cells = {c["method"]: c for c in summary["cells"]}
+    assert set(cells) == {"sgd", "scaffold", "fedavg", "fedprox"}
+    assert all(c["similarity"] == 0.0 and c["epochs"] == 1 for c in cells.values())
+    # At 0% similarity SCAFFOLD reaches the target in fewer rounds than FedAvg (and SGD).
+    scaffold = cells["scaffold"]["rounds"]
+    assert scaffold is not None
+    for other in ("fedavg", "sgd"):
+        rounds = cells[other]["rounds"]
+        assert rounds is None or scaffold < rounds, (other, rounds, scaffold)
+    # The table: the paper's layout, the dataset named, chosen step sizes, the wall time.
+    table = (out / "table3.md").read_text()
+    assert table in printed
+    assert "— fashion_mnist" in table and "rounds to 0.7 test accuracy" in table
+    lines = table.splitlines()
+    assert "| method | epochs | 0% |" in lines
+    assert any(line.startswith("| SCAFFOLD | 1 | ") and "×)" in line for line in lines)
+    assert any(line.startswith("| SGD | 1 | ") and "(1.0×)" in line for line in lines)
+    assert "Chosen η_l" in table and "Wall time:" in table
+    assert summary["wall_seconds_total"] > 0
+    assert {"accuracy.png", "loss.png", "metrics.csv", "table3.md"} <= set(summary["files"])
+
+
+# ----------------------------------------------------------------------------- sweep
+@needs_fashion
+def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--config", str(config), "--algorithms", "scaffold", "fedavg",
+            "--lr-grid", "0.1", "0.001", "--seeds", "0", "1", "--target", "0.3",
+            "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    assert {"sweep.json", "summary.md", "rounds_to_target.png", "best_curves.png"} <= {
+        p.name for p in out.iterdir()
+    }
+    record = json.loads((out / "sweep.json").read_text())
+    for name in ("scaffold", "fedavg"):
+        res = record["results"][name]
+        assert [(c["client_lr"], c["seed"]) for c in res["configs"]] == [
+            (0.1, 0), (0.1, 1), (0.001, 0), (0.001, 1)
+        ]  # fmt: skip
+        assert [len(r) for r in res["records"]] == [6] * 4  # rounds 0, 2, ..., 10
+        assert res["diverged_round"] == [-1] * 4
+        # η_l = 0.001 barely moves the model: the paper's criterion must pick 0.1.
+        assert record["summary"][name]["best"]["hparams"]["client_lr"] == 0.1
+    assert "| scaffold |" in (out / "summary.md").read_text()
+    assert main(argv) == 1  # a finished sweep is not overwritten silently
+    assert "already holds a sweep" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- diagnose
+@needs_fashion
+def test_diagnose_prints_the_papers_constants(tmp_path, capsys):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    assert main(["diagnose", "--config", str(config), "--gd-steps", "1", "--num-iters", "5"]) == 0
+    out = capsys.readouterr().out
+    for name in ("G at x", "(G, B)", "δ (Hessian dissim.)", "β (smoothness)", "suggested K"):
+        assert name in out
+    beta = float(out.split("β (smoothness)")[1].split()[0])
+    assert 0 < beta < 1000

@@ -1,0 +1,340 @@
+"""RunConfig validation and resolution, config files, step-size selection, the η_l grid
+runner (sweep vs loop), and run()/reproduce_table() end to end on an in-memory dataset."""
+
+import json
+
+import numpy as np
+import pytest
+
+from scaffold_jax import experiments, results
+from scaffold_jax.data import sources
+from scaffold_jax.data.batching import BatchPlan
+from scaffold_jax.experiments import ConfigError, GridRun, RunConfig
+
+
+def toy_dataset(n_train=600, n_test=200, num_classes=4, seed=0):
+    """Learnable 8x8 uint8 "images" (each class lights up its own rows), noisy labels."""
+    rng = np.random.default_rng(seed)
+
+    def split(n):
+        y = rng.integers(0, num_classes, n).astype(np.int32)
+        x = rng.integers(0, 60, (n, 8, 8))
+        for k in range(num_classes):
+            x[y == k, 2 * k : 2 * k + 2, :] += 150
+        # 25% label noise: no model gets near 100% accuracy.
+        noisy = rng.random(n) < 0.25
+        y[noisy] = rng.integers(0, num_classes, int(noisy.sum()))
+        return {"x": x.astype(np.uint8), "y": y}
+
+    return sources.Dataset("toy", "memory", split(n_train), split(n_test), num_classes)
+
+
+# ----------------------------------------------------------------------------- RunConfig
+def test_the_default_config_is_the_papers_setting():
+    config = RunConfig().validate()
+    assert config.resolved_plan() == BatchPlan.fraction_of_data(0.2, 1)
+    assert config.resolved_partition() == ("similarity", {"similarity": 0.0})
+    assert config.resolved_clients_per_round() == 20
+    assert config.resolved_out() == "results/scaffold-fashion_mnist"
+    hp = config.hparams()
+    assert float(hp.client_lr) == pytest.approx(0.1) and float(hp.prox_mu) == 0.0
+    assert float(RunConfig(algorithm="fedprox").hparams().prox_mu) == 1.0
+
+
+@pytest.mark.parametrize(
+    "fields, plan",
+    [
+        ({"algorithm": "sgd"}, BatchPlan.full(1)),
+        ({"local_epochs": 5}, BatchPlan.fraction_of_data(0.2, 5)),
+        ({"batch_fraction": 0.5, "local_epochs": 2}, BatchPlan.fraction_of_data(0.5, 2)),
+        ({"local_steps": 10, "batch_size": 32}, BatchPlan.fixed(32, 10)),
+        ({"local_steps": 3}, BatchPlan.full(3)),
+        ({"batch_size": 16, "local_epochs": 2}, BatchPlan.epochs(16, 2)),
+        ({"batch_plan": "full"}, BatchPlan.full(1)),
+    ],
+)
+def test_the_batch_plan_is_resolved_from_the_local_step_fields(fields, plan):
+    assert RunConfig(**fields).validate().resolved_plan() == plan
+
+
+@pytest.mark.parametrize(
+    "fields, partition",
+    [
+        ({"similarity": 10.0}, ("similarity", {"similarity": 10.0})),
+        ({"dirichlet_alpha": 0.3}, ("dirichlet", {"alpha": 0.3})),
+        ({"shards_per_client": 3}, ("shards", {"shards_per_client": 3})),
+        ({"partition": "iid"}, ("iid", {})),
+        ({"partition": "dirichlet"}, ("dirichlet", {"alpha": 0.5})),
+    ],
+)
+def test_the_partition_is_resolved_from_its_fields(fields, partition):
+    assert RunConfig(**fields).validate().resolved_partition() == partition
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"algorithm": "fedsgd"}, r"algorithm = 'fedsgd' is invalid: it must be one of 'scaffold'"),
+        ({"client_lr": 0.0}, r"client_lr = 0.0 is invalid: it must be finite and > 0"),
+        ({"client_lr": float("nan")}, r"client_lr = nan is invalid"),
+        ({"prox_mu": -1}, r"prox_mu = -1 is invalid: it must be finite and >= 0"),
+        ({"num_clients": 0}, r"num_clients = 0 is invalid: it must be an integer >= 1"),
+        ({"num_clients": 2.5}, r"num_clients = 2.5 is invalid: it must be an integer"),
+        ({"rounds": True}, r"rounds = True is invalid: it must be an integer >= 1"),
+        (
+            {"num_clients": 10, "clients_per_round": 11},
+            r"clients_per_round = 11 is invalid: it must be an integer in \[1, num_clients = 10\]",
+        ),
+        ({"client_fraction": 1.5}, r"client_fraction = 1.5 is invalid: it must be in \(0, 1\]"),
+        (
+            {"clients_per_round": 5, "client_fraction": 0.2},
+            r"clients_per_round = 5 and client_fraction = 0.2 are both set",
+        ),
+        (
+            {"similarity": 150},
+            r"similarity = 150 is invalid: it must be a percentage in \[0, 100\]",
+        ),
+        ({"dirichlet_alpha": 0}, r"dirichlet_alpha = 0 is invalid: it must be finite and > 0"),
+        (
+            {"similarity": 10, "dirichlet_alpha": 0.1},
+            r"similarity = 10, dirichlet_alpha = 0.1 are conflicting partition settings",
+        ),
+        (
+            {"partition": "iid", "similarity": 10},
+            r"similarity = 10 does not apply to partition = 'iid'",
+        ),
+        ({"batch_fraction": 0}, r"batch_fraction = 0 is invalid: it must be in \(0, 1\]"),
+        ({"batch_plan": "fixed", "local_steps": 5}, r"batch_plan = 'fixed' needs batch_size"),
+        (
+            {"batch_plan": "full", "local_epochs": 2},
+            r"local_epochs = 2 does not apply to batch_plan = 'full'",
+        ),
+        ({"local_steps": 5, "local_epochs": 2}, r"local_steps = 5 and local_epochs = 2 are both"),
+        (
+            {"targets": [0.5, 70]},
+            r"targets = \[0.5, 70\] is invalid: every target must be an accuracy in \(0, 1\]",
+        ),
+        (
+            {"dataset": "imagenet"},
+            r"dataset = 'imagenet' is invalid: it must be one of .*fashion_mnist",
+        ),
+        ({"model": "cnn"}, r"model = 'cnn' is invalid: it must be one of 'logreg', 'mlp'"),
+        ({"hidden_sizes": [0]}, r"hidden_sizes = \[0\] is invalid"),
+        ({"scaffold_option": 3}, r"scaffold_option = 3 is invalid: it must be one of 'I', 'II'"),
+        ({"seed": -1}, r"seed = -1 is invalid: it must be an integer >= 0"),
+        ({"eval_every": 0}, r"eval_every = 0 is invalid: it must be an integer >= 1"),
+    ],
+)
+def test_invalid_configs_name_the_field_the_value_and_the_range(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**fields).validate()
+
+
+def test_every_error_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        RunConfig(algorithm="x", rounds=0, seed=-2).validate()
+    text = str(err.value)
+    assert "algorithm = 'x'" in text and "rounds = 0" in text and "seed = -2" in text
+
+
+def test_scaffold_option_accepts_the_papers_and_numeric_names():
+    for option in ("I", "II", 1, 2):
+        RunConfig(scaffold_option=option).validate()
+
+
+def test_unknown_keys_are_errors_with_a_suggestion():
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'client_lrr' \(did you mean 'client_lr'\?\)"
+    ):
+        RunConfig.from_dict({"client_lrr": 0.1})
+    with pytest.raises(ConfigError, match="unknown config key 'colour'"):
+        RunConfig.from_dict({"colour": "red"})
+
+
+def test_config_files_toml_and_json(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('algorithm = "fedavg"\nclient_lr = 3.0\ntargets = [0.5, 0.7]\n')
+    assert RunConfig.from_dict(experiments.load_config_file(toml)).validate().client_lr == 3.0
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"algorithm": "sgd", "rounds": 7}))
+    assert RunConfig.from_dict(experiments.load_config_file(js)).rounds == 7
+    for name, text, message in [
+        ("run.yaml", "a: 1", "use .toml or .json"),
+        ("bad.toml", "algorithm = ", "could not be parsed"),
+        ("nested.toml", "[run]\nrounds = 3\n", "every field is a top-level key"),
+        ("list.json", "[1, 2]", "must hold a table/object"),
+    ]:
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            experiments.load_config_file(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        experiments.load_config_file(tmp_path / "missing.toml")
+
+
+# ----------------------------------------------------------------------------- selection
+def _grid_run(lr, accuracies, diverged=False):
+    records = [{"round": 5 * i, "test_accuracy": a} for i, a in enumerate(accuracies)]
+    return GridRun(lr, records, np.zeros(len(accuracies)), diverged)
+
+
+def test_choose_takes_the_fewest_rounds_to_target():
+    runs = [
+        _grid_run(0.1, [0.1, 0.3, 0.6, 0.7]),  # reaches 0.5 at round 10
+        _grid_run(0.3, [0.1, 0.55, 0.6, 0.62]),  # round 5: the winner
+        _grid_run(1.0, [0.1, 0.2, 0.3, 0.9]),
+    ]
+    chosen, rounds = experiments.choose(runs, 0.5)
+    assert (chosen.client_lr, rounds) == (0.3, 5)
+
+
+def test_choose_breaks_ties_and_misses_by_the_best_value():
+    tie = [_grid_run(0.1, [0.1, 0.55, 0.6]), _grid_run(0.3, [0.1, 0.55, 0.8])]
+    assert experiments.choose(tie, 0.5)[0].client_lr == 0.3
+    missed = [_grid_run(0.1, [0.1, 0.4]), _grid_run(0.3, [0.1, 0.45])]
+    chosen, rounds = experiments.choose(missed, 0.5)
+    assert (chosen.client_lr, rounds) == (0.3, None)
+    diverged = [_grid_run(1.0, [0.1, float("nan")], diverged=True), _grid_run(0.1, [0.1, 0.2])]
+    assert experiments.choose(diverged, 0.5)[0].client_lr == 0.1
+    best = [_grid_run(0.1, [0.1, 0.7]), _grid_run(0.3, [0.1, 0.75])]
+    assert experiments.choose(best, None) == (best[1], None)
+
+
+def test_choose_for_errors_lower_is_better():
+    runs = [
+        GridRun(0.1, [{"round": r, "e": 1.0 / (r + 1)} for r in range(10)], np.zeros(9), False),
+        GridRun(0.3, [{"round": r, "e": 0.5**r} for r in range(10)], np.zeros(9), False),
+    ]
+    chosen, rounds = experiments.choose(runs, 0.1, "e", higher_is_better=False)
+    assert (chosen.client_lr, rounds) == (0.3, 4)
+
+
+# ----------------------------------------------------------------------------- grids
+def test_the_sweep_and_the_loop_give_the_same_grid_results():
+    ds = toy_dataset()
+    config = RunConfig(dataset="fashion_mnist", num_clients=6, clients_per_round=3)
+    built = experiments.build(config, dataset=ds)
+    kwargs = dict(client_lrs=[0.05, 0.2], num_rounds=4, eval_every=2, seed=3)
+    swept, _ = experiments.run_grid(built.simulation, built.data, use_sweep=True, **kwargs)
+    looped, _ = experiments.run_grid(built.simulation, built.data, use_sweep=False, **kwargs)
+    for a, b in zip(swept, looped, strict=True):
+        assert a.client_lr == b.client_lr and not a.diverged and not b.diverged
+        assert [r["round"] for r in a.records] == [0, 2, 4]
+        for ra, rb in zip(a.records, b.records, strict=True):
+            assert ra["test_accuracy"] == pytest.approx(rb["test_accuracy"], abs=1e-6)
+            assert ra["test_loss"] == pytest.approx(rb["test_loss"], rel=1e-5)
+        np.testing.assert_allclose(a.client_drift, b.client_drift, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- run()
+def test_run_writes_its_folder_from_an_in_memory_dataset(tmp_path):
+    config = RunConfig(
+        algorithm="scaffold",
+        num_clients=10,
+        clients_per_round=5,
+        client_lr=0.5,
+        rounds=6,
+        eval_every=3,
+        targets=[0.3, 0.99],
+    )
+    summary = experiments.run(config, tmp_path / "out", quiet=True, dataset=toy_dataset())
+    folder = tmp_path / "out"
+    assert summary["status"] == "finished"
+    assert summary["dataset"] == "toy" and summary["clients_per_round"] == 5
+    assert summary["rounds_to_target"]["0.99"] is None
+    assert summary["runs"]["scaffold"]["rounds_per_second"] > 0
+    assert [r["round"] for r in results.read_records(folder)] == [0, 3, 6]
+    # config.json is a valid config file: the run can be repeated from it.
+    again = RunConfig.from_dict(json.loads((folder / "config.json").read_text())).validate()
+    assert again.out == str(folder) and again.rounds == 6
+    with pytest.raises(FileExistsError):
+        experiments.run(config, folder, quiet=True, dataset=toy_dataset())
+
+
+def test_too_many_clients_for_the_data_is_a_named_error(tmp_path):
+    config = RunConfig(num_clients=1000, max_train_examples=500)
+    with pytest.raises(ConfigError, match="num_clients = 1000 is invalid"):
+        experiments.run(config, tmp_path, quiet=True, dataset=toy_dataset(n_train=500))
+
+
+# ----------------------------------------------------------------------------- protocols
+def test_the_full_protocols_follow_the_paper():
+    t3 = experiments.table3_protocol().validate()
+    assert t3.similarities == (0.0, 10.0, 100.0) and t3.num_rounds == 1000
+    assert [(r.method, r.epochs) for r in t3.rows][:5] == [
+        ("sgd", 1), ("scaffold", 1), ("scaffold", 5), ("scaffold", 10), ("scaffold", 20)
+    ]  # fmt: skip
+    assert len(t3.rows) == 13 and {r.sampled for r in t3.rows} == {0.2}
+    t4 = experiments.table4_protocol().validate()
+    assert {r.sampled for r in t4.rows} == {0.2, 0.05, 0.01} and {r.epochs for r in t4.rows} == {5}
+    t5 = experiments.table5_protocol().validate()
+    assert t5.model == "mlp" and t5.target is None
+    fig3 = experiments.fig3_protocol()
+    assert fig3.gradient_dissimilarities == (1.0, 10.0, 100.0) and fig3.local_steps == (2, 10)
+
+
+def test_table_targets_are_the_papers_on_emnist_and_scaled_elsewhere():
+    t3, t4, t5 = (experiments.PROTOCOLS[n]() for n in ("table3", "table4", "table5"))
+    assert experiments.table_target(t3, "emnist/balanced") == 0.5
+    assert experiments.table_target(t4, "emnist/balanced") == 0.45
+    assert experiments.table_target(t3, "fashion_mnist") == 0.7
+    assert experiments.table_target(t5, "fashion_mnist") is None
+    assert experiments.table_target(experiments.table3_protocol(target=0.6), "x") == 0.6
+
+
+def test_protocol_overrides_are_checked():
+    with pytest.raises(ConfigError, match=r"unknown protocol field\(s\) \['horizon'\]"):
+        experiments.fig3_protocol(horizon=10)
+    with pytest.raises(ConfigError, match="target = 2 is invalid"):
+        experiments.fig3_protocol(target=2)
+    with pytest.raises(ConfigError, match="dataset = 'mnist2' is invalid"):
+        experiments.table3_protocol(dataset="mnist2").validate()
+    with pytest.raises(ConfigError, match="unknown"):
+        experiments.reproduce("table9")
+
+
+def test_reproduce_table_on_an_in_memory_dataset(tmp_path):
+    protocol = experiments.table3_protocol(
+        quick=True,
+        num_clients=10,
+        num_rounds=6,
+        eval_every=2,
+        rows=[("sgd", 1), ("scaffold", 1)],
+        similarities=[0, 100],
+        target=0.5,
+        lr_grids={"sgd": (1.0,), "scaffold": (0.3, 1.0)},
+    )
+    summary = experiments.reproduce_table(protocol, tmp_path, quiet=True, dataset=toy_dataset())
+    assert summary["dataset"] == "toy" and summary["target"] == 0.5
+    assert [(c["method"], c["similarity"]) for c in summary["cells"]] == [
+        ("sgd", 0), ("scaffold", 0), ("sgd", 100), ("scaffold", 100)
+    ]  # fmt: skip
+    table = (tmp_path / "table3.md").read_text()
+    assert "— toy" in table and "Dataset: toy (memory)" in table
+    assert "| method | epochs | 0% | 100% |" in table
+    assert "Chosen η_l" in table and "Wall time:" in table
+    # Every η_l's records are kept; the plots show the chosen ones.
+    series = {r["series"] for r in results.read_records(tmp_path)}
+    assert len(series) == 2 * 3
+    assert (tmp_path / "accuracy.png").is_file()
+
+
+def test_a_diverging_run_says_so_in_its_folder(tmp_path):
+    config = RunConfig(num_clients=6, clients_per_round=3, client_lr=1e38, rounds=4, eval_every=2)
+    with pytest.raises(experiments.DivergenceError):
+        experiments.run(config, tmp_path, quiet=True, dataset=toy_dataset())
+    summary = results.read_summary(tmp_path)
+    assert summary["status"] == "diverged" and "diverged" in summary["error"]
+    assert results.read_records(tmp_path)[0]["round"] == 0  # the records made before stay
+
+
+def test_the_loop_grid_keeps_a_diverged_step_size(tmp_path):
+    built = experiments.build(
+        RunConfig(num_clients=6, clients_per_round=3, rounds=4), dataset=toy_dataset()
+    )
+    runs, _ = experiments.run_grid(
+        built.simulation, built.data, [0.1, 1e38], num_rounds=4, eval_every=2, use_sweep=False
+    )
+    assert [r.diverged for r in runs] == [False, True]
+    assert runs[1].records and runs[1].client_drift.shape == (4,)
+    assert experiments.choose(runs, 0.99)[0].client_lr == 0.1

@@ -5,7 +5,7 @@ vmapped across the sampled clients, and a whole round (many rounds, in fact) com
 one XLA program.
 """
 
-from scaffold_jax import algorithms, checkpoint, data, diagnostics, models, sweep
+from scaffold_jax import algorithms, checkpoint, data, diagnostics, models, sharding, sweep
 from scaffold_jax.algorithms import fedavg, fedprox, scaffold, sgd
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
 from scaffold_jax.simulate import (
@@ -53,5 +53,6 @@ __all__ = [
     "models",
     "scaffold",
     "sgd",
+    "sharding",
     "sweep",
 ]

@@ -9,6 +9,7 @@ import pytest
 from conftest import assert_trees_close, make_classification_clients, quadratic_clients
 
 import scaffold_jax as sj
+from scaffold_jax.simulate import sample_clients
 
 
 # --------------------------------------------------------------------------- reference loop
@@ -43,7 +44,7 @@ def reference_run(
     for r in range(rounds):
         round_key = jr.fold_in(root, r)
         sample_key, clients_key = jr.split(round_key)
-        ids = np.asarray(jr.choice(sample_key, n_clients, (num_sampled,), replace=False))
+        ids = np.asarray(sample_clients(sample_key, n_clients, num_sampled))
         all_ids.append(ids)
         dys, dcs, ws = [], [], []
         for i in ids:
@@ -174,7 +175,7 @@ def test_client_ids_are_distinct_and_auditable(small_data, small_problem):
     # Replay: round r's ids follow from the root key alone.
     for r in (0, 17, 29):
         sample_key = jr.split(jr.fold_in(jr.key(3), r))[0]
-        expected = jr.choice(sample_key, 7, (4,), replace=False)
+        expected = sample_clients(sample_key, 7, 4)
         np.testing.assert_array_equal(result.client_ids[r], np.asarray(expected))
     # Uniform sampling: every client is drawn, with frequency near S/N = 4/7.
     freq = np.bincount(result.client_ids.ravel(), minlength=7) / 30
@@ -328,3 +329,22 @@ def test_a_client_with_no_data_is_rejected():
 def test_unknown_weighting_is_rejected(small_problem):
     with pytest.raises(ValueError, match="weighting='size' is unknown"):
         _sim(small_problem, weighting="size")
+
+
+@pytest.mark.parametrize(("n", "s"), [(6, 2), (6, 5), (6, 6), (200, 3)])
+def test_client_sampling_is_uniform_over_subsets(n, s):
+    """Every client is drawn with probability S/N and every pair with S(S−1)/(N(N−1)),
+    for both samplers (Floyd's for S << N, a permutation otherwise)."""
+    draws = 4000
+    ids = np.asarray(jax.vmap(lambda k: sample_clients(k, n, s))(jr.split(jr.key(0), draws)))
+    assert all(len(set(row)) == s for row in ids) and ids.min() >= 0 and ids.max() < n
+    freq = np.bincount(ids.ravel(), minlength=n) / draws
+    tol = 5 * np.sqrt(s / n * (1 - s / n) / draws) + 1e-9
+    assert np.all(np.abs(freq - s / n) <= tol)
+    if n <= 6 and 1 < s < n:
+        hits = np.zeros((n, n))
+        for row in ids:
+            hits[np.ix_(row, row)] += 1
+        pair = hits[~np.eye(n, dtype=bool)] / draws
+        p = s * (s - 1) / (n * (n - 1))
+        assert np.all(np.abs(pair - p) <= 5 * np.sqrt(p * (1 - p) / draws))

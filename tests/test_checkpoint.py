@@ -120,19 +120,22 @@ def interrupted(setup, tmp_path_factory):
     """A run stopped by SIGINT (sent from its callback) after round 3."""
     sim, data, hp = setup
     directory = tmp_path_factory.mktemp("interrupted")
+    # A shell starts background jobs (`cmd &`, nohup) with SIGINT ignored, and run() rightly
+    # leaves an ignored signal alone; this test is about the default, interactive case.
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
     handler_before = signal.getsignal(signal.SIGINT)
 
     def interrupt_at_round_3(record):
         if record["round"] == 3:
             os.kill(os.getpid(), signal.SIGINT)
 
-    with pytest.raises(KeyboardInterrupt) as info:
-        sim.run(data, hp, checkpoint_dir=directory, callback=interrupt_at_round_3, **RUN_ARGS)
-    return {
-        "dir": directory,
-        "error": info.value,
-        "handler_restored": signal.getsignal(signal.SIGINT) is handler_before,
-    }
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            sim.run(data, hp, checkpoint_dir=directory, callback=interrupt_at_round_3, **RUN_ARGS)
+        restored = signal.getsignal(signal.SIGINT) is handler_before
+    finally:
+        signal.signal(signal.SIGINT, original)
+    return {"dir": directory, "error": info.value, "handler_restored": restored}
 
 
 # --------------------------------------------------------------------------- checkpoint.py

@@ -5,6 +5,8 @@ Every leaf of a client table has a leading ``[N, ...]`` client axis.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -28,8 +30,17 @@ def set_rows(table: PyTree, ids: jax.Array, rows: PyTree) -> PyTree:
 
 
 def broadcast_rows(tree: PyTree, num_rows: int) -> PyTree:
-    """Stacks ``num_rows`` copies of a single client's pytree: ``[...] -> [N, ...]``."""
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_rows, *jnp.shape(a))).copy(), tree)
+    """Stacks ``num_rows`` copies of a single client's pytree: ``[...] -> [N, ...]``.
+
+    Jitted, so the ``[N, ...]`` table is allocated once (an eager broadcast followed by a
+    copy would hold two tables at the peak: 2 x 2.3 GiB for 10^6 clients of 610 params).
+    """
+    return _broadcast_rows(tree, num_rows)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _broadcast_rows(tree: PyTree, num_rows: int) -> PyTree:
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_rows, *jnp.shape(a))), tree)
 
 
 def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:

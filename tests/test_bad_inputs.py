@@ -253,6 +253,13 @@ CASES = [
          "from_client_arrays", ValueError,
          "client 0: every leaf must share one leading example axis; got sizes {2, 3}.",
          lambda ctx: sj.from_client_arrays([{"x": np.zeros((2, 5)), "y": np.zeros(3)}])),
+    Case("fractional-batch-size", "a fractional batch size", "BatchPlan.fixed", ValueError,
+         "batch_size = 2.7 is invalid: it must be a whole number.",
+         lambda ctx: sj.BatchPlan.fixed(2.7, 3)),
+    Case("fractional-steps", "a fractional number of local steps", "BatchPlan.full",
+         ValueError,
+         "num_local_steps (K) = 1.5 is invalid: it must be a whole number.",
+         lambda ctx: sj.BatchPlan.full(1.5)),
     Case("empty-partition", "a partition with no clients", "from_partition", ValueError,
          "the partition is empty: it assigns no clients.",
          lambda ctx: sj.from_partition({"x": np.zeros((3, 2))}, [])),
@@ -406,19 +413,6 @@ CASES = [
 
 # Inputs that are NOT refused yet, in modules this test does not own (the doc lists them).
 KNOWN_GAPS = [
-    (
-        "`BatchPlan.fixed` with clients smaller than B",
-        "data/batching.py",
-        "masked slots keep positions n_i..M-1, so they gather the NEXT client's rows; a NaN or "
-        "Inf anywhere in another client's data turns the round into NaN (NaN * 0 = NaN). "
-        "`tests/test_properties.py` has strict xfails for it; `jnp.where(mask > 0, pos, 0)` "
-        "fixes it.",
-    ),
-    (
-        "non-integer B, K or epochs (`BatchPlan.fixed(2.7, 1.9)`)",
-        "data/batching.py",
-        "silently truncated by `int()` to B = 2, K = 1.",
-    ),
     (
         "labels outside [0, C) in in-memory data",
         "data/federated.py, models.py",

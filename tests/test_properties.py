@@ -129,20 +129,7 @@ def test_round_invariants(run):
         assert all(np.all(np.isfinite(np.asarray(v))) for v in metrics.values())
 
 
-def _nan_padding_case(name):
-    if CONFIGS[name][2].kind == "fixed":
-        return pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BatchPlan.fixed leaves masked slots pointing at positions >= n_i, "
-                "so a client's padded slots read its neighbour's rows (NaN * 0 = NaN)",
-            ),
-        )
-    return name
-
-
-@pytest.mark.parametrize("name", [_nan_padding_case(n) for n in CONFIGS])
+@pytest.mark.parametrize("name", list(CONFIGS))
 @SETTINGS
 @given(data=st.data())
 def test_padded_slots_never_reach_the_result(name, data):
@@ -205,11 +192,6 @@ def check_positions(plan, count, pos, mask, max_count):
         assert np.all((pos >= 0) & (pos < count))  # masked slots too (see the test below)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BatchPlan.fixed: masked slots keep positions count..max_count-1 (outside the "
-    "client); clamping them (e.g. jnp.where(mask, pos, 0)) would fix it",
-)
 def test_fixed_plan_masked_slots_stay_inside_the_client():
     pos, mask = sj.BatchPlan.fixed(batch_size=4, num_steps=2).positions(jr.key(0), 2, 6)
     assert np.all(np.asarray(pos) < 2)

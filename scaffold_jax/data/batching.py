@@ -58,19 +58,29 @@ class BatchPlan:
 
     @classmethod
     def fixed(cls, batch_size: int, num_steps: int) -> BatchPlan:
-        return cls("fixed", batch_size=int(batch_size), num_steps=int(num_steps))
+        return cls(
+            "fixed",
+            batch_size=_integer("batch_size", batch_size),
+            num_steps=_integer("num_local_steps (K)", num_steps),
+        )
 
     @classmethod
     def epochs(cls, batch_size: int, num_epochs: int) -> BatchPlan:
-        return cls("epochs", batch_size=int(batch_size), num_epochs=int(num_epochs))
+        return cls(
+            "epochs",
+            batch_size=_integer("batch_size", batch_size),
+            num_epochs=_integer("num_epochs", num_epochs),
+        )
 
     @classmethod
     def fraction_of_data(cls, fraction: float, num_epochs: int) -> BatchPlan:
-        return cls("fraction", fraction=float(fraction), num_epochs=int(num_epochs))
+        return cls(
+            "fraction", fraction=float(fraction), num_epochs=_integer("num_epochs", num_epochs)
+        )
 
     @classmethod
     def full(cls, num_steps: int = 1) -> BatchPlan:
-        return cls("full", num_steps=int(num_steps))
+        return cls("full", num_steps=_integer("num_local_steps (K)", num_steps))
 
     @property
     def steps_per_epoch_fraction(self) -> int:
@@ -109,10 +119,11 @@ class BatchPlan:
             mask = jnp.broadcast_to(slots < count, (num_steps, width))
             return pos.astype(jnp.int32), mask.astype(jnp.float32)
         if self.kind == "fixed":
-            perms = _permutations(key, count, max_count, num_steps)  # [K, max_count]
-            pos = perms[:, :width]
+            pos = _permutations(key, count, max_count, num_steps, width)  # [K, B]
             mask = jnp.broadcast_to(slots < count, (num_steps, width))
-            return pos, mask.astype(jnp.float32)
+            # Padded slots point at the client's own first example, never at a neighbour's
+            # rows: a masked slot is multiplied by 0, and NaN * 0 would still be NaN.
+            return jnp.where(mask, pos, 0), mask.astype(jnp.float32)
         if self.kind == "epochs":
             perms = _permutations(key, count, max_count, self.num_epochs)  # [E, max_count]
             batch = self.batch_size
@@ -139,9 +150,28 @@ class BatchPlan:
         return jnp.where(valid, pos, 0).astype(jnp.int32), valid.astype(jnp.float32)
 
 
-def _permutations(key: jax.Array, count: jax.Array, max_count: int, num: int) -> jax.Array:
+def _integer(name: str, value) -> int:
+    """``value`` as an int; a fractional value is an error, not a silent truncation."""
+    if isinstance(value, bool) or int(value) != value:
+        raise ValueError(f"{name} = {value!r} is invalid: it must be a whole number.")
+    return int(value)
+
+
+def _permutations(
+    key: jax.Array, count: jax.Array, max_count: int, num: int, width: int | None = None
+) -> jax.Array:
     """``num`` independent permutations; the first ``count`` entries of each row are a
-    uniformly random permutation of ``[0, count)`` (padding sorts to the end)."""
+    uniformly random permutation of ``[0, count)`` (padding sorts to the end).
+
+    Only the first ``width`` entries of each row are returned (default: all ``max_count``).
+    They are the indices of the ``width`` smallest of ``max_count`` uniforms, taken with
+    ``lax.top_k`` on the negated uniforms: the same values, in the same order, as a stable
+    ``argsort(u)[:, :width]`` (top_k puts the lower index first on ties, as a stable sort
+    does), but a partial selection instead of a full comparator sort, which on CPU is
+    4-6x cheaper for a fixed plan's few slots out of a client's examples and ~1.7x
+    cheaper even for a whole permutation (benchmarks/README.md).
+    """
+    width = max_count if width is None else width
     u = jr.uniform(key, (num, max_count))
     u = jnp.where(jnp.arange(max_count) < count, u, 2.0)
-    return jnp.argsort(u, axis=-1).astype(jnp.int32)
+    return jax.lax.top_k(-u, width)[1].astype(jnp.int32)

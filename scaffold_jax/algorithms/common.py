@@ -59,14 +59,18 @@ def local_update(
     batches,
     mask,
     correction: Correction | None = None,
+    offset: PyTree | None = None,
 ):
-    """K corrected local steps from x.
+    """K corrected local steps from x (see :func:`~scaffold_jax.local.local_sgd` for
+    ``correction`` and ``offset``).
 
     Returns:
       ``(y, output, info)``: the final params, a :class:`ClientOutput` without controls
       (weight 1) and the solver's :class:`~scaffold_jax.local.LocalResult`.
     """
-    y, info = local_sgd(loss_fn, server_params, batches, mask, hparams.client_lr, correction)
+    y, info = local_sgd(
+        loss_fn, server_params, batches, mask, hparams.client_lr, correction, offset
+    )
     delta = optax.tree.sub(y, server_params)
     output = ClientOutput(
         delta_params=delta,

@@ -32,8 +32,8 @@ def fedprox(loss_fn, server_optimizer: optax.GradientTransformation | None = Non
         del key
         x = server_state.params
 
-        def proximal(y, grad):
-            return optax.tree.add_scale(grad, hparams.prox_mu, optax.tree.sub(y, x))
+        def proximal(y):
+            return optax.tree.scale(hparams.prox_mu, optax.tree.sub(y, x))
 
         _, output, _ = local_update(loss_fn, hparams, x, batches, mask, proximal)
         return client_state, output

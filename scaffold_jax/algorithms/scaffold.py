@@ -103,10 +103,9 @@ def scaffold(
         x, c = server_state.params, server_state.control
         c_i = optax.tree.cast(client_state.control, jnp.float32)
 
-        def corrected(y, grad):
-            return optax.tree.add(optax.tree.sub(grad, c_i), c)
-
-        y, output, info = local_update(loss_fn, hparams, x, batches, mask, corrected)
+        # Every local gradient is corrected by the same c - c_i.
+        offset = optax.tree.sub(c, c_i)
+        y, output, info = local_update(loss_fn, hparams, x, batches, mask, offset=offset)
         if option == 2:
             steps = jnp.maximum(info.num_steps, 1).astype(jnp.float32)
             c_plus = optax.tree.add_scale(

@@ -1,0 +1,687 @@
+"""The benchmark workloads of issue 6 and the programs that time them.
+
+Workloads (synthetic data with the real shapes: 28×28 uint8 images, int32 labels; the cost
+of a round does not depend on pixel values):
+
+====== ==================================== ===== =========================== =========
+name   clients × examples                   S     local steps                 model
+====== ==================================== ===== =========================== =========
+W1     1,000 × 60, 10 classes               100   K = 5, B = 12 (fixed)       logreg
+W2     100 × 1,128, 47 classes              20    5 epochs at 0.2 (K = 25)    logreg
+W2-mlp as W2                                20    as W2                       MLP 256²
+W3     10,000 × 50, 10 classes              1,000 K = 10, B = 10 (fixed)      logreg
+====== ==================================== ===== =========================== =========
+
+(1,128 examples per client is EMNIST-balanced's 112,800 training images over 100 clients.)
+
+Every workload runs for SCAFFOLD (option II and I), FedAvg, FedProx and SGD. For each,
+three programs do the same gradient work, and are timed in ONE process, interleaved, so
+that their ratios survive a noisy shared machine:
+
+* ``engine``: :meth:`Simulation.run_rounds` — R rounds as one compiled ``lax.scan``:
+  sampling, batch drawing and gathering, the vmapped local solver, aggregation, the client
+  table scatter, metrics.
+* ``bare``: the floor of this formulation — the smallest JAX program doing the same
+  per-client gradient work on PRE-GATHERED batches ``[S, K, B, ...]``: ``vmap`` over the S
+  clients of a K-step ``lax.scan`` of ``x ← x − η ∇ mean loss`` with the same flax loss,
+  no sampling, no masks, no client table; the only "aggregation" is ``x ← mean_S y``, which
+  keeps XLA from hoisting the round out of the loop. SGD's bare program is one gradient
+  over the K·B examples per client; SCAFFOLD option I's adds that gradient to the K steps.
+  ``bare`` takes the gradient with respect to the params as stored (kernels ``[in, out]``);
+  ``bare_tuned`` does the same work with kernels carried ``[out, in]`` (the compute layout
+  of :mod:`scaffold_jax.local`), the fastest formulation of the local step we found.
+* ``loop``: the per-client loop — a jitted client function (batch drawing + K steps) called
+  from Python once per sampled client, then a jitted server update (how most simulators
+  run; see ``bench_round.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+import scaffold_jax as sj
+from scaffold_jax.simulate import client_keys, round_key_and_ids
+from scaffold_jax.tree import set_rows, sq_norm, take_rows, weighted_mean
+
+IMAGE_SHAPE = (28, 28)
+ALGORITHMS = ("scaffold", "scaffold-I", "fedavg", "fedprox", "sgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A benchmark workload (all static)."""
+
+    name: str
+    num_clients: int
+    per_client: int
+    num_classes: int
+    clients_per_round: int
+    plan: sj.BatchPlan
+    model: str = "logreg"  # or "mlp"
+    hidden_sizes: tuple[int, ...] = (256, 256)
+    rounds: int = 10  # rounds per compiled engine program (timing)
+    loop_rounds: int = 2  # rounds of the per-client loop (timing)
+
+    @property
+    def steps_and_batch(self) -> tuple[int, int]:
+        return self.plan.shape(self.per_client)
+
+    def describe(self) -> str:
+        k, b = self.steps_and_batch
+        return (
+            f"{self.name}: N={self.num_clients}×{self.per_client}, d=784, "
+            f"{self.num_classes} classes, {self.model}, S={self.clients_per_round}, K={k}, "
+            f"B={b} ({self.plan.kind})"
+        )
+
+
+WORKLOADS: dict[str, Workload] = {
+    "W1": Workload("W1", 1000, 60, 10, 100, sj.BatchPlan.fixed(12, 5), rounds=20, loop_rounds=3),
+    "W2": Workload(
+        "W2", 100, 1128, 47, 20, sj.BatchPlan.fraction_of_data(0.2, 5), rounds=2, loop_rounds=1
+    ),
+    "W2-mlp": Workload(
+        "W2-mlp",
+        100,
+        1128,
+        47,
+        20,
+        sj.BatchPlan.fraction_of_data(0.2, 5),
+        model="mlp",
+        rounds=1,
+        loop_rounds=1,
+    ),
+    "W3": Workload("W3", 10_000, 50, 10, 1000, sj.BatchPlan.fixed(10, 10), rounds=3, loop_rounds=1),
+}
+
+# --quick: the same shapes per client, fewer clients and examples (a smoke test of the
+# scripts, e.g. in CI; the numbers mean little).
+QUICK: dict[str, Workload] = {
+    "W1": dataclasses.replace(WORKLOADS["W1"], num_clients=200, clients_per_round=20, rounds=3),
+    "W2": dataclasses.replace(WORKLOADS["W2"], num_clients=10, per_client=120, clients_per_round=4),
+    "W2-mlp": dataclasses.replace(
+        WORKLOADS["W2-mlp"],
+        num_clients=10,
+        per_client=120,
+        clients_per_round=4,
+        hidden_sizes=(32, 32),
+    ),
+    "W3": dataclasses.replace(WORKLOADS["W3"], num_clients=400, clients_per_round=40, rounds=2),
+}
+
+
+def get_workload(name: str, quick: bool = False) -> Workload:
+    table = QUICK if quick else WORKLOADS
+    if name not in table:
+        raise ValueError(f"workload {name!r} is unknown; use one of {sorted(table)}.")
+    return table[name]
+
+
+# ----------------------------------------------------------------------------- the problem
+def make_data(w: Workload, seed: int = 0) -> sj.FederatedData:
+    """Synthetic uint8 images and int32 labels, client i at rows ``[i n, (i + 1) n)``.
+
+    Built directly as a :class:`FederatedData` (no concatenation), so the host holds one
+    copy of the examples while they are moved to the device.
+    """
+    rng = np.random.default_rng(seed)
+    n = w.num_clients * w.per_client
+    x = rng.integers(0, 256, (n, *IMAGE_SHAPE), dtype=np.uint8)
+    y = rng.integers(0, w.num_classes, n).astype(np.int32)
+    test = {"x": jnp.asarray(x[:1000]), "y": jnp.asarray(y[:1000])}
+    examples = {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+    del x, y
+    counts = np.full(w.num_clients, w.per_client, np.int32)
+    return sj.FederatedData(
+        examples=examples,
+        offsets=jnp.asarray(np.arange(w.num_clients) * w.per_client, jnp.int32),
+        counts=jnp.asarray(counts),
+        test=test,
+        num_clients=w.num_clients,
+        max_count=w.per_client,
+    )
+
+
+def make_problem(w: Workload) -> sj.Problem:
+    if w.model == "logreg":
+        return sj.models.logistic_regression(IMAGE_SHAPE, w.num_classes)
+    return sj.models.mlp(IMAGE_SHAPE, w.num_classes, hidden_sizes=w.hidden_sizes)
+
+
+def make_algorithm(name: str, loss_fn) -> sj.Algorithm:
+    if name == "scaffold":
+        return sj.scaffold(loss_fn, option=2)
+    if name == "scaffold-I":
+        return sj.scaffold(loss_fn, option=1)
+    return sj.algorithms.make(name, loss_fn)
+
+
+def make_hparams(name: str) -> sj.HParams:
+    return sj.hparams(client_lr=0.05, prox_mu=0.01 if name == "fedprox" else 0.0)
+
+
+def gradient_kind(name: str) -> str:
+    """The per-client gradient work of an algorithm: "steps", "steps+grad" or "grad"."""
+    return {"sgd": "grad", "scaffold-I": "steps+grad"}.get(name, "steps")
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def layer_dims(w: Workload) -> list[tuple[int, int]]:
+    d = math.prod(IMAGE_SHAPE)
+    sizes = [d, *(w.hidden_sizes if w.model == "mlp" else ()), w.num_classes]
+    return list(zip(sizes[:-1], sizes[1:], strict=True))
+
+
+def flops_per_example_gradient(w: Workload) -> int:
+    """Matmul FLOPs of one example's forward and backward pass (2 per multiply-add):
+    forward, weight gradients, and input gradients of every layer but the first."""
+    dims = layer_dims(w)
+    macs = sum(i * o for i, o in dims)
+    return 2 * macs + 2 * macs + 2 * sum(i * o for i, o in dims[1:])
+
+
+def examples_per_client_round(w: Workload, name: str) -> int:
+    """Examples whose gradient one client computes in a round (real ones, not padding)."""
+    k, b = w.steps_and_batch
+    drawn = w.plan.num_epochs * w.per_client if w.plan.kind in ("fraction", "epochs") else k * b
+    return {"steps": drawn, "grad": drawn, "steps+grad": 2 * drawn}[gradient_kind(name)]
+
+
+def flops_per_round(w: Workload, name: str) -> int:
+    return w.clients_per_round * examples_per_client_round(w, name) * flops_per_example_gradient(w)
+
+
+# ----------------------------------------------------------------------------- programs
+def engine_program(w: Workload, name: str, data, problem):
+    """``(run, state, args, compile_s, memory)``: the compiled ``run_rounds`` program."""
+    alg = make_algorithm(name, problem.loss_fn)
+    sim = sj.Simulation(alg, problem, w.plan, w.clients_per_round)
+    hp = make_hparams(name)
+    state = sim.init(data)
+    key = jr.key(0)
+    start, cpu_start = time.perf_counter(), cpu_seconds()
+    compiled = sim.run_rounds.lower(hp, state, data, key, num_rounds=w.rounds).compile()
+    compile_s = (time.perf_counter() - start, cpu_seconds() - cpu_start)
+    memory = memory_stats(compiled)
+
+    def run(state):
+        return compiled(hp, state, data, key)[0]
+
+    return sim, run, state, compile_s, memory
+
+
+def memory_stats(compiled) -> dict[str, int] | None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return {
+        k: int(getattr(stats, k))
+        for k in (
+            "argument_size_in_bytes",
+            "output_size_in_bytes",
+            "alias_size_in_bytes",
+            "temp_size_in_bytes",
+        )
+    }
+
+
+# ------------------------------------------------------- the proposed simulate.py change
+CHUNK_BUDGET_BYTES = 16 * 2**20
+
+
+def per_client_bytes(batch_shapes, params) -> int:
+    """Working set of one client's local work: its ``[K, B, ...]`` batches, one step's
+    batch converted to float32, and ~4 params-sized buffers (iterate, gradient, control or
+    offset, output)."""
+    leaves = jax.tree.leaves(batch_shapes)
+    batches = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in leaves)
+    one_step_f32 = sum(4 * math.prod(a.shape[1:]) for a in leaves)
+    return int(batches + one_step_f32 + 4 * tree_bytes(params))
+
+
+def auto_client_chunk(sim, data, budget: int = CHUNK_BUDGET_BYTES) -> int | None:
+    """Clients per vmapped chunk: all S on an accelerator (None); on CPU as many as fit
+    ``budget`` bytes of working set (so that a chunk's K steps run in cache), at least 1."""
+    if jax.default_backend() != "cpu":
+        return None
+    batches, _ = jax.eval_shape(lambda: data.client_batches(jnp.int32(0), jr.key(0), sim.plan))
+    chunk = max(1, budget // per_client_bytes(batches, sim.problem.params))
+    return balanced_chunk(sim.clients_per_round, chunk)
+
+
+def balanced_chunk(num: int, chunk: int) -> int | None:
+    """A chunk size near ``chunk`` (at most) that splits ``num`` evenly when it can: the
+    largest divisor of ``num`` in ``[chunk / 2, chunk]``, else ``ceil(num / n)`` for the
+    fewest chunks n (``lax.map`` runs a remainder as one more, separately compiled, vmap).
+    None when one chunk holds all."""
+    if chunk >= num:
+        return None
+    for size in range(chunk, max(1, chunk // 2) - 1, -1):
+        if num % size == 0:
+            return size
+    return -(-num // -(-num // chunk))
+
+
+def proposed_round_fn(sim, client_chunk: int | None):
+    """A benchmark-local copy of ``Simulation.round_fn`` with the PROPOSED change: each
+    sampled client's batches are drawn inside its own (vmapped) work, and the S clients
+    run ``client_chunk`` at a time (``lax.map(..., batch_size=client_chunk)``; None: all S
+    at once, as now). Everything else is the current round, line for line.
+    """
+
+    def round_fn(hparams, state, data, key):
+        num_clients, num_sampled = data.num_clients, sim.clients_per_round
+        round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled)
+        ids = sim._constrain(ids, "replicated")
+        keys = client_keys(round_key, ids)
+        work_ids, keys = sim._constrain((ids, keys), "sampled")
+        rows = sim._constrain(take_rows(state.clients, ids), "sampled")
+
+        def client_work(client_id, client_key, row):
+            batches, mask = data.client_batches(client_id, client_key, sim.plan)
+            return sim.algorithm.client_update(
+                hparams, state.server, row, batches, mask, client_key
+            )
+
+        if client_chunk is None or client_chunk >= num_sampled:
+            new_rows, outputs = jax.vmap(client_work)(work_ids, keys, rows)
+        else:
+            new_rows, outputs = jax.lax.map(
+                lambda a: client_work(*a), (work_ids, keys, rows), batch_size=client_chunk
+            )
+        if sim.weighting == "num_examples":
+            weights = data.counts[ids].astype(jnp.float32)
+            total_weight = jnp.sum(data.counts.astype(jnp.float32))
+        else:
+            weights = jnp.ones((num_sampled,), jnp.float32)
+            total_weight = jnp.asarray(num_clients, jnp.float32)
+        outputs = outputs._replace(weight=weights)
+        server = sim.algorithm.server_update(hparams, state.server, outputs, total_weight)
+        clients = set_rows(state.clients, ids, sim._constrain(new_rows, "replicated"))
+        metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
+        metrics["client_ids"] = ids
+        metrics["client_drift"] = jnp.mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
+        metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
+        new_state = sj.SimState(server=server, clients=clients, round=state.round + 1)
+        return sim._constrain(new_state, "state"), sim._constrain(metrics, "replicated")
+
+    return round_fn
+
+
+def proposed_program(w: Workload, name: str, data, problem, client_chunk="auto"):
+    """Like :func:`engine_program`, for :func:`proposed_round_fn` (same state, donated)."""
+    alg = make_algorithm(name, problem.loss_fn)
+    sim = sj.Simulation(alg, problem, w.plan, w.clients_per_round)
+    if client_chunk == "auto":
+        client_chunk = auto_client_chunk(sim, data)
+    round_fn = proposed_round_fn(sim, client_chunk)
+    rounds = w.rounds
+
+    def run_rounds(hparams, state, data, key):
+        return jax.lax.scan(
+            lambda s, _: round_fn(hparams, s, data, key), state, None, length=rounds
+        )
+
+    hp = make_hparams(name)
+    state = sim.init(data)
+    key = jr.key(0)
+    start, cpu_start = time.perf_counter(), cpu_seconds()
+    compiled = jax.jit(run_rounds, donate_argnums=(1,)).lower(hp, state, data, key).compile()
+    compile_s = (time.perf_counter() - start, cpu_seconds() - cpu_start)
+
+    def run(state):
+        return compiled(hp, state, data, key)[0]
+
+    return run, state, compile_s, memory_stats(compiled), client_chunk
+
+
+def _swap_minor(tree, flips):
+    return jax.tree.map(lambda a, f: jnp.swapaxes(a, -1, -2) if f else a, tree, flips)
+
+
+def bare_program(w: Workload, name: str, problem, tuned: bool, seed: int = 1):
+    """``(run, x0)``: R rounds of the bare per-client gradient work (module docstring).
+
+    ``tuned``: kernels carried ``[out, in]`` and, on CPU, the S clients run in chunks that
+    fit :data:`CHUNK_BUDGET_BYTES` (as :func:`auto_client_chunk`).
+    """
+    k, b = w.steps_and_batch
+    s = w.clients_per_round
+    rng = np.random.default_rng(seed)
+    xs = jnp.asarray(rng.integers(0, 256, (s, k, b, *IMAGE_SHAPE), dtype=np.uint8))
+    ys = jnp.asarray(rng.integers(0, w.num_classes, (s, k, b)).astype(np.int32))
+    lr = 0.05
+    kind = gradient_kind(name)
+    params = jax.tree.map(jnp.asarray, problem.params)
+    flips = jax.tree.map(lambda a: tuned and a.ndim >= 2 and a.shape[-1] < a.shape[-2], params)
+
+    def grad(p_layout, x, y):
+        def loss(p):
+            return jnp.mean(problem.loss_fn(_swap_minor(p, flips), {"x": x, "y": y}))
+
+        return jax.grad(loss)(p_layout)
+
+    def client(p, cx, cy):  # p in the compute layout; cx [K, B, ...]
+        out = p
+        if kind in ("steps", "steps+grad"):
+
+            def step(q, batch):
+                g = grad(q, *batch)
+                return jax.tree.map(lambda a, gg: a - lr * gg, q, g), None
+
+            out, _ = jax.lax.scan(step, p, (cx, cy))
+        if kind in ("grad", "steps+grad"):
+            flat_x = cx.reshape(-1, *cx.shape[2:])
+            g = grad(p, flat_x, cy.reshape(-1))
+            out = jax.tree.map(lambda a, gg: a - lr * gg, out, g)
+        return out
+
+    rounds = w.rounds
+    chunk = None
+    if tuned and jax.default_backend() == "cpu":
+        shapes = {"x": jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), "y": ys[0]}
+        chunk = balanced_chunk(s, max(1, CHUNK_BUDGET_BYTES // per_client_bytes(shapes, params)))
+
+    @jax.jit
+    def run(x):
+        def one(p, _):
+            # The barrier ties the batches to the round, so that XLA cannot hoist work on
+            # them (the uint8 -> float32 conversion) out of the round loop.
+            p, bx, by = jax.lax.optimization_barrier((p, xs, ys))
+            if chunk is None:
+                y = jax.vmap(client, in_axes=(None, 0, 0))(p, bx, by)
+            else:
+                y = jax.lax.map(lambda a: client(p, *a), (bx, by), batch_size=chunk)
+            return jax.tree.map(lambda a: jnp.mean(a, axis=0), y), None
+
+        p, _ = jax.lax.scan(one, _swap_minor(x, flips), None, length=rounds)
+        return _swap_minor(p, flips)
+
+    return run, params
+
+
+def loop_program(sim, data, hp):
+    """One round of the per-client loop: Python iterates over the sampled clients."""
+    alg, plan, w_s = sim.algorithm, sim.plan, sim.clients_per_round
+
+    @jax.jit
+    def client(hp, server, row, client_id, key):
+        batches, mask = data.client_batches(client_id, key, plan)
+        return alg.client_update(hp, server, row, batches, mask, key)
+
+    @jax.jit
+    def server_step(hp, server, outputs):
+        return alg.server_update(hp, server, outputs, jnp.float32(data.num_clients))
+
+    sample = jax.jit(lambda key, r: round_key_and_ids(key, r, data.num_clients, w_s))
+    key = jr.key(0)
+
+    def one_round(state):
+        round_key, ids = sample(key, state.round)
+        keys = client_keys(round_key, ids)
+        rows_out, outs = [], []
+        for s in range(w_s):
+            row = take_rows(state.clients, ids[s])
+            new_row, out = client(hp, state.server, row, ids[s], keys[s])
+            rows_out.append(new_row)
+            outs.append(out)
+        outputs = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+        server = server_step(hp, state.server, outputs)
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *rows_out)
+        clients = jax.tree.map(lambda a, v: a.at[ids].set(v), state.clients, stacked)
+        return sj.SimState(server, clients, state.round + 1)
+
+    return one_round
+
+
+# ----------------------------------------------------------------------------- measuring
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(fn, arg, cpu: list | None = None):
+    """``(fn(arg), wall seconds)``; appends the CPU seconds to ``cpu`` when given."""
+    cpu_start = cpu_seconds()
+    start = time.perf_counter()
+    out = fn(arg)
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - start
+    if cpu is not None:
+        cpu.append(cpu_seconds() - cpu_start)
+    return out, wall
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(np.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+
+
+def _interleaved(
+    programs: dict, repeats: int, rounds: dict, stateless=("bare", "bare_tuned")
+) -> tuple[dict, dict, dict]:
+    """Runs every ``(fn, arg)`` of ``programs`` once per repeat, in turn. A program's
+    output is its next argument (the engine's state, donated), except for the
+    ``stateless`` ones (the bare programs restart from the same params). Returns
+    per-round wall and CPU seconds (lists) and the final arguments."""
+    args = {k: a for k, (_, a) in programs.items()}
+    wall = {k: [] for k in programs}
+    cpu = {k: [] for k in programs}
+    for repeat in range(repeats + 1):  # repeat 0 is the warm-up
+        for k, (fn, _) in programs.items():
+            c: list[float] = []
+            out, t = _timed(fn, args[k], c)
+            if k not in stateless:
+                args[k] = out
+            if repeat:
+                wall[k].append(t / rounds[k])
+                cpu[k].append(c[0] / rounds[k])
+    return wall, cpu, args
+
+
+def measure(
+    w: Workload,
+    name: str,
+    data,
+    problem,
+    repeats: int = 5,
+    loop: bool = True,
+    proposed: bool = True,
+) -> dict[str, Any]:
+    """Times engine, proposed, bare and bare_tuned (interleaved, min of ``repeats``), then
+    the per-client loop. Everything in ms per round.
+
+    Memory: ``engine_rss_mib`` is the process's peak RSS after the engine alone has been
+    compiled and run (data + client table + the round's working set + XLA itself; in a
+    fresh process, as ``run_all.py`` runs each algorithm, it is the engine's own peak);
+    ``peak_rss_mib`` is the peak after everything (bare programs, loop) ran.
+    """
+    rss_before = peak_rss_mib()
+    sim, engine, state, compile_s, memory = engine_program(w, name, data, problem)
+    state, _ = _timed(engine, state)
+    state, _ = _timed(engine, state)
+    engine_rss = peak_rss_mib()
+    programs = {"engine": (engine, state)}
+    rounds = {"engine": w.rounds}
+    chunk = None
+    if proposed:
+        chunk = auto_client_chunk(sim, data)
+        if chunk is not None:
+            run, pstate, pcompile, pmemory, _ = proposed_program(w, name, data, problem, chunk)
+            programs["proposed"] = (run, pstate)
+            rounds["proposed"] = w.rounds
+    for tuned, key in ((False, "bare"), (True, "bare_tuned")):
+        fn, x0 = bare_program(w, name, problem, tuned=tuned)
+        programs[key] = (fn, x0)
+        rounds[key] = w.rounds
+    start = time.perf_counter()
+    jax.block_until_ready(programs["bare"][0](programs["bare"][1]))
+    bare_compile_s = time.perf_counter() - start
+    wall, cpu, args = _interleaved(programs, repeats, rounds)
+    best = {k: min(v) for k, v in wall.items()}
+    best_cpu = {k: min(v) for k, v in cpu.items()}
+    state = args["engine"]
+    row: dict[str, Any] = {
+        "workload": w.name,
+        "algorithm": name,
+        "rounds_per_program": w.rounds,
+        "repeats": repeats,
+        "compile_s": compile_s[0],
+        "compile_cpu_s": compile_s[1],
+        "bare_compile_s": bare_compile_s,
+        "engine_ms": best["engine"] * 1e3,
+        "bare_ms": best["bare"] * 1e3,
+        "bare_tuned_ms": best["bare_tuned"] * 1e3,
+        "engine_over_bare": best["engine"] / best["bare"],
+        "engine_over_bare_tuned": best["engine"] / best["bare_tuned"],
+        # the ratio per repeat (the two measured back to back), median
+        "engine_over_bare_median": float(np.median(np.divide(wall["engine"], wall["bare"]))),
+        # CPU time (all threads) per round: insensitive to being descheduled by neighbours
+        "cpu_ms": {k: v * 1e3 for k, v in best_cpu.items()},
+        "all_ms": {k: [t * 1e3 for t in v] for k, v in wall.items()},
+        "flops_per_round": flops_per_round(w, name),
+        "memory_analysis": memory,
+        "client_table_bytes": tree_bytes(state.clients),
+        "data_bytes": tree_bytes(data.examples),
+        "client_chunk": chunk,
+        "rss_before_engine_mib": rss_before,
+        "engine_rss_mib": engine_rss,
+    }
+    if "proposed" in best:
+        row["proposed_ms"] = best["proposed"] * 1e3
+        row["proposed_over_bare"] = best["proposed"] / best["bare"]
+        row["proposed_over_bare_tuned"] = best["proposed"] / best["bare_tuned"]
+        row["proposed_compile_s"] = pcompile[0]
+        row["proposed_memory_analysis"] = pmemory
+    fastest = min(best.get("proposed", np.inf), best["engine"])
+    row["engine_gflops"] = row["flops_per_round"] / best["engine"] / 1e9
+    row["best_gflops"] = row["flops_per_round"] / fastest / 1e9
+    row["bare_gflops"] = row["flops_per_round"] / best["bare"] / 1e9
+    row["bare_tuned_gflops"] = row["flops_per_round"] / best["bare_tuned"] / 1e9
+    if memory is not None and row["client_table_bytes"]:
+        # A hidden per-round copy of the [N, ...] table would show up as temp space of at
+        # least its size; the donated table is aliased to the output instead.
+        row["temp_over_table"] = memory["temp_size_in_bytes"] / row["client_table_bytes"]
+        row["alias_over_table"] = memory["alias_size_in_bytes"] / row["client_table_bytes"]
+    if loop:
+        one_round = loop_program(sim, data, make_hparams(name))
+        lstate = sim.init(data)
+        lstate, _ = _timed(one_round, lstate)  # compile
+        loop_times = []
+        for _ in range(w.loop_rounds):
+            lstate, t = _timed(one_round, lstate)
+            loop_times.append(t)
+        row["loop_ms"] = min(loop_times) * 1e3
+        row["loop_over_engine"] = row["loop_ms"] / row["engine_ms"]
+        if "proposed_ms" in row:
+            row["loop_over_proposed"] = row["loop_ms"] / row["proposed_ms"]
+    row["peak_rss_mib"] = peak_rss_mib()
+    return row
+
+
+# ----------------------------------------------------------------------------- ablation
+def _argsort_permutations(key, count, max_count, num, width=None):
+    """The sampler before the top_k change (a full stable argsort per step)."""
+    u = jr.uniform(key, (num, max_count))
+    u = jnp.where(jnp.arange(max_count) < count, u, 2.0)
+    perms = jnp.argsort(u, axis=-1).astype(jnp.int32)
+    return perms if width is None else perms[:, :width]
+
+
+class _patched:
+    """Temporarily replaces module attributes while a program is traced."""
+
+    def __init__(self, patches):
+        self.patches = patches
+        self.saved = []
+
+    def __enter__(self):
+        for module, attr, value in self.patches:
+            self.saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+
+    def __exit__(self, *exc):
+        for module, attr, value in reversed(self.saved):
+            setattr(module, attr, value)
+
+
+def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[dict]:
+    """ms/round of the engine with each optimisation undone or added, in one process.
+
+    Stages (cumulative): ``before`` (argsort sampler, kernels in their stored layout),
+    ``+top_k sampler``, ``+compute layout`` (= the engine now), ``+client chunks`` (the
+    proposed simulate.py change); and, apart, the engine now with ONE round per compiled
+    call (no multi-round scan), with that and no donation, and with float32 instead of
+    uint8 images.
+    """
+    import scaffold_jax.data.batching as batching
+    import scaffold_jax.local as local
+
+    no_flips = lambda params: jax.tree.map(lambda a: False, params)  # noqa: E731
+    sorted_sampler = (batching, "_permutations", _argsort_permutations)
+    stored_layout = (local, "_compute_layout_flips", no_flips)
+    programs, rounds, compile_s = {}, {}, {}
+
+    def add(label, patches=(), w_=w, data_=data, donate=True):
+        with _patched(patches):
+            alg = make_algorithm(name, problem.loss_fn)
+            sim = sj.Simulation(alg, problem, w_.plan, w_.clients_per_round)
+            hp, key, state = make_hparams(name), jr.key(0), sim.init(data_)
+            fn = jax.jit(
+                sim.run_rounds_fn,
+                static_argnames=("num_rounds",),
+                donate_argnums=(1,) if donate else (),
+            )
+            start = time.perf_counter()
+            compiled = fn.lower(hp, state, data_, key, num_rounds=w_.rounds).compile()
+            compile_s[label] = time.perf_counter() - start
+        programs[label] = (lambda st, c=compiled, d=data_: c(hp, st, d, key)[0], state)
+        rounds[label] = w_.rounds
+
+    add("ablation: before (argsort sampler, stored layout)", (sorted_sampler, stored_layout))
+    add("ablation: + top_k sampler", (stored_layout,))
+    add("ablation: + compute layout (engine now)")
+    run, state, pcompile, _, chunk = proposed_program(w, name, data, problem)
+    if chunk is not None:
+        programs[f"ablation: + client chunks of {chunk} (proposed)"] = (run, state)
+        rounds[f"ablation: + client chunks of {chunk} (proposed)"] = w.rounds
+        compile_s[f"ablation: + client chunks of {chunk} (proposed)"] = pcompile[0]
+    one = dataclasses.replace(w, rounds=1)
+    add("ablation: engine now, 1 round per call", w_=one)
+    add("ablation: engine now, 1 round per call, no donation", w_=one, donate=False)
+    float_data = data.replace(
+        examples={**data.examples, "x": data.examples["x"].astype(jnp.float32) / 255.0}
+    )
+    add("ablation: engine now, float32 images", data_=float_data)
+    wall, cpu, _ = _interleaved(programs, repeats, rounds)
+    return [
+        {
+            "workload": w.name,
+            "algorithm": name,
+            "variant": label.removeprefix("ablation: "),
+            "ms": min(wall[label]) * 1e3,
+            "cpu_ms": min(cpu[label]) * 1e3,
+            "median_ms": float(np.median(wall[label])) * 1e3,
+            "compile_s": compile_s[label],
+        }
+        for label in programs
+    ]

@@ -6,7 +6,7 @@ For each algorithm of a workload (see ``workloads.py``), in ONE process: the eng
 timed interleaved, min of ``--repeats``; the per-client Python loop; compile time; peak RSS;
 ``compiled.memory_analysis()`` of the engine program; achieved GFLOP/s (matmul FLOPs of the
 gradients, see ``workloads.flops_per_example_gradient``) and its fraction of the dense
-matmul peak measured at the start of the run (``bench_machine.py``).
+matmul peak (``bench_machine.py``, measured after the workload unless given).
 
 Examples:
   python benchmarks/bench_workloads.py --workload W1 --out w1.json
@@ -98,8 +98,10 @@ def run(
     w = workloads.get_workload(workload, quick)
     if rounds is not None:
         w = dataclasses.replace(w, rounds=rounds)
-    if machine is None:
-        machine = bench_machine.measure(quick=True)
+    import jax
+
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(1.0))  # JAX and XLA up, nothing else
+    rss_baseline = workloads.peak_rss_mib()
     start = time.perf_counter()
     data = workloads.make_data(w)
     problem = workloads.make_problem(w)
@@ -108,18 +110,21 @@ def run(
         print(w.describe(), f"(data {time.perf_counter() - start:.1f} s)", flush=True)
     rows = []
     for name in algorithms:
-        row = workloads.measure(w, name, data, problem, repeats=repeats, loop=loop)
-        for key in ("engine", "best", "bare", "bare_tuned"):
-            row[f"{key}_peak_fraction"] = row[f"{key}_gflops"] / machine["peak_gflops"]
-        row["peak_fraction"] = row["best_peak_fraction"]
-        rows.append(row)
+        rows.append(workloads.measure(w, name, data, problem, repeats=repeats, loop=loop))
         if verbose:
-            print(format_table([row]).splitlines()[1], flush=True)
+            print(format_table(rows[-1:]).splitlines()[1], flush=True)
     ablation_rows = []
     for name in ablation:
         ablation_rows += workloads.ablation(w, name, data, problem, repeats=repeats)
         if verbose:
             print(format_table(ablation_rows, ABLATION_COLUMNS), flush=True)
+    if machine is None:
+        # Measured last, so that its buffers do not count in the workloads' peak RSS.
+        machine = bench_machine.measure(quick=True)
+    for row in rows:
+        for key in ("engine", "best", "bare", "bare_tuned"):
+            row[f"{key}_peak_fraction"] = row[f"{key}_gflops"] / machine["peak_gflops"]
+        row["peak_fraction"] = row["best_peak_fraction"]
     return {
         "workload": {
             **{k: v for k, v in dataclasses.asdict(w).items() if k != "plan"},
@@ -129,6 +134,7 @@ def run(
             "quick": quick,
         },
         "machine": machine,
+        "peak_rss_baseline_mib": rss_baseline,
         "peak_rss_after_data_mib": rss_data,
         "rows": rows,
         "ablation": ablation_rows,

@@ -102,6 +102,36 @@ def markdown(summary: dict) -> str:
                 )
                 + " |"
             )
+    mib = 2**20
+    lines += [
+        "",
+        "| workload | algorithm | data MiB | table MiB | temp MiB (engine) | temp MiB (chunked) "
+        "| aliased MiB | RSS MiB: baseline | before engine | engine (resident) "
+        "| engine (peak) |",
+        "|" + "---|" * 11,
+    ]
+    for result in summary["workloads"].values():
+        for r in result["rows"]:
+            m, pm = r["memory_analysis"] or {}, r.get("proposed_memory_analysis") or {}
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        r["workload"],
+                        r["algorithm"],
+                        f"{r['data_bytes'] / mib:.0f}",
+                        f"{r['client_table_bytes'] / mib:.1f}",
+                        _fmt(m.get("temp_size_in_bytes", 0) / mib, "{:.0f}"),
+                        _fmt(pm["temp_size_in_bytes"] / mib if pm else None, "{:.0f}"),
+                        _fmt(m.get("alias_size_in_bytes", 0) / mib, "{:.1f}"),
+                        _fmt(result.get("peak_rss_baseline_mib"), "{:.0f}"),
+                        _fmt(r.get("current_rss_before_engine_mib"), "{:.0f}"),
+                        _fmt(r.get("current_rss_engine_mib"), "{:.0f}"),
+                        _fmt(r.get("engine_rss_mib"), "{:.0f}"),
+                    ]
+                )
+                + " |"
+            )
     ablation = [a for res in summary["workloads"].values() for a in res.get("ablation", [])]
     if ablation:
         lines += [

@@ -512,14 +512,16 @@ def measure(
 
     Memory: ``engine_rss_mib`` is the process's peak RSS after the engine alone has been
     compiled and run (data + client table + the round's working set + XLA itself; in a
-    fresh process, as ``run_all.py`` runs each algorithm, it is the engine's own peak);
-    ``peak_rss_mib`` is the peak after everything (bare programs, loop) ran.
+    fresh process, as ``run_all.py`` runs each algorithm, it is the engine's own peak,
+    unless building the data peaked higher); ``current_rss_*`` are resident sizes (not
+    peaks) just before and after the engine; ``peak_rss_mib`` is the peak after everything
+    (bare programs, loop) ran.
     """
-    rss_before = peak_rss_mib()
+    rss_before, current_before = peak_rss_mib(), current_rss_mib()
     sim, engine, state, compile_s, memory = engine_program(w, name, data, problem)
     state, _ = _timed(engine, state)
     state, _ = _timed(engine, state)
-    engine_rss = peak_rss_mib()
+    engine_rss, current_engine = peak_rss_mib(), current_rss_mib()
     programs = {"engine": (engine, state)}
     rounds = {"engine": w.rounds}
     chunk = None
@@ -565,6 +567,10 @@ def measure(
         "client_chunk": chunk,
         "rss_before_engine_mib": rss_before,
         "engine_rss_mib": engine_rss,
+        # resident now (not peak): before the engine (data on device, host copy freed) and
+        # after it ran; the difference is the engine's table, program and working set
+        "current_rss_before_engine_mib": current_before,
+        "current_rss_engine_mib": current_engine,
     }
     if "proposed" in best:
         row["proposed_ms"] = best["proposed"] * 1e3

@@ -5,8 +5,8 @@ and FedAvg by default (``--algorithms`` for more): engine, bare, bare_tuned (int
 min of ``--repeats``), the per-client loop (one round), compile time, peak host RSS,
 achieved GFLOP/s and % of the measured matmul peak. Prints the table and writes JSON.
 
-On an accelerator nothing is chunked (``auto_client_chunk`` keeps all S clients in one
-vmap), so the "chunked" column stays empty. The device's own memory is reported from
+On an accelerator nothing is chunked (``client_chunk="auto"`` keeps all S clients in one
+vmap), so the "vmap-all" column stays empty. The device's own memory is reported from
 ``compiled.memory_analysis()`` in the JSON rows (temp bytes vs the client table).
 
 Usage:

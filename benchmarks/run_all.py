@@ -4,7 +4,7 @@
    before and after the workloads (a shared machine's peak moves; both are kept, and the
    larger is the denominator of "% of peak");
 2. every workload × algorithm (``bench_workloads.py``), each in a FRESH process so that
-   its peak RSS is its own: engine, proposed chunked engine, bare, bare_tuned and the
+   its peak RSS is its own: engine, engine with all S clients in one vmap, bare, bare_tuned and the
    per-client loop; then the ablation (change → ms/round) on W1 and W3.
 
 Usage:
@@ -71,14 +71,13 @@ def markdown(summary: dict) -> str:
     """The results and ablation tables of a run, in Markdown (for benchmarks/README.md)."""
     peak = summary["peak_gflops"]
     lines = [
-        "| workload | algorithm | engine ms | chunked ms | bare ms | tuned ms | engine/bare "
-        "| chunked/bare | chunked/tuned | loop/engine | loop/chunked | compile s | RSS MiB "
-        "| GFLOP/s | % peak |",
-        "|" + "---|" * 15,
+        "| workload | algorithm | engine ms | vmap-all ms | bare ms | tuned ms | engine/bare "
+        "| engine/tuned | vmap-all/engine | loop/engine | compile s | RSS MiB | GFLOP/s "
+        "| % peak |",
+        "|" + "---|" * 14,
     ]
     for result in summary["workloads"].values():
         for r in result["rows"]:
-            best = r.get("proposed_ms", r["engine_ms"])
             lines.append(
                 "| "
                 + " | ".join(
@@ -86,18 +85,17 @@ def markdown(summary: dict) -> str:
                         r["workload"],
                         r["algorithm"],
                         _fmt(r["engine_ms"], "{:.1f}"),
-                        _fmt(r.get("proposed_ms"), "{:.1f}"),
+                        _fmt(r.get("unchunked_ms"), "{:.1f}"),
                         _fmt(r["bare_ms"], "{:.1f}"),
                         _fmt(r["bare_tuned_ms"], "{:.1f}"),
                         _fmt(r["engine_over_bare"], "{:.2f}"),
-                        _fmt(r.get("proposed_over_bare"), "{:.2f}"),
-                        _fmt(best / r["bare_tuned_ms"], "{:.2f}"),
+                        _fmt(r["engine_over_bare_tuned"], "{:.2f}"),
+                        _fmt(r.get("unchunked_over_engine"), "{:.2f}"),
                         _fmt(r.get("loop_over_engine"), "{:.1f}"),
-                        _fmt(r.get("loop_over_proposed"), "{:.1f}"),
                         _fmt(r["compile_s"], "{:.1f}"),
                         _fmt(r.get("engine_rss_mib"), "{:.0f}"),
-                        _fmt(r["best_gflops"], "{:.1f}"),
-                        _fmt(r["best_gflops"] / peak, "{:.0%}"),
+                        _fmt(r["engine_gflops"], "{:.1f}"),
+                        _fmt(r["engine_gflops"] / peak, "{:.0%}"),
                     ]
                 )
                 + " |"
@@ -105,14 +103,14 @@ def markdown(summary: dict) -> str:
     mib = 2**20
     lines += [
         "",
-        "| workload | algorithm | data MiB | table MiB | temp MiB (engine) | temp MiB (chunked) "
+        "| workload | algorithm | data MiB | table MiB | temp MiB (engine) | temp MiB (vmap-all) "
         "| aliased MiB | RSS MiB: baseline | before engine | engine (resident) "
         "| engine (peak) |",
         "|" + "---|" * 11,
     ]
     for result in summary["workloads"].values():
         for r in result["rows"]:
-            m, pm = r["memory_analysis"] or {}, r.get("proposed_memory_analysis") or {}
+            m, pm = r["memory_analysis"] or {}, r.get("unchunked_memory_analysis") or {}
             lines.append(
                 "| "
                 + " | ".join(

@@ -51,7 +51,7 @@ import numpy as np
 
 import scaffold_jax as sj
 from scaffold_jax.simulate import client_keys, round_key_and_ids
-from scaffold_jax.tree import set_rows, sq_norm, take_rows, weighted_mean
+from scaffold_jax.tree import take_rows
 
 IMAGE_SHAPE = (28, 28)
 ALGORITHMS = ("scaffold", "scaffold-I", "fedavg", "fedprox", "sgd")
@@ -202,10 +202,10 @@ def flops_per_round(w: Workload, name: str) -> int:
 
 
 # ----------------------------------------------------------------------------- programs
-def engine_program(w: Workload, name: str, data, problem):
-    """``(run, state, args, compile_s, memory)``: the compiled ``run_rounds`` program."""
+def engine_program(w: Workload, name: str, data, problem, client_chunk="auto"):
+    """``(sim, run, state, compile_s, memory)``: the compiled ``run_rounds`` program."""
     alg = make_algorithm(name, problem.loss_fn)
-    sim = sj.Simulation(alg, problem, w.plan, w.clients_per_round)
+    sim = sj.Simulation(alg, problem, w.plan, w.clients_per_round, client_chunk=client_chunk)
     hp = make_hparams(name)
     state = sim.init(data)
     key = jr.key(0)
@@ -235,125 +235,17 @@ def memory_stats(compiled) -> dict[str, int] | None:
     }
 
 
-# ------------------------------------------------------- the proposed simulate.py change
-CHUNK_BUDGET_BYTES = 16 * 2**20
-
-
-def per_client_bytes(batch_shapes, params) -> int:
-    """Working set of one client's local work: its ``[K, B, ...]`` batches, one step's
-    batch converted to float32, and ~4 params-sized buffers (iterate, gradient, control or
-    offset, output)."""
-    leaves = jax.tree.leaves(batch_shapes)
-    batches = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in leaves)
-    one_step_f32 = sum(4 * math.prod(a.shape[1:]) for a in leaves)
-    return int(batches + one_step_f32 + 4 * tree_bytes(params))
-
-
-def auto_client_chunk(sim, data, budget: int = CHUNK_BUDGET_BYTES) -> int | None:
-    """Clients per vmapped chunk: all S on an accelerator (None); on CPU as many as fit
-    ``budget`` bytes of working set (so that a chunk's K steps run in cache), at least 1."""
-    if jax.default_backend() != "cpu":
-        return None
-    batches, _ = jax.eval_shape(lambda: data.client_batches(jnp.int32(0), jr.key(0), sim.plan))
-    chunk = max(1, budget // per_client_bytes(batches, sim.problem.params))
-    return balanced_chunk(sim.clients_per_round, chunk)
-
-
-def balanced_chunk(num: int, chunk: int) -> int | None:
-    """A chunk size near ``chunk`` (at most) that splits ``num`` evenly when it can: the
-    largest divisor of ``num`` in ``[chunk / 2, chunk]``, else ``ceil(num / n)`` for the
-    fewest chunks n (``lax.map`` runs a remainder as one more, separately compiled, vmap).
-    None when one chunk holds all."""
-    if chunk >= num:
-        return None
-    for size in range(chunk, max(1, chunk // 2) - 1, -1):
-        if num % size == 0:
-            return size
-    return -(-num // -(-num // chunk))
-
-
-def proposed_round_fn(sim, client_chunk: int | None):
-    """A benchmark-local copy of ``Simulation.round_fn`` with the PROPOSED change: each
-    sampled client's batches are drawn inside its own (vmapped) work, and the S clients
-    run ``client_chunk`` at a time (``lax.map(..., batch_size=client_chunk)``; None: all S
-    at once, as now). Everything else is the current round, line for line.
-    """
-
-    def round_fn(hparams, state, data, key):
-        num_clients, num_sampled = data.num_clients, sim.clients_per_round
-        round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled)
-        ids = sim._constrain(ids, "replicated")
-        keys = client_keys(round_key, ids)
-        work_ids, keys = sim._constrain((ids, keys), "sampled")
-        rows = sim._constrain(take_rows(state.clients, ids), "sampled")
-
-        def client_work(client_id, client_key, row):
-            batches, mask = data.client_batches(client_id, client_key, sim.plan)
-            return sim.algorithm.client_update(
-                hparams, state.server, row, batches, mask, client_key
-            )
-
-        if client_chunk is None or client_chunk >= num_sampled:
-            new_rows, outputs = jax.vmap(client_work)(work_ids, keys, rows)
-        else:
-            new_rows, outputs = jax.lax.map(
-                lambda a: client_work(*a), (work_ids, keys, rows), batch_size=client_chunk
-            )
-        if sim.weighting == "num_examples":
-            weights = data.counts[ids].astype(jnp.float32)
-            total_weight = jnp.sum(data.counts.astype(jnp.float32))
-        else:
-            weights = jnp.ones((num_sampled,), jnp.float32)
-            total_weight = jnp.asarray(num_clients, jnp.float32)
-        outputs = outputs._replace(weight=weights)
-        server = sim.algorithm.server_update(hparams, state.server, outputs, total_weight)
-        clients = set_rows(state.clients, ids, sim._constrain(new_rows, "replicated"))
-        metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
-        metrics["client_ids"] = ids
-        metrics["client_drift"] = jnp.mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
-        metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
-        new_state = sj.SimState(server=server, clients=clients, round=state.round + 1)
-        return sim._constrain(new_state, "state"), sim._constrain(metrics, "replicated")
-
-    return round_fn
-
-
-def proposed_program(w: Workload, name: str, data, problem, client_chunk="auto"):
-    """Like :func:`engine_program`, for :func:`proposed_round_fn` (same state, donated)."""
-    alg = make_algorithm(name, problem.loss_fn)
-    sim = sj.Simulation(alg, problem, w.plan, w.clients_per_round)
-    if client_chunk == "auto":
-        client_chunk = auto_client_chunk(sim, data)
-    round_fn = proposed_round_fn(sim, client_chunk)
-    rounds = w.rounds
-
-    def run_rounds(hparams, state, data, key):
-        return jax.lax.scan(
-            lambda s, _: round_fn(hparams, s, data, key), state, None, length=rounds
-        )
-
-    hp = make_hparams(name)
-    state = sim.init(data)
-    key = jr.key(0)
-    start, cpu_start = time.perf_counter(), cpu_seconds()
-    compiled = jax.jit(run_rounds, donate_argnums=(1,)).lower(hp, state, data, key).compile()
-    compile_s = (time.perf_counter() - start, cpu_seconds() - cpu_start)
-
-    def run(state):
-        return compiled(hp, state, data, key)[0]
-
-    return run, state, compile_s, memory_stats(compiled), client_chunk
-
-
 def _swap_minor(tree, flips):
     return jax.tree.map(lambda a, f: jnp.swapaxes(a, -1, -2) if f else a, tree, flips)
 
 
-def bare_program(w: Workload, name: str, problem, tuned: bool, seed: int = 1):
+def bare_program(
+    w: Workload, name: str, problem, tuned: bool, chunk: int | None = None, seed: int = 1
+):
     """``(run, x0)``: R rounds of the bare per-client gradient work (module docstring).
 
-    ``tuned``: kernels carried ``[out, in]`` and, on CPU, the S clients run in chunks that
-    fit :data:`CHUNK_BUDGET_BYTES` (as :func:`auto_client_chunk`).
+    ``tuned``: kernels carried ``[out, in]`` and the S clients run ``chunk`` at a time
+    (the engine's :meth:`~scaffold_jax.Simulation.resolve_client_chunk`; None: all S).
     """
     k, b = w.steps_and_batch
     s = w.clients_per_round
@@ -387,10 +279,7 @@ def bare_program(w: Workload, name: str, problem, tuned: bool, seed: int = 1):
         return out
 
     rounds = w.rounds
-    chunk = None
-    if tuned and jax.default_backend() == "cpu":
-        shapes = {"x": jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), "y": ys[0]}
-        chunk = balanced_chunk(s, max(1, CHUNK_BUDGET_BYTES // per_client_bytes(shapes, params)))
+    chunk = chunk if tuned else None
 
     @jax.jit
     def run(x):
@@ -446,6 +335,18 @@ def loop_program(sim, data, hp):
 
 # ----------------------------------------------------------------------------- measuring
 def peak_rss_mib() -> float:
+    """Peak resident set of this process (``VmHWM``), MiB.
+
+    Read from /proc rather than ``getrusage``: on Linux ``ru_maxrss`` survives ``exec``, so
+    a benchmark started by a big parent (``run_all.py``) would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -505,10 +406,11 @@ def measure(
     problem,
     repeats: int = 5,
     loop: bool = True,
-    proposed: bool = True,
+    unchunked: bool = True,
 ) -> dict[str, Any]:
-    """Times engine, proposed, bare and bare_tuned (interleaved, min of ``repeats``), then
-    the per-client loop. Everything in ms per round.
+    """Times engine, unchunked (the engine with ``client_chunk=None``, where the engine
+    chunks), bare and bare_tuned (interleaved, min of ``repeats``), then the per-client
+    loop. Everything in ms per round.
 
     Memory: ``engine_rss_mib`` is the process's peak RSS after the engine alone has been
     compiled and run (data + client table + the round's working set + XLA itself; in a
@@ -524,15 +426,13 @@ def measure(
     engine_rss, current_engine = peak_rss_mib(), current_rss_mib()
     programs = {"engine": (engine, state)}
     rounds = {"engine": w.rounds}
-    chunk = None
-    if proposed:
-        chunk = auto_client_chunk(sim, data)
-        if chunk is not None:
-            run, pstate, pcompile, pmemory, _ = proposed_program(w, name, data, problem, chunk)
-            programs["proposed"] = (run, pstate)
-            rounds["proposed"] = w.rounds
+    chunk = sim.resolve_client_chunk(data)
+    if unchunked and chunk is not None:
+        _, run, ustate, ucompile, umemory = engine_program(w, name, data, problem, None)
+        programs["unchunked"] = (run, ustate)
+        rounds["unchunked"] = w.rounds
     for tuned, key in ((False, "bare"), (True, "bare_tuned")):
-        fn, x0 = bare_program(w, name, problem, tuned=tuned)
+        fn, x0 = bare_program(w, name, problem, tuned=tuned, chunk=chunk)
         programs[key] = (fn, x0)
         rounds[key] = w.rounds
     start = time.perf_counter()
@@ -572,15 +472,13 @@ def measure(
         "current_rss_before_engine_mib": current_before,
         "current_rss_engine_mib": current_engine,
     }
-    if "proposed" in best:
-        row["proposed_ms"] = best["proposed"] * 1e3
-        row["proposed_over_bare"] = best["proposed"] / best["bare"]
-        row["proposed_over_bare_tuned"] = best["proposed"] / best["bare_tuned"]
-        row["proposed_compile_s"] = pcompile[0]
-        row["proposed_memory_analysis"] = pmemory
-    fastest = min(best.get("proposed", np.inf), best["engine"])
+    if "unchunked" in best:
+        row["unchunked_ms"] = best["unchunked"] * 1e3
+        row["unchunked_over_engine"] = best["unchunked"] / best["engine"]
+        row["unchunked_compile_s"] = ucompile[0]
+        row["unchunked_memory_analysis"] = umemory
     row["engine_gflops"] = row["flops_per_round"] / best["engine"] / 1e9
-    row["best_gflops"] = row["flops_per_round"] / fastest / 1e9
+    row["best_gflops"] = row["engine_gflops"]
     row["bare_gflops"] = row["flops_per_round"] / best["bare"] / 1e9
     row["bare_tuned_gflops"] = row["flops_per_round"] / best["bare_tuned"] / 1e9
     if memory is not None and row["client_table_bytes"]:
@@ -598,8 +496,6 @@ def measure(
             loop_times.append(t)
         row["loop_ms"] = min(loop_times) * 1e3
         row["loop_over_engine"] = row["loop_ms"] / row["engine_ms"]
-        if "proposed_ms" in row:
-            row["loop_over_proposed"] = row["loop_ms"] / row["proposed_ms"]
     row["peak_rss_mib"] = peak_rss_mib()
     return row
 
@@ -633,11 +529,11 @@ class _patched:
 def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[dict]:
     """ms/round of the engine with each optimisation undone or added, in one process.
 
-    Stages (cumulative): ``before`` (argsort sampler, kernels in their stored layout),
-    ``+top_k sampler``, ``+compute layout`` (= the engine now), ``+client chunks`` (the
-    proposed simulate.py change); and, apart, the engine now with ONE round per compiled
-    call (no multi-round scan), with that and no donation, and with float32 instead of
-    uint8 images.
+    Stages (cumulative): ``before`` (argsort sampler, kernels in their stored layout, all
+    S clients in one vmap), ``+top_k sampler``, ``+compute layout``, ``+client chunks``
+    (= the engine now, where it chunks); and, apart, the engine now with ONE round per
+    compiled call (no multi-round scan), with that and no donation, and with float32
+    instead of uint8 images.
     """
     import scaffold_jax.data.batching as batching
     import scaffold_jax.local as local
@@ -647,10 +543,12 @@ def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[di
     stored_layout = (local, "_compute_layout_flips", no_flips)
     programs, rounds, compile_s = {}, {}, {}
 
-    def add(label, patches=(), w_=w, data_=data, donate=True):
+    def add(label, patches=(), w_=w, data_=data, donate=True, client_chunk="auto"):
         with _patched(patches):
             alg = make_algorithm(name, problem.loss_fn)
-            sim = sj.Simulation(alg, problem, w_.plan, w_.clients_per_round)
+            sim = sj.Simulation(
+                alg, problem, w_.plan, w_.clients_per_round, client_chunk=client_chunk
+            )
             hp, key, state = make_hparams(name), jr.key(0), sim.init(data_)
             fn = jax.jit(
                 sim.run_rounds_fn,
@@ -663,14 +561,19 @@ def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[di
         programs[label] = (lambda st, c=compiled, d=data_: c(hp, st, d, key)[0], state)
         rounds[label] = w_.rounds
 
-    add("ablation: before (argsort sampler, stored layout)", (sorted_sampler, stored_layout))
-    add("ablation: + top_k sampler", (stored_layout,))
-    add("ablation: + compute layout (engine now)")
-    run, state, pcompile, _, chunk = proposed_program(w, name, data, problem)
-    if chunk is not None:
-        programs[f"ablation: + client chunks of {chunk} (proposed)"] = (run, state)
-        rounds[f"ablation: + client chunks of {chunk} (proposed)"] = w.rounds
-        compile_s[f"ablation: + client chunks of {chunk} (proposed)"] = pcompile[0]
+    alg = make_algorithm(name, problem.loss_fn)
+    chunk = sj.Simulation(alg, problem, w.plan, w.clients_per_round).resolve_client_chunk(data)
+    add(
+        "ablation: before (argsort sampler, stored layout, one vmap)",
+        (sorted_sampler, stored_layout),
+        client_chunk=None,
+    )
+    add("ablation: + top_k sampler", (stored_layout,), client_chunk=None)
+    if chunk is None:
+        add("ablation: + compute layout (engine now)")
+    else:
+        add("ablation: + compute layout", client_chunk=None)
+        add(f"ablation: + client chunks of {chunk} (engine now)")
     one = dataclasses.replace(w, rounds=1)
     add("ablation: engine now, 1 round per call", w_=one)
     add("ablation: engine now, 1 round per call, no donation", w_=one, donate=False)

@@ -320,6 +320,15 @@ class ShardedSimulation(Simulation):
         self.examples = examples
         super().__init__(algorithm, problem, plan, clients_per_round, weighting, eval_batch_size)
 
+    def resolve_client_chunk(self, data) -> None:
+        """Always None: all S sampled clients in one vmap, split over the mesh.
+
+        A ``lax.map`` over chunks of the sharded client axis would run the devices one
+        chunk after another; each device already holds only S / devices clients.
+        """
+        del data
+        return None
+
     def _constrain(self, tree: PyTree, layout: str) -> PyTree:
         wsc = jax.lax.with_sharding_constraint
         if layout == "state":
@@ -353,25 +362,22 @@ class ShardedSimulation(Simulation):
         Without ``state`` the initial state is built directly in its sharded layout
         (:meth:`init`).
 
-        Checkpoints: saving works on one process. ``resume=True`` is refused:
-        ``Simulation.run`` restores the checkpoint unplaced and compiles its evaluation for
-        that layout, which the sharded blocks' output then no longer matches. With several
-        processes ``checkpoint_dir`` is refused too: the checkpoint writer fetches every
-        leaf with ``jax.device_get``, which cannot read a table spread over processes.
+        Checkpoints, on one process: ``checkpoint_dir`` saves as usual and ``resume=True``
+        restores the newest checkpoint directly in the mesh layout (each leaf is read to
+        the host and ``device_put`` with its ``NamedSharding``: table rows split, the rest
+        replicated; no unplaced device copy is made, so the restore peaks at the host copy
+        plus the placed table, as an unsharded resume does), then continues the run bit
+        for bit as the uninterrupted sharded run. A checkpoint written by an unsharded
+        :class:`~scaffold_jax.simulate.Simulation` of the same run resumes too. With
+        several processes ``checkpoint_dir`` is refused: the checkpoint writer fetches
+        every leaf with ``jax.device_get``, which cannot read a table spread over processes.
 
         Raises:
-          NotImplementedError: ``resume=True``, or ``checkpoint_dir`` with several
-            processes (see above).
+          NotImplementedError: ``checkpoint_dir`` with several processes (see above).
+          ValueError: N is not a multiple of the number of devices (also when resuming).
         """
         bound = inspect.signature(Simulation.run).bind(self, data, *args, **kwargs)
         arguments = bound.arguments
-        if arguments.get("resume", False):
-            raise NotImplementedError(
-                "ShardedSimulation.run cannot resume=True yet: Simulation.run restores the "
-                "checkpoint without the mesh's shardings. Restore it yourself "
-                "(scaffold_jax.checkpoint.restore_latest) and pass state=..., or resume "
-                "with an unsharded Simulation."
-            )
         if arguments.get("checkpoint_dir") is not None and jax.process_count() > 1:
             raise NotImplementedError(
                 "checkpoint_dir with several processes: scaffold_jax.checkpoint fetches every "
@@ -381,9 +387,20 @@ class ShardedSimulation(Simulation):
         arguments["data"] = self.place_data(data)
         if arguments.get("state") is not None:
             arguments["state"] = self.place_state(arguments["state"])
-        else:
+        elif not arguments.get("resume", False):
             arguments["state"] = self.init(arguments["data"])
+        # With resume=True, Simulation.run restores the state into _state_like: placed.
         return Simulation.run(*bound.args, **bound.kwargs)
+
+    def _state_like(self, num_clients: int) -> SimState:
+        """:meth:`Simulation._state_like` with this mesh's shardings on every leaf."""
+        _check_rows("the client table", num_clients, self.mesh)
+        like = super()._state_like(num_clients)
+        return jax.tree.map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            like,
+            state_shardings(like, self.mesh),
+        )
 
 
 def shard(simulation: Simulation, mesh: Mesh | None = None, examples: str = "auto"):

@@ -91,28 +91,36 @@ def reference_run(
     return x, c, c_i, np.stack(all_ids)
 
 
+# (algorithm, SCAFFOLD option, weighting, client_chunk): chunk 2 of S = 3 runs one chunk
+# of 2 clients and a remainder of 1 through lax.map.
 CASES = [
-    ("fedavg", 2, "uniform"),
-    ("fedprox", 2, "uniform"),
-    ("sgd", 2, "uniform"),
-    ("scaffold", 1, "uniform"),
-    ("scaffold", 2, "uniform"),
-    ("scaffold", 2, "num_examples"),
+    ("fedavg", 2, "uniform", None),
+    ("fedprox", 2, "uniform", 2),
+    ("sgd", 2, "uniform", 2),
+    ("scaffold", 1, "uniform", None),
+    ("scaffold", 1, "uniform", 2),
+    ("scaffold", 2, "uniform", None),
+    ("scaffold", 2, "num_examples", 2),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "option", "weighting"), CASES, ids=[f"{n}-{o}-{w}" for n, o, w in CASES]
+    ("name", "option", "weighting", "chunk"),
+    CASES,
+    ids=[f"{n}-{o}-{w}-chunk{c}" for n, o, w, c in CASES],
 )
 def test_engine_matches_per_client_reference_loop(
-    name, option, weighting, small_data, small_problem
+    name, option, weighting, chunk, small_data, small_problem
 ):
     # epochs plan: clients of 2..13 examples take 1..5 steps of a batch of 3, padded slots.
     plan = sj.BatchPlan.epochs(batch_size=3, num_epochs=1)
     hp = sj.hparams(client_lr=0.4, server_lr=0.8, prox_mu=0.5)
     options = {"option": option} if name == "scaffold" else {}
     alg = sj.algorithms.make(name, small_problem.loss_fn, **options)
-    sim = sj.Simulation(alg, small_problem, plan, clients_per_round=3, weighting=weighting)
+    sim = sj.Simulation(
+        alg, small_problem, plan, clients_per_round=3, weighting=weighting, client_chunk=chunk
+    )
+    assert sim.resolve_client_chunk(small_data) == chunk
     result = sim.run(small_data, hp, num_rounds=4, seed=7)
     x, c, c_i, ids = reference_run(
         name, small_problem, small_data, plan, 3, hp, 4, 7, option=option, weighting=weighting
@@ -147,6 +155,56 @@ def test_scaffold_reaches_the_optimum_where_fedavg_stalls():
 
 
 # --------------------------------------------------------------------------- determinism
+def test_client_chunks_equal_one_vmap_over_all_sampled_clients(monkeypatch):
+    """Chunked rounds (even, uneven and the automatic CPU chunk) give the unchunked run's
+    state and metrics: the same clients, batches and updates, summed in another order."""
+    from scaffold_jax import simulate
+
+    data = sj.from_client_arrays(make_classification_clients(list(range(3, 43)), seed=3))
+    problem = sj.models.logistic_regression((5,), 3)
+    plan = sj.BatchPlan.fixed(batch_size=4, num_steps=3)
+    hp = sj.hparams(client_lr=0.3)
+    # One client's working set: batches 288 B + one step in float32 96 B + 4 x params 288 B.
+    # A budget of 5 clients makes the automatic rule chunk: 5 -> 4, a divisor of S = 16.
+    monkeypatch.setattr(simulate, "CLIENT_CHUNK_BYTES", 5 * 672)
+    runs, chunks = {}, {}
+    for chunk in (None, 4, 7, "auto"):
+        sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, plan, 16, client_chunk=chunk)
+        chunks[chunk] = sim.resolve_client_chunk(data)
+        runs[chunk] = sim.run(data, hp, num_rounds=3, seed=1)
+    assert chunks == {None: None, 4: 4, 7: 7, "auto": 4}
+    for chunk in (4, 7, "auto"):
+        np.testing.assert_array_equal(runs[chunk].client_ids, runs[None].client_ids)
+        assert_trees_close(runs[chunk].state, runs[None].state, rtol=1e-6, atol=1e-7)
+
+
+def test_automatic_client_chunk_follows_the_memory_budget(monkeypatch, small_data, small_problem):
+    from scaffold_jax import simulate
+
+    plan = sj.BatchPlan.fixed(batch_size=3, num_steps=2)
+    sim = sj.Simulation(sj.fedavg(small_problem.loss_fn), small_problem, plan, 6)
+    assert sim.resolve_client_chunk(small_data) is None  # all 6 fit 16 MiB
+    monkeypatch.setattr(simulate, "CLIENT_CHUNK_BYTES", 1)
+    assert sim.resolve_client_chunk(small_data) == 1
+    monkeypatch.setattr(simulate, "CLIENT_CHUNK_BYTES", 3 * 10**9)
+    assert sim.resolve_client_chunk(small_data) is None
+    assert [simulate.balanced_chunk(1000, c) for c in (64, 50, 7)] == [50, 50, 5]
+    assert simulate.balanced_chunk(97, 10) == 10  # prime: 9 chunks of 10 and one of 7
+    assert simulate.balanced_chunk(8, 8) is None
+
+
+@pytest.mark.parametrize("chunk", ["fast", 0, 2.5, True])
+def test_bad_client_chunk_is_rejected(chunk, small_problem):
+    with pytest.raises(ValueError, match="client_chunk"):
+        sj.Simulation(
+            sj.fedavg(small_problem.loss_fn),
+            small_problem,
+            sj.BatchPlan.fixed(3, 2),
+            2,
+            client_chunk=chunk,
+        )
+
+
 def test_same_seed_gives_bitwise_identical_results(small_data, small_problem):
     def run(seed):
         sim = sj.Simulation(

@@ -340,3 +340,21 @@ def test_stale_cache_is_ignored(tmp_path):
     np.savez(path, format=0, name="mnist", **fields)  # format 0: an older layout
     with pytest.raises(FileNotFoundError, match=r"npz cache .*mnist.npz \(stale, ignored\)"):
         sources.load("mnist", cache_dir=tmp_path, tfds_data_dir=tmp_path / "tfds")
+
+
+def test_a_failed_download_says_not_found_with_every_way_to_get_the_data(tmp_path, monkeypatch):
+    """Offline, TFDS's download fails with whatever its transport raises (here the
+    ModuleNotFoundError seen on this machine); load() reports it among the places looked."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    def offline(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'importlib_resources'")
+
+    monkeypatch.setattr(tfds, "data_source", offline)
+    with pytest.raises(FileNotFoundError) as info:
+        sources.load(
+            "emnist/balanced", cache_dir=tmp_path, tfds_data_dir=tmp_path, allow_download=True
+        )
+    msg = str(info.value)
+    assert "could not download emnist/balanced" in msg and "importlib_resources" in msg
+    assert sources.NIST_EMNIST_URL in msg  # the other ways are still listed

@@ -418,7 +418,8 @@ def load_tfds(
       transposed upright, labels int32.
 
     Raises:
-      FileNotFoundError: not cached, not prepared in ``data_dir``, and ``download`` False.
+      FileNotFoundError: not cached, not prepared in ``data_dir``, and ``download`` False;
+        or the download failed (offline).
       ImportError: tensorflow-datasets is not installed.
     """
     name = canonical_name(name)
@@ -442,9 +443,19 @@ def load_tfds(
             )
     # Pass the splits explicitly: with split=None TFDS needs the split metadata up front,
     # which `tfds.testing.mock_data` does not provide.
-    train_src, test_src = tfds.data_source(
-        name, split=["train", "test"], data_dir=data_dir, download=download
-    )
+    try:
+        train_src, test_src = tfds.data_source(
+            name, split=["train", "test"], data_dir=data_dir, download=download
+        )
+    except Exception as err:
+        if not download or isinstance(err, FileNotFoundError):
+            raise
+        # Offline, TFDS fails in many ways (DNS errors, or a ModuleNotFoundError from a
+        # download-only dependency); the caller gets "not found" with what went wrong.
+        raise FileNotFoundError(
+            f"TFDS could not download {name} ({type(err).__name__}: {err}); check the "
+            "internet connection, or get the files another way (see scaffold_jax.data.sources)."
+        ) from err
     splits = {}
     for split, src in (("train", train_src), ("test", test_src)):
         x, y = _read_source(src)

@@ -1,0 +1,99 @@
+"""Why a sweep is not faster than sequential runs on CPU: the config axis of the local step.
+
+A sweep (``scaffold_jax.sweep``) vmaps the round over configs; the configs of one seed
+share the sampled clients and minibatches, so their local steps read the SAME batches with
+DIFFERENT params. If XLA turned that into wider matmuls (``[B, d] @ [d, M·C]`` instead of M
+products ``[B, d] @ [d, C]``), M configs would cost much less than M single runs. This
+benchmark measures exactly that part, the K local SGD steps of the S sampled clients
+(``scaffold_jax.local.local_sgd``, the engine's solver), in one process, interleaved, min of
+``--repeats``:
+
+* ``separate``: M calls of one compiled program (one config each);
+* ``vmapped``: one program, ``vmap`` over the M configs, batches shared (``in_axes=None``);
+* ``vmapped, chunks of c``: the same with the S clients in ``lax.map`` chunks of c
+  (as the engine runs them on CPU, ``client_chunk``).
+
+``vmapped / separate`` below 1 is what a sweep could gain per round from the config axis.
+
+Examples:
+  python benchmarks/bench_config_axis.py --out results/config_axis_cpu2.json
+  python benchmarks/bench_config_axis.py --configs 4 --clients 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import scaffold_jax as sj
+from scaffold_jax.local import local_sgd
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", type=int, default=8, help="M step sizes of one seed")
+    parser.add_argument("--clients", type=int, default=100, help="S sampled clients")
+    parser.add_argument("--local-steps", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=12)
+    parser.add_argument("--chunks", type=int, nargs="*", default=[50, 10])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    args = parser.parse_args(argv)
+    s, k, b, m = args.clients, args.local_steps, args.batch_size, args.configs
+
+    problem = sj.models.logistic_regression((28, 28), 10)
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.integers(0, 256, (s, k, b, 28, 28), dtype=np.uint8))
+    ys = jnp.asarray(rng.integers(0, 10, (s, k, b)).astype(np.int32))
+    mask = jnp.ones((s, k, b), jnp.float32)
+
+    def client(params, x, y, msk, lr):
+        return local_sgd(problem.loss_fn, params, {"x": x, "y": y}, msk, lr)[0]
+
+    def all_clients(params, lr, chunk=None):
+        if chunk is None:
+            return jax.vmap(client, in_axes=(None, 0, 0, 0, None))(params, xs, ys, mask, lr)
+        return jax.lax.map(lambda a: client(params, *a, lr), (xs, ys, mask), batch_size=chunk)
+
+    one = jax.jit(all_clients)
+    params = jax.tree.map(lambda a: jnp.broadcast_to(a, (m, *a.shape)), problem.params)
+    lrs = jnp.linspace(0.01, 0.1, m)
+    programs = {"separate": lambda: [one(problem.params, lrs[i]) for i in range(m)]}
+    for chunk in [None, *args.chunks]:
+        fn = jax.jit(jax.vmap(lambda p, lr, c=chunk: all_clients(p, lr, c)))
+        name = "vmapped" if chunk is None else f"vmapped, chunks of {chunk}"
+        programs[name] = lambda fn=fn: fn(params, lrs)
+    for program in programs.values():
+        jax.block_until_ready(program())  # compile
+    times = {name: [] for name in programs}
+    for _ in range(args.repeats):
+        for name, program in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(program())
+            times[name].append(time.perf_counter() - start)
+    best = {name: min(t) * 1e3 for name, t in times.items()}
+    print(f"{m} configs sharing batches; S={s}, K={k}, B={b}, 784x10 logistic regression")
+    print("| program | ms for all configs | / separate |\n|---|---|---|")
+    for name, ms in best.items():
+        print(f"| {name} | {ms:.1f} | {ms / best['separate']:.2f} |")
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "backend": jax.default_backend(),
+        "args": vars(args),
+        "best_ms": best,
+        "all_ms": {n: [t * 1e3 for t in v] for n, v in times.items()},
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

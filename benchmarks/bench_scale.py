@@ -6,14 +6,15 @@ one configuration, and a forced device count can be set before jax is imported):
 1. ``memory``: rounds/s and peak RSS for N ∈ {10⁴, 10⁵, 10⁶} SCAFFOLD clients with
    procedural Synthetic(1, 1) data (d = 60, 10 classes, 20 examples each), S = 1000,
    K = 10, B = 10, multinomial logistic regression (P = 610 parameters), control table
-   in float32 and bfloat16. The table is built in one allocation
+   in float32 and bfloat16 (stored as uint16 bit patterns, 2 bytes a value). The table is
+   built in one allocation
    (:func:`scaffold_jax.sharding.init_state` on a one-device mesh) and donated to the
    compiled rounds. Reported per run: the table's bytes, XLA's memory analysis of the
    compiled block (arguments, outputs, aliased = updated in place, temporaries), the
    steady-state rounds/s, the time of the sampler alone, and the peak RSS. Then a linear
    fit of peak RSS on N per dtype, whose slope is compared with P × bytes per client.
-   One extra run builds the table with the plain :func:`scaffold_jax.init_state`, whose
-   broadcast-then-copy peaks at two tables.
+   One extra run builds the table with the plain :func:`scaffold_jax.init_state` (its
+   jitted broadcast also allocates the table once; the run checks that).
 2. ``sharded``: the sharded round (:class:`scaffold_jax.sharding.ShardedSimulation`) on 1,
    2 and 8 forced CPU devices, N = 10⁵, the same workload: rounds/s and the per-device
    sizes of the compiled program.
@@ -141,6 +142,8 @@ def child_memory(args) -> dict:
         "init": args.init,
         "params_per_client": sum(a.size for a in jax.tree.leaves(problem.params)),
         "table_bytes": table_bytes,
+        # bfloat16 controls are stored as their uint16 bit patterns (in-place scatter).
+        "table_storage_dtype": str(jax.tree.leaves(state.clients)[0].dtype),
         "compile_s": compile_s,
         "xla": _memory_stats(compiled),
         "peak_rss_before_state_mib": rss_before_state,

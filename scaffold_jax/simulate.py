@@ -599,7 +599,9 @@ class Simulation:
         from the checkpoint open ``records`` and ``callback`` sees only the new ones. The
         final state is bitwise identical to an uninterrupted run's. A checkpoint written by
         another configuration (algorithm, data, plan, S, weighting, hparams, seed, shapes)
-        is refused with ``ValueError``.
+        is refused with ``ValueError``. A sharded simulation
+        (:class:`~scaffold_jax.sharding.ShardedSimulation`) restores the state directly in
+        its mesh layout (client table split, server replicated).
 
         Signals. While it runs, SIGINT and SIGTERM are deferred: the current compiled block
         finishes, a checkpoint is saved (with ``checkpoint_dir``), then SIGINT raises a
@@ -720,10 +722,9 @@ class Simulation:
         seconds_before = 0.0  # run time spent by the process(es) before a resume
         start = 0
         if resume:
-            like = jax.eval_shape(
-                lambda: init_state(self.algorithm, self.problem.params, data.num_clients)
-            )
-            restored = ckpt.restore_latest(like)
+            # Restored straight into this simulation's layout (a sharded one's shardings):
+            # the compiled blocks and evaluation then see the layout a fresh run has.
+            restored = ckpt.restore_latest(self._state_like(data.num_clients))
             _check_same_run(restored.extra.get("identity"), identity, str(restored.path))
             state, key, resumed_from = restored.state, restored.key, restored.round
             records = list(restored.extra.get("records", []))
@@ -868,6 +869,12 @@ class Simulation:
             # still honoured: the caller asked to stop whatever comes after this run.
             stop_if_signalled(signals)
         return result("finished")
+
+    def _state_like(self, num_clients: int) -> SimState:
+        """The state's shapes and dtypes for ``num_clients`` (``jax.ShapeDtypeStruct``
+        leaves): what ``run(resume=True)`` restores a checkpoint into. A sharded simulation
+        adds its shardings, so the state is restored already placed."""
+        return jax.eval_shape(lambda: init_state(self.algorithm, self.problem.params, num_clients))
 
     def _diverged(self, result: RunResult, hparams: HParams, first: int, last: int, metrics):
         """Raises :class:`DivergenceError` for a block (rounds ``first``..``last``)."""

@@ -6,6 +6,8 @@
 - after every round c = mean_i c_i (uniform) and c = Σ n_i c_i / Σ n_i (num_examples).
 """
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,12 @@ import pytest
 from conftest import assert_trees_close
 
 import scaffold_jax as sj
+from scaffold_jax.algorithms import client_controls
+from scaffold_jax.algorithms.common import local_update
+from scaffold_jax.local import batch_grad, flatten_steps
+
+# The module (the package's `scaffold` attribute is the factory function).
+scaffold_module = importlib.import_module("scaffold_jax.algorithms.scaffold")
 
 
 def _run(alg, problem, data, plan, s, hp, rounds=4, seed=0, weighting="uniform"):
@@ -129,15 +137,135 @@ def test_bfloat16_control_table_keeps_the_invariant(small_data, small_problem):
     alg = sj.scaffold(small_problem.loss_fn, control_dtype=jnp.bfloat16)
     sim = sj.Simulation(alg, small_problem, sj.BatchPlan.fixed(3, 4), 3)
     state = sim.init(small_data)
-    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(state.clients))
+    # Stored as bfloat16 bit patterns: a uint16 scatter is in place on every backend.
+    assert all(a.dtype == jnp.uint16 for a in jax.tree.leaves(state.clients))
     for _ in range(4):
         state, _ = sim.round(sj.hparams(0.2), state, small_data, jax.random.key(0))
+    assert all(a.dtype == jnp.uint16 for a in jax.tree.leaves(state.clients))
     for c, c_i in zip(
-        jax.tree.leaves(state.server.control), jax.tree.leaves(state.clients.control), strict=True
+        jax.tree.leaves(state.server.control),
+        jax.tree.leaves(client_controls(state.clients)),
+        strict=True,
     ):
-        assert c.dtype == jnp.float32 and c_i.dtype == jnp.bfloat16
+        assert c.dtype == jnp.float32 and c_i.dtype == jnp.float32
         mean = np.asarray(c_i, np.float64).mean(0)
         np.testing.assert_allclose(np.asarray(c), mean, rtol=1e-5, atol=1e-6)
+        assert np.abs(np.asarray(c)).max() > 0
+
+
+def plain_bfloat16_scaffold(loss_fn, option):
+    """The reference: SCAFFOLD with its table stored as bfloat16 ARRAYS (what the library
+    did before it stored bit patterns), written out independently of scaffold.py."""
+    alg = sj.scaffold(loss_fn, option=option)
+
+    def init(params):
+        server, client = alg.init(params)
+        return server, jax.tree.map(lambda a: a.astype(jnp.bfloat16), client)
+
+    def client_update(hp, server, client, batches, mask, key):
+        x, c = server.params, server.control
+        c_i = optax.tree.cast(client.control, jnp.float32)
+        y, out, info = local_update(loss_fn, hp, x, batches, mask, offset=optax.tree.sub(c, c_i))
+        if option == 2:
+            steps = jnp.maximum(info.num_steps, 1).astype(jnp.float32)
+            c_plus = optax.tree.add_scale(
+                optax.tree.sub(c_i, c), 1.0 / (steps * hp.client_lr), optax.tree.sub(x, y)
+            )
+            c_plus = optax.tree.where(info.num_steps > 0, c_plus, c_i)
+        else:
+            _, c_plus = batch_grad(loss_fn, x, *flatten_steps(batches, mask))
+        stored = optax.tree.cast(c_plus, jnp.bfloat16)
+        delta = optax.tree.sub(optax.tree.cast(stored, jnp.float32), c_i)
+        return client._replace(control=stored), out._replace(delta_control=delta)
+
+    return alg._replace(init=init, client_update=client_update)
+
+
+@pytest.mark.parametrize("option", [1, 2])
+def test_bfloat16_bit_patterns_are_bitwise_a_bfloat16_table(option, small_data, small_problem):
+    """uint16 storage changes where the values live, not what they are: the same run as a
+    plain bfloat16 table, bit for bit (server state and every stored control)."""
+    plan = sj.BatchPlan.epochs(batch_size=3, num_epochs=1)
+    hp = sj.hparams(client_lr=0.3, server_lr=0.9)
+    got = _run(
+        sj.scaffold(small_problem.loss_fn, option=option, control_dtype=jnp.bfloat16),
+        small_problem,
+        small_data,
+        plan,
+        3,
+        hp,
+        rounds=6,
+    )
+    want = _run(
+        plain_bfloat16_scaffold(small_problem.loss_fn, option),
+        small_problem,
+        small_data,
+        plan,
+        3,
+        hp,
+        rounds=6,
+    )
+    np.testing.assert_array_equal(got.client_ids, want.client_ids)
+    for a, b in zip(
+        jax.tree.leaves(got.state.server), jax.tree.leaves(want.state.server), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    table, reference = client_controls(got.state.clients), want.state.clients.control
+    for a, b in zip(jax.tree.leaves(table), jax.tree.leaves(reference), strict=True):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b, np.float32))
+        assert np.any(np.asarray(a) != 0)  # the controls really moved
+
+
+def test_bfloat16_table_is_written_in_place():
+    """The compiled rounds alias the uint16 table (input = output) and hold no
+    table-sized temporary; a bfloat16-array table made XLA's CPU backend convert the whole
+    table to float32 for every scatter (temporaries of 2x the table)."""
+    from scaffold_jax.data.synthetic import procedural_synthetic
+
+    num_clients = 8192
+    data = procedural_synthetic(num_clients, 1.0, 1.0, sizes=20, num_test_clients=0)
+    problem = sj.models.logistic_regression((60,), 10)
+    alg = sj.scaffold(problem.loss_fn, control_dtype=jnp.bfloat16)
+    sim = sj.Simulation(alg, problem, sj.BatchPlan.fixed(10, 2), clients_per_round=8)
+    state = sim.init(data)
+    table_bytes = sum(a.nbytes for a in jax.tree.leaves(state.clients))
+    assert table_bytes == num_clients * 610 * 2
+    compiled = sim.run_rounds.lower(
+        sj.hparams(0.1), state, data, jax.random.key(0), num_rounds=2
+    ).compile()
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= table_bytes
+    assert memory.temp_size_in_bytes < table_bytes / 4, memory
+
+
+def test_bfloat16_encoding_rounds_to_nearest_even_and_decodes_exactly():
+    """Every one of the 2^16 bit patterns decodes to its bfloat16 value; float32 values
+    (ties, subnormals, ±0, ±inf, NaN, overflow) encode as astype(bfloat16) does."""
+    bits = np.arange(2**16, dtype=np.uint16)
+    decoded = np.asarray(client_controls(sj.algorithms.ScaffoldClientState(control=bits)))
+    expected = bits.view(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(decoded.view(np.uint32), expected.view(np.uint32))
+
+    rng = np.random.default_rng(0)
+    ties = (rng.integers(0, 2**16, 1000, dtype=np.uint32) << 16) | np.uint32(0x8000)
+    values = np.concatenate(
+        [
+            (rng.normal(size=1000) * 10.0 ** rng.integers(-40, 38, 1000)).astype(np.float32),
+            ties.view(np.float32),
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, 1e-45, -1e-40], np.float32),
+        ]
+    )
+    params = {"w": jnp.zeros(values.shape)}
+    alg = sj.scaffold(lambda p, b: jnp.zeros(()), control_dtype=jnp.bfloat16)
+    _, client = alg.init(params)
+    assert client.control["w"].dtype == jnp.uint16 and not np.any(client.control["w"])
+    encoded = np.asarray(
+        scaffold_module._encode({"w": jnp.asarray(values)}, jnp.dtype(jnp.bfloat16))["w"]
+    )
+    with np.errstate(invalid="ignore"):  # numpy warns casting NaN; the bits are defined
+        reference = values.astype(jnp.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(encoded, reference)
 
 
 def test_server_optimizer_momentum_is_fedavgm(small_data, small_problem):

@@ -25,6 +25,7 @@ import pytest
 
 import scaffold_jax as sj
 from scaffold_jax import checkpoint
+from scaffold_jax.algorithms import client_controls
 from scaffold_jax.simulate import DivergenceError, RunTerminated
 
 TESTS_DIR = Path(__file__).parent
@@ -145,14 +146,16 @@ def random_state(num_clients=5, control_dtype=jnp.float32, seed=0):
     alg = sj.scaffold(lambda p, b: jnp.zeros(()), control_dtype=control_dtype)
     state = sj.init_state(alg, params, num_clients)
     keys = iter(jr.split(jr.key(seed), 16))
-    return jax.tree.map(
-        lambda a: (
-            jr.normal(next(keys), a.shape).astype(a.dtype)
-            if jnp.issubdtype(a.dtype, jnp.floating)
-            else a
-        ),
-        state,
-    )
+
+    def noise(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return jr.normal(next(keys), a.shape).astype(a.dtype)
+        if a.dtype == jnp.uint16:  # a bfloat16 table, stored as bit patterns
+            values = jr.normal(next(keys), a.shape).astype(jnp.bfloat16)
+            return jax.lax.bitcast_convert_type(values, jnp.uint16)
+        return a
+
+    return jax.tree.map(noise, state)
 
 
 def at_round(state, r):
@@ -160,7 +163,7 @@ def at_round(state, r):
 
 
 def test_save_and_restore_round_trip_bitwise_with_key_and_extra(tmp_path):
-    state = random_state(control_dtype=jnp.bfloat16)  # bf16 client table, f32 server
+    state = random_state(control_dtype=jnp.bfloat16)  # bf16 (uint16 bits) table, f32 server
     extra = {"records_written": 7, "note": "x", "loss": float("nan")}
     checkpoint.save(tmp_path, at_round(state, 4), jr.key(123), extra=extra)
     restored = checkpoint.restore_latest(tmp_path, like_state=state)
@@ -169,6 +172,10 @@ def test_save_and_restore_round_trip_bitwise_with_key_and_extra(tmp_path):
     np.testing.assert_array_equal(jr.key_data(restored.key), jr.key_data(jr.key(123)))
     assert jax.tree.structure(restored.state) == jax.tree.structure(state)
     assert_bitwise_equal(leaves(restored.state)[:-1], leaves(state)[:-1])
+    assert all(a.dtype == jnp.uint16 for a in jax.tree.leaves(restored.state.clients))
+    assert_bitwise_equal(
+        leaves(client_controls(restored.state.clients)), leaves(client_controls(state.clients))
+    )
 
 
 def test_raw_uint32_key_data_is_accepted(tmp_path):

@@ -88,6 +88,12 @@ def worker(port: int, process_id: int, out_dir: Path) -> None:
         "table_fully_addressable": table.is_fully_addressable,
         "local_rows": sum(s.data.shape[0] for s in table.addressable_shards),
     }
+    # Checkpoints (saving or resuming) are refused with several processes, up front.
+    try:
+        sharded.run(data, sj.hparams(client_lr=0.1), ROUNDS, 2, checkpoint_dir=out_dir, resume=True)
+        info["checkpoint_refusal"] = None
+    except NotImplementedError as err:
+        info["checkpoint_refusal"] = str(err)
     np.savez(out_dir / f"process{process_id}.npz", **out)
     (out_dir / f"process{process_id}.json").write_text(json.dumps(info))
     jax.distributed.shutdown()
@@ -143,6 +149,7 @@ def test_two_processes_match_one(tmp_path):
         # Each process holds only its half of the table.
         assert not info["table_fully_addressable"]
         assert info["local_rows"] == NUM_CLIENTS // NUM_PROCESSES
+        assert "several processes" in (info["checkpoint_refusal"] or ""), info
         got = dict(np.load(tmp_path / f"process{pid}.npz"))
         assert sorted(got) == sorted(expected)
         np.testing.assert_array_equal(got["client_ids"], expected["client_ids"])

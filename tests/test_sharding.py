@@ -4,7 +4,9 @@ The central test runs the same SCAFFOLD simulations (with sampling, S < N; S div
 8 and not) unsharded on one device in this process and sharded over 8 forced CPU devices
 in a subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before
 jax is imported, so it cannot share this process), and compares the final states,
-sampled ids and evaluations. The subprocess is this file run as a script.
+sampled ids and evaluations. The subprocess also stops each sharded run at round 2 with a
+checkpoint and resumes it (``resume=True``), which must give the uninterrupted sharded run
+bit for bit. The subprocess is this file run as a script.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from conftest import make_classification_clients
 from jax.sharding import PartitionSpec as P
 
 import scaffold_jax as sj
-from scaffold_jax import sharding
+from scaffold_jax import checkpoint, sharding
+from scaffold_jax.algorithms import client_controls
 from scaffold_jax.data.synthetic import procedural_synthetic
 
 ROUNDS = 4
@@ -74,8 +77,11 @@ def build(case: dict):
 
 
 def outcome(result: sj.RunResult) -> dict[str, np.ndarray]:
-    """The comparable parts of a run: state leaves, sampled ids, evaluations."""
-    leaves = sharding.gather(jax.tree.leaves(result.state))
+    """The comparable parts of a run: state leaves (the client controls as numbers, also
+    for a bfloat16 table stored as bit patterns), sampled ids, evaluations."""
+    state = sharding.gather(result.state)
+    state = state._replace(clients=state.clients._replace(control=client_controls(state.clients)))
+    leaves = jax.tree.leaves(state)
     out = {f"leaf{i}": np.asarray(a, np.float32) for i, a in enumerate(leaves)}
     out["client_ids"] = np.asarray(result.client_ids)
     for name in result.records[0]:
@@ -108,6 +114,26 @@ def worker(out_dir: Path) -> None:
         sharded = sharding.shard(sim, mesh)
         result = sharded.run(data, sj.hparams(client_lr=0.1), num_rounds=ROUNDS, eval_every=2)
         np.savez(out_dir / f"{name}.npz", **outcome(result))
+        # The same run stopped at round 2 (checkpoints every 2 rounds), then resumed.
+        directory = out_dir / f"checkpoints_{name}"
+        hp = sj.hparams(client_lr=0.1)
+        sharded.run(data, hp, num_rounds=2, eval_every=2, checkpoint_dir=directory)
+        like = sharded._state_like(data.num_clients)
+        restored = checkpoint.restore_latest(directory, like).state
+        resumed = sharded.run(
+            data, hp, num_rounds=ROUNDS, eval_every=2, checkpoint_dir=directory, resume=True
+        )
+        np.savez(out_dir / f"{name}_resumed.npz", **outcome(resumed))
+        report[f"{name}_resumed"] = {
+            "resumed_from": resumed.resumed_from,
+            "rounds_run": len(resumed.client_ids),
+            "restored_table_spec": str(jax.tree.leaves(restored.clients)[0].sharding.spec),
+            "restored_server_spec": str(jax.tree.leaves(restored.server)[0].sharding.spec),
+            "restored_block_rows": sorted(
+                {s.data.shape[0] for s in jax.tree.leaves(restored.clients)[0].addressable_shards}
+            ),
+            "table_dtype": str(jax.tree.leaves(resumed.state.clients)[0].dtype),
+        }
         table = jax.tree.leaves(result.state.clients)[0]
         report[name] = {
             "table_spec": str(table.sharding.spec),
@@ -179,7 +205,11 @@ def eight_devices(tmp_path_factory):
             proc.communicate()
     assert proc.returncode == 0, stderr[-4000:]
     report = json.loads((out_dir / "report.json").read_text())
-    sharded = {name: dict(np.load(out_dir / f"{name}.npz")) for name in CASES}
+    sharded = {
+        name: dict(np.load(out_dir / f"{name}.npz"))
+        for case in CASES
+        for name in (case, f"{case}_resumed")
+    }
     return report, sharded, references
 
 
@@ -197,6 +227,30 @@ def test_eight_devices_match_one_device(eight_devices, name):
         # relative to the leaf's scale so that near-zero entries do not fail rtol alone.
         atol = 1e-5 * float(np.max(np.abs(want), initial=0.0))
         np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eight_devices_resume_bitwise(eight_devices, name):
+    """A sharded run stopped at round 2 and resumed with resume=True is the uninterrupted
+    sharded run bit for bit (state, sampled ids, evaluations), restored in the mesh
+    layout; and so, to rtol 1e-5, the unsharded run."""
+    report, sharded, references = eight_devices
+    info = report[f"{name}_resumed"]
+    assert info["resumed_from"] == 2 and info["rounds_run"] == ROUNDS - 2, info
+    assert info["restored_table_spec"] == str(P("clients")), info
+    assert info["restored_server_spec"] == str(P()), info
+    assert info["restored_block_rows"] == [CASES[name]["num_clients"] // NUM_DEVICES], info
+    dtype = "uint16" if CASES[name].get("control_dtype") == "bfloat16" else "float32"
+    assert info["table_dtype"] == dtype
+    got, uninterrupted = sharded[f"{name}_resumed"], sharded[name]
+    np.testing.assert_array_equal(got["client_ids"], uninterrupted["client_ids"][2:])
+    for key, want in uninterrupted.items():
+        if key != "client_ids":
+            np.testing.assert_array_equal(got[key], want, err_msg=key)
+    for key, want in references[name].items():
+        if key != "client_ids":
+            atol = 1e-5 * float(np.max(np.abs(want), initial=0.0))
+            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=atol, err_msg=key)
 
 
 def test_eight_device_layout(eight_devices):
@@ -267,23 +321,44 @@ def test_one_device_mesh_is_bitwise_the_simulation(eight_devices, one_device):
     assert int(again.state.round) == 2
 
 
-def test_checkpoint_restore_and_continue(eight_devices, one_device, tmp_path):
-    """Saved by a sharded run, restored by hand and continued: the uninterrupted run.
-    (``resume=True`` itself is refused with a message; see ShardedSimulation.run.)"""
-    from scaffold_jax import checkpoint
-
+def test_checkpoint_resume_continues_bitwise(eight_devices, one_device, tmp_path):
+    """Saved by a sharded run stopped at round 2, resumed with resume=True: the
+    uninterrupted run, bit for bit; the state is restored placed on the mesh."""
     sim, data, sharded = one_device
     hp = sj.hparams(client_lr=0.1)
     sharded.run(data, hp, num_rounds=2, eval_every=2, checkpoint_dir=tmp_path)
-    with pytest.raises(NotImplementedError, match="resume"):
-        sharded.run(data, hp, ROUNDS, 2, checkpoint_dir=tmp_path, resume=True)
-    like = jax.eval_shape(lambda: sj.init_state(sim.algorithm, sim.problem.params, 64))
-    restored = checkpoint.restore_latest(tmp_path, like)
-    assert restored.round == 2
-    result = sharded.run(data, hp, num_rounds=2, eval_every=2, state=restored.state)
+    result = sharded.run(data, hp, ROUNDS, 2, checkpoint_dir=tmp_path, resume=True)
+    assert result.resumed_from == 2 and len(result.client_ids) == ROUNDS - 2
     expected = eight_devices[2]["procedural_s16"]
-    for i, leaf in enumerate(sharding.gather(jax.tree.leaves(result.state))):
-        np.testing.assert_array_equal(np.asarray(leaf, np.float32), expected[f"leaf{i}"])
+    got = outcome(result)
+    for key in expected:
+        if key != "client_ids":
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    np.testing.assert_array_equal(got["client_ids"], expected["client_ids"][2:])
+    # The restore target carries the mesh's shardings, so the leaves come back placed.
+    restored = checkpoint.restore_latest(tmp_path, sharded._state_like(data.num_clients))
+    table = jax.tree.leaves(restored.state.clients)[0]
+    assert isinstance(table.sharding, jax.sharding.NamedSharding)
+    assert table.sharding.spec == P("clients")
+    # A checkpoint of the plain Simulation resumes sharded too (same run, other layout).
+    plain_dir = tmp_path / "plain"
+    sim.run(data, hp, num_rounds=2, eval_every=2, checkpoint_dir=plain_dir)
+    again = sharded.run(data, hp, ROUNDS, 2, checkpoint_dir=plain_dir, resume=True)
+    for key in expected:
+        if key != "client_ids":
+            np.testing.assert_array_equal(outcome(again)[key], expected[key], err_msg=key)
+    # ... and a sharded run's checkpoint resumes in the plain Simulation.
+    sharded_dir = tmp_path / "sharded"
+    sharded.run(data, hp, num_rounds=2, eval_every=2, checkpoint_dir=sharded_dir)
+    plain = sim.run(data, hp, ROUNDS, 2, checkpoint_dir=sharded_dir, resume=True)
+    for key in expected:
+        if key != "client_ids":
+            np.testing.assert_array_equal(outcome(plain)[key], expected[key], err_msg=key)
+    # resume=True with a state is still refused, as for a plain Simulation.
+    with pytest.raises(ValueError, match="either state="):
+        sharded.run(
+            data, hp, ROUNDS, 2, state=sharded.init(data), checkpoint_dir=tmp_path, resume=True
+        )
 
 
 def test_data_shardings_policies():

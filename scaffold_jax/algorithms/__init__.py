@@ -2,7 +2,12 @@
 
 from scaffold_jax.algorithms.fedavg import fedavg
 from scaffold_jax.algorithms.fedprox import fedprox
-from scaffold_jax.algorithms.scaffold import ScaffoldClientState, ScaffoldServerState, scaffold
+from scaffold_jax.algorithms.scaffold import (
+    ScaffoldClientState,
+    ScaffoldServerState,
+    client_controls,
+    scaffold,
+)
 from scaffold_jax.algorithms.sgd import sgd
 
 ALGORITHMS = {"scaffold": scaffold, "fedavg": fedavg, "fedprox": fedprox, "sgd": sgd}
@@ -19,6 +24,7 @@ __all__ = [
     "ALGORITHMS",
     "ScaffoldClientState",
     "ScaffoldServerState",
+    "client_controls",
     "fedavg",
     "fedprox",
     "make",

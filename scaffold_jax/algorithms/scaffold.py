@@ -18,6 +18,15 @@ where W is the total weight of all N clients. With the paper's uniform weights (
 W = N) that is ``c ← c + (|S|/N) mean Δc_i``, and ``c = mean_i c_i`` holds after every
 round. With ``weighting="num_examples"`` it keeps ``c = Σ_i n_i c_i / Σ_i n_i`` instead, the
 consistent counterpart of data-size weighted model averaging.
+
+Storage of the c_i. With ``control_dtype=jnp.bfloat16`` the client table holds the
+bfloat16 values as their ``uint16`` bit patterns, not as bfloat16 arrays: XLA's CPU backend
+has no bfloat16 scatter and converted the whole ``[N, P]`` table to float32 and back to
+write the S new rows each round (a float32 table of temporaries, 3× the bfloat16 table at
+the peak), while a ``uint16`` scatter writes the rows in place. A client decodes its row to
+float32 when it starts and encodes its new row (round-to-nearest-even, exactly
+``astype(jnp.bfloat16)``) when it ends; the values, and every result, are those of a
+bfloat16 table. Read the controls as numbers with :func:`client_controls`.
 """
 
 from __future__ import annotations
@@ -48,9 +57,64 @@ class ScaffoldServerState(NamedTuple):
 
 
 class ScaffoldClientState(NamedTuple):
-    """Attributes: control (c_i), stored in the algorithm's ``control_dtype``."""
+    """Attributes: control (c_i) in its storage form: float32 arrays, or for
+    ``control_dtype=jnp.bfloat16`` the ``uint16`` bit patterns of the bfloat16 values.
+    Read it as numbers with :func:`client_controls`."""
 
     control: PyTree
+
+
+_BITS = jnp.dtype(jnp.uint16)  # storage of bfloat16 controls: their bit patterns
+
+
+def _encode(values: PyTree, control_dtype: jnp.dtype) -> PyTree:
+    """float32 controls → their storage form (bfloat16 rounds to nearest even)."""
+    if control_dtype == jnp.dtype(jnp.float32):
+        return optax.tree.cast(values, jnp.float32)
+    return jax.tree.map(
+        lambda a: jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), _BITS), values
+    )
+
+
+def _decode(stored: PyTree) -> PyTree:
+    """Stored controls → float32 (exact: every bfloat16 is a float32)."""
+
+    def one(a):
+        a = jnp.asarray(a)
+        if a.dtype == _BITS:
+            a = jax.lax.bitcast_convert_type(a, jnp.bfloat16)
+        return a.astype(jnp.float32)
+
+    return jax.tree.map(one, stored)
+
+
+def client_controls(client_state: ScaffoldClientState) -> PyTree:
+    """The client control variates c_i as float32 numbers, whatever their storage dtype.
+
+    Works on one client's state and on the whole table (``SimState.clients``, every leaf
+    ``[N, ...]``; a sharded table keeps its layout). Use it rather than reading
+    ``client_state.control``, which holds ``uint16`` bit patterns when the controls are
+    stored in bfloat16. With several processes, read a sharded result with
+    :func:`scaffold_jax.sharding.gather` first.
+
+    Args:
+      client_state: a :class:`ScaffoldClientState` (arrays, jax or numpy).
+
+    Returns:
+      The pytree of ``client_state.control`` with float32 leaves.
+
+    Examples:
+      >>> import jax.numpy as jnp, scaffold_jax as sj
+      >>> from scaffold_jax.algorithms import client_controls
+      >>> problem = sj.models.logistic_regression((4,), 3)
+      >>> alg = sj.scaffold(problem.loss_fn, control_dtype=jnp.bfloat16)
+      >>> state = sj.init_state(alg, problem.params, num_clients=5)
+      >>> state.clients.control["linear"]["kernel"].dtype
+      dtype('uint16')
+      >>> client_controls(state.clients)["linear"]["kernel"].dtype
+      dtype('float32')
+    """
+    return _decode(client_state.control)
 
 
 _OPTIONS = {1: 1, 2: 2, "I": 1, "II": 2, "i": 1, "ii": 2}
@@ -70,7 +134,8 @@ def scaffold(
       control_dtype: storage dtype of the client control variates c_i (``jnp.float32``
         or ``jnp.bfloat16`` to halve the client table); arithmetic is always float32.
         Δc_i is computed from the STORED (rounded) c_i⁺, so the server's c stays exactly the
-        mean of the stored table.
+        mean of the stored table. bfloat16 values are stored as their ``uint16`` bit
+        patterns (see the module docstring); read them with :func:`client_controls`.
       server_optimizer: optional optax transformation on −Δx, as for FedAvg.
 
     Raises:
@@ -95,13 +160,13 @@ def scaffold(
             control=optax.tree.zeros_like(params),
             opt_state=init_server_optimizer(server_optimizer, params),
         )
-        client = ScaffoldClientState(control=optax.tree.zeros_like(params, dtype=control_dtype))
+        client = ScaffoldClientState(control=_encode(optax.tree.zeros_like(params), control_dtype))
         return server, client
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
         del key
         x, c = server_state.params, server_state.control
-        c_i = optax.tree.cast(client_state.control, jnp.float32)
+        c_i = _decode(client_state.control)
 
         # Every local gradient is corrected by the same c - c_i.
         offset = optax.tree.sub(c, c_i)
@@ -116,8 +181,8 @@ def scaffold(
         else:
             flat, flat_mask = flatten_steps(batches, mask)
             _, c_plus = batch_grad(loss_fn, x, flat, flat_mask)
-        stored = optax.tree.cast(c_plus, control_dtype)
-        delta_control = optax.tree.sub(optax.tree.cast(stored, jnp.float32), c_i)
+        stored = _encode(c_plus, control_dtype)
+        delta_control = optax.tree.sub(_decode(stored), c_i)
         output = output._replace(delta_control=delta_control)
         return ScaffoldClientState(control=stored), output
 

@@ -11,9 +11,12 @@ benchmark measures exactly that part, the K local SGD steps of the S sampled cli
 * ``separate``: M calls of one compiled program (one config each);
 * ``vmapped``: one program, ``vmap`` over the M configs, batches shared (``in_axes=None``);
 * ``vmapped, chunks of c``: the same with the S clients in ``lax.map`` chunks of c
-  (as the engine runs them on CPU, ``client_chunk``).
+  (as the engine runs them on CPU, ``client_chunk``);
+* ``wide, chunks of c``: an upper bound, hand-written for this model only: the M configs'
+  kernels stacked into ONE ``[M·C, d]`` matrix, so every step is one wider matmul per
+  client (what a sweep-aware dense layer could do; the library's sweep does not).
 
-``vmapped / separate`` below 1 is what a sweep could gain per round from the config axis.
+``/ separate`` below 1 is what a sweep could gain per round from the config axis.
 
 Examples:
   python benchmarks/bench_config_axis.py --out results/config_axis_cpu2.json
@@ -41,7 +44,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--clients", type=int, default=100, help="S sampled clients")
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=12)
-    parser.add_argument("--chunks", type=int, nargs="*", default=[50, 10])
+    parser.add_argument("--chunks", type=int, nargs="*", default=[50, 20, 10])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
@@ -69,6 +72,29 @@ def main(argv=None) -> dict:
         fn = jax.jit(jax.vmap(lambda p, lr, c=chunk: all_clients(p, lr, c)))
         name = "vmapped" if chunk is None else f"vmapped, chunks of {chunk}"
         programs[name] = lambda fn=fn: fn(params, lrs)
+    d, c = 28 * 28, 10
+
+    def wide_client(x, y, msk):
+        # Kernels [M·C, d] (the compute layout), biases [M, C]; the summed loss gives each
+        # config its own gradient because their params are disjoint.
+        def loss(p, xb, yb, mb):
+            flat = xb.reshape(b, d).astype(jnp.float32) / 255.0
+            logits = (flat @ p[0].T).reshape(b, m, c) + p[1]
+            ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None, None], -1)
+            return jnp.sum(ce[..., 0] * mb[:, None]) / jnp.maximum(jnp.sum(mb), 1.0)
+
+        def step(p, batch):
+            g = jax.grad(loss)(p, *batch)
+            return (p[0] - jnp.repeat(lrs, c)[:, None] * g[0], p[1] - lrs[:, None] * g[1]), None
+
+        start = (jnp.zeros((m * c, d)), jnp.zeros((m, c)))
+        return jax.lax.scan(step, start, (x, y, msk))[0]
+
+    for chunk in args.chunks:
+        fn = jax.jit(
+            lambda c_=chunk: jax.lax.map(lambda a: wide_client(*a), (xs, ys, mask), batch_size=c_)
+        )
+        programs[f"wide, chunks of {chunk} (hand-written upper bound)"] = fn
     for program in programs.values():
         jax.block_until_ready(program())  # compile
     times = {name: [] for name in programs}

@@ -42,7 +42,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from scaffold_jax.experiments import PROTOCOLS, ConfigError, RunConfig
+from scaffold_jax.experiments import ConfigError, RunConfig
+from scaffold_jax.paper import PROTOCOLS
 from scaffold_jax.simulate import DivergenceError
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float}
@@ -320,7 +321,7 @@ def _diagnose_command(args: argparse.Namespace) -> int:
 
 
 def _reproduce_command(args: argparse.Namespace) -> int:
-    from scaffold_jax import experiments
+    from scaffold_jax import paper
 
     overrides = _parse_set(args.set)
     name = args.experiment
@@ -338,7 +339,7 @@ def _reproduce_command(args: argparse.Namespace) -> int:
         if args.download:
             overrides["download"] = True
         if args.lr_grid:
-            protocol = experiments.PROTOCOLS[name](quick=args.quick)
+            protocol = paper.PROTOCOLS[name](quick=args.quick)
             overrides["lr_grids"] = {r.method: tuple(args.lr_grid) for r in protocol.rows}
     for flag in ("eval_every", "target", "seed"):
         mapping[flag] = flag
@@ -346,7 +347,7 @@ def _reproduce_command(args: argparse.Namespace) -> int:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[field] = tuple(value) if isinstance(value, list) else value
-    experiments.reproduce(
+    paper.reproduce(
         name,
         args.out,
         quick=args.quick,

@@ -320,13 +320,13 @@ class ShardedSimulation(Simulation):
         self.examples = examples
         super().__init__(algorithm, problem, plan, clients_per_round, weighting, eval_batch_size)
 
-    def resolve_client_chunk(self, data) -> None:
+    def resolve_client_chunk(self, data, configs: int = 1) -> None:
         """Always None: all S sampled clients in one vmap, split over the mesh.
 
         A ``lax.map`` over chunks of the sharded client axis would run the devices one
         chunk after another; each device already holds only S / devices clients.
         """
-        del data
+        del data, configs
         return None
 
     def _constrain(self, tree: PyTree, layout: str) -> PyTree:

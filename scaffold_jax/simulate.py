@@ -366,8 +366,15 @@ class Simulation:
         self.evaluate = jax.jit(self.evaluate_fn)
 
     # ----------------------------------------------------------------- the pure programs
-    def round_fn(self, hparams: HParams, state: SimState, data, key: jax.Array):
-        """One round (pure; :attr:`round` is its jitted, state-donating version)."""
+    def round_fn(
+        self, hparams: HParams, state: SimState, data, key: jax.Array, *, configs: int = 1
+    ):
+        """One round (pure; :attr:`round` is its jitted, state-donating version).
+
+        ``configs``: how many configurations run this round side by side under an outer
+        ``vmap`` (a sweep's block); they share the CPU chunk budget (see
+        :meth:`resolve_client_chunk`).
+        """
         num_clients, num_sampled = data.num_clients, self.clients_per_round
         round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled)
         # The _constrain calls are layout hints, no-ops here (see scaffold_jax.sharding):
@@ -386,7 +393,7 @@ class Simulation:
                 hparams, state.server, row, batches, mask, client_key
             )
 
-        chunk = self.resolve_client_chunk(data)
+        chunk = self.resolve_client_chunk(data, configs)
         if chunk is None:
             new_rows, outputs = jax.vmap(client_work)(work_ids, keys, rows)
         else:
@@ -410,7 +417,7 @@ class Simulation:
         new_state = SimState(server=server, clients=clients, round=state.round + 1)
         return self._constrain(new_state, "state"), self._constrain(metrics, "replicated")
 
-    def resolve_client_chunk(self, data) -> int | None:
+    def resolve_client_chunk(self, data, configs: int = 1) -> int | None:
         """How many sampled clients one vmapped chunk of the round runs (None: all S).
 
         ``client_chunk="auto"`` picks None on an accelerator, where one kernel over all S
@@ -421,7 +428,8 @@ class Simulation:
         benchmarks/README.md: W3 SCAFFOLD 2.7x faster). The chunk is balanced (the
         largest divisor of S in [chunk/2, chunk] when there is one): ``lax.map`` runs a
         remainder as one more, separately compiled, vmap. Results equal the unchunked
-        round up to the order of floating-point sums.
+        round up to the order of floating-point sums. ``configs`` configurations vmapped
+        side by side (a sweep) share the budget: each chunk holds all of them.
         """
         num_sampled = self.clients_per_round
         if self.client_chunk is None:
@@ -435,7 +443,7 @@ class Simulation:
             math.prod(a.shape) * a.dtype.itemsize + 4 * math.prod(a.shape[1:])
             for a in jax.tree.leaves(batches)
         ) + 4 * sum(4 * math.prod(jnp.shape(a)) for a in jax.tree.leaves(self.problem.params))
-        return balanced_chunk(num_sampled, max(1, CLIENT_CHUNK_BYTES // per_client))
+        return balanced_chunk(num_sampled, max(1, CLIENT_CHUNK_BYTES // (per_client * configs)))
 
     def _constrain(self, tree: PyTree, layout: str) -> PyTree:
         """Sharding hook of :meth:`round_fn`: returns ``tree`` unchanged.

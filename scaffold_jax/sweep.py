@@ -21,12 +21,13 @@ Performance. The sweep amortises per-op overhead and shares the per-seed work; w
 cannot shrink is the per-config traffic over params-sized arrays (every config updates its
 own y_i of every sampled client K times). Where one config's round is already large and
 memory-bound (S = 100 clients on a 2-core CPU: the benchmark workload) a sweep runs at
-about the speed of sequential runs of one compiled program, 0.8-1.1× in our measurements,
+about the speed of sequential runs of one compiled program, 0.8-1.0× in our measurements,
 with one compilation instead of one per process; its gains grow as the per-config round
 gets smaller (S = 10: 1.3-1.8×) and on accelerators, where small ops are launch-bound.
-The shared batches do not become wider matmuls on XLA CPU: 8 configs' local steps vmapped
-over shared batches took 1.32× the time of 8 separate calls
-(``benchmarks/bench_config_axis.py``).
+On the local steps alone, 8 configs vmapped over shared batches take 0.80× the time of 8
+separate calls on that CPU, and a hand-written layer stacking their kernels into one wider
+matmul 0.60× (``benchmarks/bench_config_axis.py``). The clients of a round run in chunks
+sized for all the configs of a block together (``Simulation.round_fn(..., configs=...)``).
 
 Divergence is per config. After every round, a config whose new server state or new client
 rows hold a NaN/Inf is marked ``diverged`` at that round (1-based: the round that produced
@@ -78,6 +79,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -409,9 +411,11 @@ class Sweep:
         return program
 
     # -------------------------------------------------------------- the pure programs
-    def guarded_round_fn(self, hparams: HParams, carry: SweepCarry, data, key: jax.Array):
+    def guarded_round_fn(
+        self, hparams: HParams, carry: SweepCarry, data, key: jax.Array, configs: int = 1
+    ):
         """One round of ONE config, frozen once it produces a NaN/Inf (vmapped by
-        :meth:`run_rounds_fn`; ``carry`` here has no config axis)."""
+        :meth:`run_rounds_fn` over ``configs`` configs; ``carry`` here has no config axis)."""
         sim, state = self.simulation, carry.state
         # The ids round_fn will sample (the same call it makes): their old rows are kept
         # aside so that freezing a config rewrites S rows, not the whole [N, ...] table.
@@ -421,7 +425,7 @@ class Sweep:
         # old_rows: the gather runs (and is materialised) before the in-place scatter.
         # Otherwise XLA fuses it into its late consumer below and copies the whole table.
         state = state._replace(clients=set_rows(state.clients, ids, old_rows))
-        new, metrics = sim.round_fn(hparams, state, data, key)
+        new, metrics = sim.round_fn(hparams, state, data, key, configs=configs)
         new_rows = take_rows(new.clients, ids)
         finite = _all_finite(new.server) & _all_finite(new_rows)
         keep = finite & ~carry.diverged
@@ -459,8 +463,12 @@ class Sweep:
         """
         in_group = SweepCarry(SimState(server=0, clients=0, round=None), 0, 0)
         per_seed = SweepCarry(SimState(server=0, clients=0, round=0), 0, 0)
+        # All G x M configs of the block work on each chunk of clients together.
+        configs = math.prod(carry.diverged.shape)
         group = jax.vmap(
-            self.guarded_round_fn, in_axes=(0, in_group, None, None), out_axes=(in_group, 0)
+            functools.partial(self.guarded_round_fn, configs=configs),
+            in_axes=(0, in_group, None, None),
+            out_axes=(in_group, 0),
         )
         step = jax.vmap(group, in_axes=(0, per_seed, None, 0), out_axes=(per_seed, 0))
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from scaffold_jax import experiments, results
+from scaffold_jax import experiments, paper, results
 from scaffold_jax.data import sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.experiments import ConfigError, GridRun, RunConfig
@@ -259,42 +259,42 @@ def test_too_many_clients_for_the_data_is_a_named_error(tmp_path):
 
 # ----------------------------------------------------------------------------- protocols
 def test_the_full_protocols_follow_the_paper():
-    t3 = experiments.table3_protocol().validate()
+    t3 = paper.table3_protocol().validate()
     assert t3.similarities == (0.0, 10.0, 100.0) and t3.num_rounds == 1000
     assert [(r.method, r.epochs) for r in t3.rows][:5] == [
         ("sgd", 1), ("scaffold", 1), ("scaffold", 5), ("scaffold", 10), ("scaffold", 20)
     ]  # fmt: skip
     assert len(t3.rows) == 13 and {r.sampled for r in t3.rows} == {0.2}
-    t4 = experiments.table4_protocol().validate()
+    t4 = paper.table4_protocol().validate()
     assert {r.sampled for r in t4.rows} == {0.2, 0.05, 0.01} and {r.epochs for r in t4.rows} == {5}
-    t5 = experiments.table5_protocol().validate()
+    t5 = paper.table5_protocol().validate()
     assert t5.model == "mlp" and t5.target is None
-    fig3 = experiments.fig3_protocol()
+    fig3 = paper.fig3_protocol()
     assert fig3.gradient_dissimilarities == (1.0, 10.0, 100.0) and fig3.local_steps == (2, 10)
 
 
 def test_table_targets_are_the_papers_on_emnist_and_scaled_elsewhere():
-    t3, t4, t5 = (experiments.PROTOCOLS[n]() for n in ("table3", "table4", "table5"))
-    assert experiments.table_target(t3, "emnist/balanced") == 0.5
-    assert experiments.table_target(t4, "emnist/balanced") == 0.45
-    assert experiments.table_target(t3, "fashion_mnist") == 0.7
-    assert experiments.table_target(t5, "fashion_mnist") is None
-    assert experiments.table_target(experiments.table3_protocol(target=0.6), "x") == 0.6
+    t3, t4, t5 = (paper.PROTOCOLS[n]() for n in ("table3", "table4", "table5"))
+    assert paper.table_target(t3, "emnist/balanced") == 0.5
+    assert paper.table_target(t4, "emnist/balanced") == 0.45
+    assert paper.table_target(t3, "fashion_mnist") == 0.7
+    assert paper.table_target(t5, "fashion_mnist") is None
+    assert paper.table_target(paper.table3_protocol(target=0.6), "x") == 0.6
 
 
 def test_protocol_overrides_are_checked():
     with pytest.raises(ConfigError, match=r"unknown protocol field\(s\) \['horizon'\]"):
-        experiments.fig3_protocol(horizon=10)
+        paper.fig3_protocol(horizon=10)
     with pytest.raises(ConfigError, match="target = 2 is invalid"):
-        experiments.fig3_protocol(target=2)
+        paper.fig3_protocol(target=2)
     with pytest.raises(ConfigError, match="dataset = 'mnist2' is invalid"):
-        experiments.table3_protocol(dataset="mnist2").validate()
+        paper.table3_protocol(dataset="mnist2").validate()
     with pytest.raises(ConfigError, match="unknown"):
-        experiments.reproduce("table9")
+        paper.reproduce("table9")
 
 
 def test_reproduce_table_on_an_in_memory_dataset(tmp_path):
-    protocol = experiments.table3_protocol(
+    protocol = paper.table3_protocol(
         quick=True,
         num_clients=10,
         num_rounds=6,
@@ -304,7 +304,7 @@ def test_reproduce_table_on_an_in_memory_dataset(tmp_path):
         target=0.5,
         lr_grids={"sgd": (1.0,), "scaffold": (0.3, 1.0)},
     )
-    summary = experiments.reproduce_table(protocol, tmp_path, quiet=True, dataset=toy_dataset())
+    summary = paper.reproduce_table(protocol, tmp_path, quiet=True, dataset=toy_dataset())
     assert summary["dataset"] == "toy" and summary["target"] == 0.5
     assert [(c["method"], c["similarity"]) for c in summary["cells"]] == [
         ("sgd", 0), ("scaffold", 0), ("sgd", 100), ("scaffold", 100)

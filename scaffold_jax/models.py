@@ -68,7 +68,12 @@ def classification_problem(module: nn.Module, input_shape: Sequence[int], key) -
         logits = module.apply({"params": params}, batch["x"])
         return (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
 
-    return Problem(params=params, loss_fn=loss_fn, accuracy_fn=accuracy_fn)
+    return Problem(
+        params=params,
+        loss_fn=loss_fn,
+        accuracy_fn=accuracy_fn,
+        num_classes=getattr(module, "num_classes", None),
+    )
 
 
 def logistic_regression(

@@ -537,6 +537,31 @@ class Simulation:
             empty = np.flatnonzero(counts < 1)[:5].tolist()
             raise ValueError(f"clients {empty} have no data; every client needs >= 1 example.")
         self._check_problem_fits(data)
+        self._check_labels(data)
+
+    def _check_labels(self, data) -> None:
+        """Integer labels of materialised data must index the problem's C classes."""
+        num_classes = getattr(self.problem, "num_classes", None)
+        if num_classes is None:
+            return
+        sets = {"the clients' examples": getattr(data, "examples", None)}
+        sets["the test set"] = getattr(data, "test", None)
+        for where, examples in sets.items():
+            if not isinstance(examples, dict) or "y" not in examples:
+                continue
+            if not getattr(examples["y"], "is_fully_addressable", True):
+                continue  # spread over processes: each process checks its own input data
+            labels = np.asarray(examples["y"])
+            if not np.issubdtype(labels.dtype, np.integer) or labels.size == 0:
+                continue
+            bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+            if bad.size:
+                raise ValueError(
+                    f"labels must be class indices in [0, {num_classes}) for this model: "
+                    f"label {labels[bad[0]]} at index {bad[0]} of {where} ({bad.size} labels "
+                    f"out of range). Remap the labels to 0..{num_classes - 1}, or build the "
+                    f"model with num_classes > {labels.max()}."
+                )
 
     def _check_problem_fits(self, data) -> None:
         batches, mask = jax.eval_shape(

@@ -144,8 +144,12 @@ class Problem(NamedTuple):
       loss_fn: ``loss_fn(params, batch) -> [B]`` per-example losses.
       accuracy_fn: ``accuracy_fn(params, batch) -> [B]`` per-example correctness in
         {0, 1}, or ``None`` where accuracy has no meaning (e.g. quadratics).
+      num_classes: for a classifier of integer labels ``batch["y"]``, the number of
+        classes C; the simulation then refuses data whose labels fall outside [0, C)
+        (the cross-entropy would silently read outside the logits). None: not checked.
     """
 
     params: PyTree
     loss_fn: Callable[[PyTree, Batch], Array]
     accuracy_fn: Callable[[PyTree, Batch], Array] | None = None
+    num_classes: int | None = None

@@ -114,6 +114,15 @@ def with_empty_client(ctx):
     return dataclasses.replace(data, counts=jnp.asarray(counts))
 
 
+def with_label(ctx, index: int, label: int, field: str = "examples"):
+    data = ctx.data
+    examples = dict(getattr(data, field))
+    y = np.asarray(examples["y"]).copy()
+    y[index] = label
+    examples["y"] = jnp.asarray(y)
+    return dataclasses.replace(data, **{field: examples})
+
+
 # --------------------------------------------------------------------------- the cases
 # fmt: off
 CASES = [
@@ -403,6 +412,18 @@ CASES = [
          "checkpoint extra must be JSON-able: Object of type ndarray is not JSON serializable",
          lambda ctx: checkpoint.save(ctx.tmp / "new", ctx.state_at_2, ctx.key,
                                      extra={"a": np.zeros(2)})),
+    Case("label-outside-classes", "labels outside [0, C) in in-memory data (C = 3)",
+         "Simulation.run", ValueError,
+         "labels must be class indices in [0, 3) for this model: label 3 at index 4 of the "
+         "clients' examples (1 labels out of range). Remap the labels to 0..2, or build the "
+         "model with num_classes > 3.",
+         lambda ctx: run(ctx, data=with_label(ctx, 4, 3))),
+    Case("negative-test-label", "a negative label in the test set", "Simulation.run",
+         ValueError,
+         "labels must be class indices in [0, 3) for this model: label -1 at index 0 of the "
+         "test set (1 labels out of range). Remap the labels to 0..2, or build the model "
+         "with num_classes > 2.",
+         lambda ctx: run(ctx, data=with_label(ctx, 0, -1, field="test"))),
     Case("restore-missing-dir", "restoring from a directory that does not exist",
          "checkpoint.restore_latest", FileNotFoundError,
          "no checkpoint to restore: {tmp}/nowhere is not a directory.",
@@ -413,11 +434,6 @@ CASES = [
 
 # Inputs that are NOT refused yet, in modules this test does not own (the doc lists them).
 KNOWN_GAPS = [
-    (
-        "labels outside [0, C) in in-memory data",
-        "data/federated.py, models.py",
-        "not checked: the cross-entropy is NaN and the run goes on (only IDX files are checked).",
-    ),
     (
         "a test set whose fields or shapes differ from the clients'",
         "data/federated.py",

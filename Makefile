@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check scaffold_jax tests benchmarks
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_round.py
+	$(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache results/demo

@@ -32,7 +32,7 @@ that their ratios survive a noisy shared machine:
   of :mod:`scaffold_jax.local`), the fastest formulation of the local step we found.
 * ``loop``: the per-client loop — a jitted client function (batch drawing + K steps) called
   from Python once per sampled client, then a jitted server update (how most simulators
-  run; see ``bench_round.py``).
+  run; :func:`loop_program`).
 """
 
 from __future__ import annotations

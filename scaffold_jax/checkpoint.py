@@ -29,6 +29,18 @@ the step that will be saved again at that round), a :class:`UserWarning` names i
 previous step is tried. A checkpoint that is intact but was written for a differently shaped
 simulation is NOT treated as corrupt: that raises ``ValueError`` at once and moves nothing.
 
+Several processes (``jax.distributed.initialize``). Every process opens the same
+:class:`Checkpointer` and calls :meth:`~Checkpointer.save` and
+:meth:`~Checkpointer.restore_latest` at the same points (both are collectives), on a
+directory that all of them see (a shared filesystem). Saving gathers every leaf, blocks held
+by other processes included, to the host of EVERY process (so each process briefly holds the
+whole client table in host memory), checksums it there, and orbax writes the files from
+process 0 only, with barriers around the save. Restoring reads the files on every process,
+verifies them there, and each process builds only its own blocks of a leaf spread over
+processes (``jax.make_array_from_callback``). The processes agree on whether a checkpoint is
+corrupt (it is when any of them fails to read or verify it), and only process 0 changes the
+directory (removing partial saves, renaming corrupt steps), between barriers.
+
 Examples:
   >>> import tempfile, jax.random as jr, numpy as np
   >>> import scaffold_jax as sj
@@ -134,8 +146,10 @@ class Checkpointer:
             raise ValueError(f"max_to_keep = {max_to_keep} is invalid: it must be >= 1.")
         self._ocp = ocp
         self.directory = Path(directory).absolute()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._remove_partial_saves()
+        if _is_writer():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._remove_partial_saves()
+        _barrier("open")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=int(max_to_keep),
             # Synchronous: when save() returns the step is on disk, so an interrupt or a
@@ -209,7 +223,8 @@ class Checkpointer:
                 "checkpoints are never overwritten."
             )
         key_impl, key_data = _split_key(key)
-        leaves = [np.asarray(a) for a in jax.device_get(jax.tree.leaves(state))]
+        # With several processes a collective: every process gets every leaf, whole.
+        leaves = _to_host(jax.tree.leaves(state))
         leaf_meta = [
             {"path": p, "shape": list(a.shape), "dtype": str(a.dtype), "sha256": _sha256(a)}
             for p, a in zip(_leaf_paths(state), leaves, strict=True)
@@ -241,6 +256,7 @@ class Checkpointer:
         if not saved:  # pragma: no cover - orbax declines only for read-only managers
             raise RuntimeError(f"orbax declined to save round {step} in {self.directory}.")
         self._manager.wait_until_finished()
+        _barrier(f"saved-{step}")  # no process lists the directory before the step is there
         return _step_dir(self.directory, step)
 
     # ------------------------------------------------------------------ restoring
@@ -271,21 +287,27 @@ class Checkpointer:
         newest_first = rounds[::-1]
         for i, step in enumerate(newest_first):
             try:
-                return self._restore(step, like_state)
-            except _Corrupt as err:
-                moved = self._quarantine(step)
-                broken.append(f"round {step}: {err}")
-                then = (
-                    f"falling back to the checkpoint of round {newest_first[i + 1]}"
-                    if i + 1 < len(newest_first)
-                    else "no older checkpoint is left"
-                )
-                warnings.warn(
-                    f"checkpoint {_step_dir(self.directory, step)} is corrupt ({err}); "
-                    f"moved it to {moved.name}; {then}.",
-                    UserWarning,
-                    stacklevel=2,
-                )
+                restored, err = self._restore(step, like_state), None
+            except _Corrupt as error:
+                restored, err = None, error
+            # Several processes: all must take the same branch (a step corrupt for one of
+            # them is corrupt for all), since the quarantine and the next try are collective.
+            err = _agree(err)
+            if err is None:
+                return restored
+            moved = self._quarantine(step)
+            broken.append(f"round {step}: {err}")
+            then = (
+                f"falling back to the checkpoint of round {newest_first[i + 1]}"
+                if i + 1 < len(newest_first)
+                else "no older checkpoint is left"
+            )
+            warnings.warn(
+                f"checkpoint {_step_dir(self.directory, step)} is corrupt ({err}); "
+                f"moved it to {moved.name}; {then}.",
+                UserWarning,
+                stacklevel=2,
+            )
         raise CheckpointError(
             f"no readable checkpoint in {self.directory}: every one is corrupt "
             f"({'; '.join(broken)})."
@@ -350,7 +372,10 @@ class Checkpointer:
         while target.exists():
             n += 1
             target = self.directory / f"{step}{_CORRUPT_SUFFIX}-{n}"
-        source.rename(target)
+        _barrier(f"quarantine-{step}-start")  # every process has listed `target` free
+        if _is_writer():
+            source.rename(target)
+        _barrier(f"quarantine-{step}-done")
         self._manager.reload()
         return target
 
@@ -424,9 +449,62 @@ def _dtype(name: str) -> np.dtype:
 
 def _place(value: np.ndarray, like: Any) -> jax.Array:
     sharding = getattr(like, "sharding", None)
-    if sharding is not None:
+    if sharding is None:
+        return jnp.asarray(value)
+    if sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
-    return jnp.asarray(value)
+    # Spread over processes: every process holds the whole value and builds its blocks.
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _is_writer() -> bool:
+    """Whether this process changes the directory: process 0 (orbax's primary host)."""
+    return jax.process_index() == 0
+
+
+def _barrier(name: str) -> None:
+    """Waits for every process (a no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"scaffold_jax.checkpoint:{name}")
+
+
+def _to_host(leaves: list[Any]) -> list[np.ndarray]:
+    """The leaves as numpy arrays of their GLOBAL values, on every process.
+
+    With one process this is ``jax.device_get``. With several, a leaf spread over processes
+    is fetched with ``process_allgather`` (a collective: every process calls it with the
+    same leaves, so the result and its checksums are the same on all of them).
+    """
+    if jax.process_count() == 1:
+        return [np.asarray(a) for a in jax.device_get(leaves)]
+    from jax.experimental import multihost_utils
+
+    def one(a):
+        if isinstance(a, jax.Array) and not (a.is_fully_addressable or a.is_fully_replicated):
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(jax.device_get(a))
+
+    return [one(a) for a in leaves]
+
+
+def _agree(err: _Corrupt | None) -> _Corrupt | None:
+    """``err``, or a :class:`_Corrupt` if another process failed where this one did not.
+
+    With several processes a collective: each reports whether it could read and verify
+    the step, and the step counts as corrupt for all when it is for any.
+    """
+    if jax.process_count() == 1:
+        return err
+    from jax.experimental import multihost_utils
+
+    failed = multihost_utils.process_allgather(np.asarray([err is not None], np.int32))
+    failed = np.asarray(failed).reshape(-1)
+    if err is None and failed.any():
+        where = ", ".join(str(int(i)) for i in np.flatnonzero(failed))
+        return _Corrupt(f"unreadable or failing verification on process(es) {where}")
+    return err
 
 
 def _short(err: BaseException, limit: int = 200) -> str:

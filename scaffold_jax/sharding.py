@@ -362,28 +362,25 @@ class ShardedSimulation(Simulation):
         Without ``state`` the initial state is built directly in its sharded layout
         (:meth:`init`).
 
-        Checkpoints, on one process: ``checkpoint_dir`` saves as usual and ``resume=True``
-        restores the newest checkpoint directly in the mesh layout (each leaf is read to
-        the host and ``device_put`` with its ``NamedSharding``: table rows split, the rest
-        replicated; no unplaced device copy is made, so the restore peaks at the host copy
-        plus the placed table, as an unsharded resume does), then continues the run bit
-        for bit as the uninterrupted sharded run. A checkpoint written by an unsharded
-        :class:`~scaffold_jax.simulate.Simulation` of the same run resumes too. With
-        several processes ``checkpoint_dir`` is refused: the checkpoint writer fetches
-        every leaf with ``jax.device_get``, which cannot read a table spread over processes.
+        Checkpoints: ``checkpoint_dir`` saves as usual and ``resume=True`` restores the
+        newest checkpoint directly in the mesh layout (each leaf is read to the host and
+        placed with its ``NamedSharding``: table rows split, the rest replicated; no
+        unplaced device copy is made, so the restore peaks at the host copy plus the placed
+        table, as an unsharded resume does), then continues the run bit for bit as the
+        uninterrupted sharded run. A checkpoint written by an unsharded
+        :class:`~scaffold_jax.simulate.Simulation` of the same run resumes too.
+
+        With several processes every process calls ``run`` with the same arguments and the
+        same ``checkpoint_dir``, on a filesystem they all see. A save gathers the whole
+        table to the host of EVERY process (a collective; host memory for one table per
+        process) and process 0 writes it; a resume reads the files on every process, and
+        each keeps only the blocks of its own devices (see :mod:`scaffold_jax.checkpoint`).
 
         Raises:
-          NotImplementedError: ``checkpoint_dir`` with several processes (see above).
           ValueError: N is not a multiple of the number of devices (also when resuming).
         """
         bound = inspect.signature(Simulation.run).bind(self, data, *args, **kwargs)
         arguments = bound.arguments
-        if arguments.get("checkpoint_dir") is not None and jax.process_count() > 1:
-            raise NotImplementedError(
-                "checkpoint_dir with several processes: scaffold_jax.checkpoint fetches every "
-                "leaf with jax.device_get, which cannot read a client table spread over "
-                f"{jax.process_count()} processes."
-            )
         arguments["data"] = self.place_data(data)
         if arguments.get("state") is not None:
             arguments["state"] = self.place_state(arguments["state"])

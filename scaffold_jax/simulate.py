@@ -205,6 +205,25 @@ class _DeferredSignals:
         self._restore()
 
 
+def _agreed_signal(received: int | None) -> tuple[int | None, bool]:
+    """``(signal, here)``: the signal to stop on and whether THIS process received it.
+
+    With several processes every one must stop after the same block (the checkpoint and
+    the next block are collectives), so the processes pool what they received at every
+    block boundary (a collective) and all stop if any of them was signalled.
+    """
+    if jax.process_count() == 1:
+        return received, received is not None
+    from jax.experimental import multihost_utils
+
+    pooled = multihost_utils.process_allgather(np.asarray([received or 0], np.int32))
+    pooled = np.asarray(pooled).reshape(-1)
+    pooled = pooled[pooled != 0]
+    if received is not None:
+        return received, True
+    return (int(pooled[0]), False) if pooled.size else (None, False)
+
+
 @jax.jit
 def _all_finite(tree: PyTree) -> jax.Array:
     """True when every floating-point value in ``tree`` is finite."""
@@ -641,7 +660,9 @@ class Simulation:
         plain ``KeyboardInterrupt`` and SIGTERM a :class:`RunTerminated` (a ``SystemExit``
         with code 143), each carrying the result so far, ``status="interrupted"``, as its
         ``result`` attribute. A second signal acts at once (and carries no result). The
-        previous handlers are restored when ``run`` returns or raises.
+        previous handlers are restored when ``run`` returns or raises. With several
+        processes (``jax.distributed``) a signal received by any of them stops all of them
+        after the same block: they pool what they received at every block boundary.
 
         Divergence. After every block the server state is checked; NaN or Inf stops the run
         with :class:`DivergenceError` (a ``ValueError``) naming the round, the algorithm and
@@ -856,7 +877,8 @@ class Simulation:
             return min(end, start + ((r - start) // every + 1) * every)
 
         def stop_if_signalled(signals: _DeferredSignals) -> None:
-            if signals.received is None:
+            received, here = _agreed_signal(signals.received)
+            if received is None:
                 return
             if ckpt is not None and ckpt.latest_round() != current:
                 save()
@@ -865,10 +887,11 @@ class Simulation:
                 if ckpt is not None
                 else "no checkpoint_dir, nothing saved"
             )
-            name = signal.Signals(signals.received).name
-            message = f"{name} received: stopped after round {current} ({where})."
+            name = signal.Signals(received).name
+            by = "" if here else " by another process"
+            message = f"{name} received{by}: stopped after round {current} ({where})."
             partial = result("interrupted" if current < end else "finished")
-            if signals.received == signal.SIGTERM:
+            if received == signal.SIGTERM:
                 raise RunTerminated(message, partial)
             # A plain KeyboardInterrupt, not a subclass: only then does an uncaught one make
             # Python exit "killed by SIGINT" (status 130), which is what lets a shell loop

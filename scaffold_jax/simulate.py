@@ -29,7 +29,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -566,7 +566,7 @@ class Simulation:
         sets = {"the clients' examples": getattr(data, "examples", None)}
         sets["the test set"] = getattr(data, "test", None)
         for where, examples in sets.items():
-            if not isinstance(examples, dict) or "y" not in examples:
+            if not isinstance(examples, Mapping) or "y" not in examples:
                 continue
             if not getattr(examples["y"], "is_fully_addressable", True):
                 continue  # spread over processes: each process checks its own input data
@@ -575,11 +575,15 @@ class Simulation:
                 continue
             bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
             if bad.size:
+                wider = (
+                    ""
+                    if labels.min() < 0
+                    else f", or build the model with num_classes > {labels.max()}"
+                )
                 raise ValueError(
                     f"labels must be class indices in [0, {num_classes}) for this model: "
                     f"label {labels[bad[0]]} at index {bad[0]} of {where} ({bad.size} labels "
-                    f"out of range). Remap the labels to 0..{num_classes - 1}, or build the "
-                    f"model with num_classes > {labels.max()}."
+                    f"out of range). Remap the labels to 0..{num_classes - 1}{wider}."
                 )
 
     def _check_problem_fits(self, data) -> None:

@@ -421,8 +421,7 @@ CASES = [
     Case("negative-test-label", "a negative label in the test set", "Simulation.run",
          ValueError,
          "labels must be class indices in [0, 3) for this model: label -1 at index 0 of the "
-         "test set (1 labels out of range). Remap the labels to 0..2, or build the model "
-         "with num_classes > 2.",
+         "test set (1 labels out of range). Remap the labels to 0..2.",
          lambda ctx: run(ctx, data=with_label(ctx, 0, -1, field="test"))),
     Case("restore-missing-dir", "restoring from a directory that does not exist",
          "checkpoint.restore_latest", FileNotFoundError,

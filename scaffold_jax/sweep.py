@@ -376,7 +376,9 @@ class Sweep:
     SHARED (``in_axes=None``). A single run's sampled clients and minibatches follow from
     its key and the round alone, so configs of one seed draw the same ones anyway; sharing
     them is exact, and it turns the batch gather and the forward/backward products of a
-    group into one op each (``[B, d] × [d, M·classes]`` rather than M thin products).
+    group into one op each (whether that op beats M separate ones is the backend's
+    business: on a 2-core CPU it saved 20% of the local steps at best, see
+    ``benchmarks/bench_config_axis.py``).
 
     Build one per simulation (:meth:`of` and :func:`sweep` keep it) so that a second sweep
     of the same shape reuses the compiled program: :attr:`run_rounds` and

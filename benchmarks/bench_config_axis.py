@@ -26,13 +26,13 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import write_json
 
 import scaffold_jax as sj
 from scaffold_jax.local import local_sgd
@@ -115,9 +115,7 @@ def main(argv=None) -> dict:
         "best_ms": best,
         "all_ms": {n: [t * 1e3 for t in v] for n, v in times.items()},
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return result
 
 

@@ -16,7 +16,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -25,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import write_json
 
 
 def _min_time(fn, *args, repeats: int) -> float:
@@ -143,9 +143,7 @@ def main(argv=None) -> dict:
     if "numpy_copy_gbps" in result:
         print(f"   numpy copy {result['numpy_copy_gbps']:.1f} GB/s", end="")
     print(f"   load average {result['load_average']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return result
 
 

@@ -34,16 +34,13 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
 
+from common import peak_rss_mib, write_json
+
 THEORY_NOTE = "P x bytes per client (P = 610 parameters of the 60x10 logistic regression + bias)"
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def machine() -> dict:
@@ -382,9 +379,7 @@ def main(argv=None) -> dict | None:
         result["accuracy"] = spawn(args, "accuracy")
     result["machine"]["load_average_at_end"] = os.getloadavg()
     print_tables(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return result
 
 

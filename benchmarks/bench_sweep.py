@@ -26,12 +26,11 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import resource
 
 import jax
 import numpy as np
+from common import peak_rss_mib, write_json
 
 import scaffold_jax as sj
 from scaffold_jax.sweep import grid, summarize, sweep
@@ -51,10 +50,6 @@ def synthetic_images(num_clients: int, per_client: int, num_test: int, seed: int
     train = examples(num_clients * per_client)
     parts = np.arange(num_clients * per_client).reshape(num_clients, per_client)
     return sj.from_partition(train, list(parts), test=examples(num_test))
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kB
 
 
 def main(argv=None) -> dict:
@@ -225,9 +220,7 @@ def main(argv=None) -> dict:
         f"({out['sweep']['chunk_shape'][0]} seeds × {out['sweep']['chunk_shape'][1]}) "
         f"({out['sweep']['bytes_per_config'] / 2**20:.1f} MiB per config estimated)"
     )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.out, out)
     return out
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_machine  # noqa: E402
 import workloads  # noqa: E402
+from common import peak_rss_mib, write_json  # noqa: E402
 
 COLUMNS = (
     ("workload", "{:<8}", "workload"),
@@ -99,11 +99,11 @@ def run(
     import jax
 
     jax.block_until_ready(jax.jit(lambda x: x + 1)(1.0))  # JAX and XLA up, nothing else
-    rss_baseline = workloads.peak_rss_mib()
+    rss_baseline = peak_rss_mib()
     start = time.perf_counter()
     data = workloads.make_data(w)
     problem = workloads.make_problem(w)
-    rss_data = workloads.peak_rss_mib()
+    rss_data = peak_rss_mib()
     if verbose:
         print(w.describe(), f"(data {time.perf_counter() - start:.1f} s)", flush=True)
     rows = []
@@ -170,10 +170,7 @@ def main(argv=None) -> dict:
     print(format_table(result["rows"]))
     if result["ablation"]:
         print(format_table(result["ablation"], ABLATION_COLUMNS))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return result
 
 

@@ -18,7 +18,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(HERE))
 import bench_machine  # noqa: E402
 import bench_workloads  # noqa: E402
 import workloads  # noqa: E402
+from common import write_json  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -78,8 +78,7 @@ def main(argv=None) -> dict:
         if args.out
         else HERE / "results" / f"{bench_machine.machine_slug(machine)}-gpu_quick.json"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    write_json(out, summary)
     print()
     print(bench_workloads.format_table(rows))
     print(f"\nwrote {out} ({summary['wall_s']:.0f} s)")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_machine  # noqa: E402
 import bench_workloads  # noqa: E402
+from common import write_json  # noqa: E402
 
 ABLATION = {"W1": ["fedavg", "scaffold"], "W3": ["fedavg", "scaffold"]}
 
@@ -67,6 +68,10 @@ def _fmt(value, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
 def markdown(summary: dict) -> str:
     """The results and ablation tables of a run, in Markdown (for benchmarks/README.md)."""
     peak = summary["peak_gflops"]
@@ -79,8 +84,7 @@ def markdown(summary: dict) -> str:
     for result in summary["workloads"].values():
         for r in result["rows"]:
             lines.append(
-                "| "
-                + " | ".join(
+                _row(
                     [
                         r["workload"],
                         r["algorithm"],
@@ -98,7 +102,6 @@ def markdown(summary: dict) -> str:
                         _fmt(r["engine_gflops"] / peak, "{:.0%}"),
                     ]
                 )
-                + " |"
             )
     mib = 2**20
     lines += [
@@ -112,8 +115,7 @@ def markdown(summary: dict) -> str:
         for r in result["rows"]:
             m, pm = r["memory_analysis"] or {}, r.get("unchunked_memory_analysis") or {}
             lines.append(
-                "| "
-                + " | ".join(
+                _row(
                     [
                         r["workload"],
                         r["algorithm"],
@@ -128,7 +130,6 @@ def markdown(summary: dict) -> str:
                         _fmt(r.get("engine_rss_mib"), "{:.0f}"),
                     ]
                 )
-                + " |"
             )
     ablation = [a for res in summary["workloads"].values() for a in res.get("ablation", [])]
     if ablation:
@@ -193,8 +194,7 @@ def main(argv=None) -> dict:
     }
     slug = bench_machine.machine_slug(machine) + ("-quick" if args.quick else "")
     out = Path(args.out) if args.out else HERE / "results" / f"{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    write_json(out, summary)
     out.with_suffix(".md").write_text(markdown(summary) + "\n")
     print()
     print(bench_workloads.format_table(rows))

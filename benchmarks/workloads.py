@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+from common import peak_rss_mib
 
 import scaffold_jax as sj
 from scaffold_jax.simulate import client_keys, round_key_and_ids
@@ -334,20 +335,6 @@ def loop_program(sim, data, hp):
 
 
 # ----------------------------------------------------------------------------- measuring
-def peak_rss_mib() -> float:
-    """Peak resident set of this process (``VmHWM``), MiB.
-
-    Read from /proc rather than ``getrusage``: on Linux ``ru_maxrss`` survives ``exec``, so
-    a benchmark started by a big parent (``run_all.py``) would report the parent's peak.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def current_rss_mib() -> float:

@@ -72,6 +72,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from scaffold_jax.tree import to_host
 from scaffold_jax.types import PyTree
 
 FORMAT = "scaffold_jax.checkpoint/1"
@@ -224,7 +225,7 @@ class Checkpointer:
             )
         key_impl, key_data = _split_key(key)
         # With several processes a collective: every process gets every leaf, whole.
-        leaves = _to_host(jax.tree.leaves(state))
+        leaves = to_host(jax.tree.leaves(state))
         leaf_meta = [
             {"path": p, "shape": list(a.shape), "dtype": str(a.dtype), "sha256": _sha256(a)}
             for p, a in zip(_leaf_paths(state), leaves, strict=True)
@@ -468,25 +469,6 @@ def _barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(f"scaffold_jax.checkpoint:{name}")
-
-
-def _to_host(leaves: list[Any]) -> list[np.ndarray]:
-    """The leaves as numpy arrays of their GLOBAL values, on every process.
-
-    With one process this is ``jax.device_get``. With several, a leaf spread over processes
-    is fetched with ``process_allgather`` (a collective: every process calls it with the
-    same leaves, so the result and its checksums are the same on all of them).
-    """
-    if jax.process_count() == 1:
-        return [np.asarray(a) for a in jax.device_get(leaves)]
-    from jax.experimental import multihost_utils
-
-    def one(a):
-        if isinstance(a, jax.Array) and not (a.is_fully_addressable or a.is_fully_replicated):
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return np.asarray(jax.device_get(a))
-
-    return [one(a) for a in leaves]
 
 
 def _agree(err: _Corrupt | None) -> _Corrupt | None:

@@ -76,6 +76,7 @@ from jax.sharding import PartitionSpec as P
 
 from scaffold_jax.simulate import Simulation
 from scaffold_jax.tree import broadcast_rows
+from scaffold_jax.tree import to_host as gather
 from scaffold_jax.types import Algorithm, PyTree, SimState
 
 __all__ = [
@@ -258,26 +259,6 @@ def init_state(algorithm: Algorithm, params: PyTree, num_clients: int, mesh: Mes
 
     like = jax.eval_shape(build)
     return jax.jit(build, out_shardings=state_shardings(like, mesh))()
-
-
-def gather(tree: PyTree) -> PyTree:
-    """Every leaf as a numpy array holding the GLOBAL value, on every process.
-
-    On one process that is ``np.asarray``; with several, blocks owned by other processes
-    are fetched with :func:`jax.experimental.multihost_utils.process_allgather` (a
-    collective: every process must call it). Typed keys come back as their key data.
-    """
-
-    def one(a):
-        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a = jr.key_data(a)
-        if not isinstance(a, jax.Array) or a.is_fully_addressable or a.is_fully_replicated:
-            return np.asarray(a)
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-    return jax.tree.map(one, tree)
 
 
 class ShardedSimulation(Simulation):

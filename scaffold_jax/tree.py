@@ -1,4 +1,5 @@
-"""Client-axis pytree helpers: gather and scatter rows of the client table, masked means.
+"""Client-axis pytree helpers: gather and scatter rows of the client table, masked means,
+and whole arrays (even spread over processes) to host memory.
 
 Every leaf of a client table has a leading ``[N, ...]`` client axis.
 """
@@ -9,6 +10,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
 
 from scaffold_jax.types import PyTree
 
@@ -64,3 +67,23 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
 def sq_norm(tree: PyTree) -> jax.Array:
     """Squared Euclidean norm of a whole pytree."""
     return sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree))
+
+
+def to_host(tree: PyTree) -> PyTree:
+    """Every leaf as a numpy array holding the GLOBAL value, on every process.
+
+    On one process that is ``np.asarray``; with several, blocks owned by other processes
+    are fetched with :func:`jax.experimental.multihost_utils.process_allgather` (a
+    collective: every process must call it). Typed keys come back as their key data.
+    """
+
+    def one(a):
+        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a = jr.key_data(a)
+        if not isinstance(a, jax.Array) or a.is_fully_addressable or a.is_fully_replicated:
+            return np.asarray(a)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    return jax.tree.map(one, tree)

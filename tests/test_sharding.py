@@ -321,6 +321,13 @@ def test_one_device_mesh_is_bitwise_the_simulation(eight_devices, one_device):
     assert int(again.state.round) == 2
 
 
+def assert_same_run(got: dict, expected: dict) -> None:
+    """Bitwise the same final state and records (the sampled ids are compared apart)."""
+    for key in expected:
+        if key != "client_ids":
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
 def test_checkpoint_resume_continues_bitwise(eight_devices, one_device, tmp_path):
     """Saved by a sharded run stopped at round 2, resumed with resume=True: the
     uninterrupted run, bit for bit; the state is restored placed on the mesh."""
@@ -331,9 +338,7 @@ def test_checkpoint_resume_continues_bitwise(eight_devices, one_device, tmp_path
     assert result.resumed_from == 2 and len(result.client_ids) == ROUNDS - 2
     expected = eight_devices[2]["procedural_s16"]
     got = outcome(result)
-    for key in expected:
-        if key != "client_ids":
-            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    assert_same_run(got, expected)
     np.testing.assert_array_equal(got["client_ids"], expected["client_ids"][2:])
     # The restore target carries the mesh's shardings, so the leaves come back placed.
     restored = checkpoint.restore_latest(tmp_path, sharded._state_like(data.num_clients))
@@ -344,16 +349,12 @@ def test_checkpoint_resume_continues_bitwise(eight_devices, one_device, tmp_path
     plain_dir = tmp_path / "plain"
     sim.run(data, hp, num_rounds=2, eval_every=2, checkpoint_dir=plain_dir)
     again = sharded.run(data, hp, ROUNDS, 2, checkpoint_dir=plain_dir, resume=True)
-    for key in expected:
-        if key != "client_ids":
-            np.testing.assert_array_equal(outcome(again)[key], expected[key], err_msg=key)
+    assert_same_run(outcome(again), expected)
     # ... and a sharded run's checkpoint resumes in the plain Simulation.
     sharded_dir = tmp_path / "sharded"
     sharded.run(data, hp, num_rounds=2, eval_every=2, checkpoint_dir=sharded_dir)
     plain = sim.run(data, hp, ROUNDS, 2, checkpoint_dir=sharded_dir, resume=True)
-    for key in expected:
-        if key != "client_ids":
-            np.testing.assert_array_equal(outcome(plain)[key], expected[key], err_msg=key)
+    assert_same_run(outcome(plain), expected)
     # resume=True with a state is still refused, as for a plain Simulation.
     with pytest.raises(ValueError, match="either state="):
         sharded.run(

@@ -1,0 +1,33 @@
+"""Helpers shared by the benchmark scripts: peak memory and writing a JSON result."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+from typing import Any
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set of this process (``VmHWM``), MiB.
+
+    Read from /proc rather than ``getrusage``: on Linux ``ru_maxrss`` survives ``exec``, so
+    a benchmark started by a big parent (``run_all.py``) would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def write_json(path: str | Path | None, result: Any) -> None:
+    """Writes ``result`` to ``path`` (indented; parent folders created); no-op for None."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))

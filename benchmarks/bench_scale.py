@@ -7,15 +7,15 @@ one configuration, and a forced device count can be set before jax is imported):
    procedural Synthetic(1, 1) data (d = 60, 10 classes, 20 examples each), S = 1000,
    K = 10, B = 10, multinomial logistic regression (P = 610 parameters), control table
    in float32 and bfloat16 (stored as uint16 bit patterns, 2 bytes a value). The table is
-   built in one allocation
-   (:func:`scaffold_jax.sharding.init_state` on a one-device mesh) and donated to the
+   built in one allocation (:func:`scaffold_jax.init_state` with a one-device
+   :class:`~scaffold_jax.layout.ClientMesh`) and donated to the
    compiled rounds. Reported per run: the table's bytes, XLA's memory analysis of the
    compiled block (arguments, outputs, aliased = updated in place, temporaries), the
    steady-state rounds/s, the time of the sampler alone, and the peak RSS. Then a linear
    fit of peak RSS on N per dtype, whose slope is compared with P × bytes per client.
    One extra run builds the table with the plain :func:`scaffold_jax.init_state` (its
    jitted broadcast also allocates the table once; the run checks that).
-2. ``sharded``: the sharded round (:class:`scaffold_jax.sharding.ShardedSimulation`) on 1,
+2. ``sharded``: the sharded round (a :class:`~scaffold_jax.layout.ClientMesh` layout) on 1,
    2 and 8 forced CPU devices, N = 10⁵, the same workload: rounds/s and the per-device
    sizes of the compiled program.
 3. ``accuracy``: what the bfloat16 table does to a real run: Fashion-MNIST, 100 clients of
@@ -97,7 +97,7 @@ def _sampler_seconds(num_clients: int, clients_per_round: int, repeats: int = 3)
     import jax
     import jax.random as jr
 
-    from scaffold_jax.simulate import sample_clients
+    from scaffold_jax.engine import sample_clients
 
     sample = jax.jit(lambda k: sample_clients(k, num_clients, clients_per_round))
     sample(jr.key(0)).block_until_ready()
@@ -114,7 +114,7 @@ def child_memory(args) -> dict:
     import jax.random as jr
 
     import scaffold_jax as sj
-    from scaffold_jax import sharding
+    from scaffold_jax import layout
 
     n, dtype = args.num_clients, args.dtype
     data, problem, algorithm, plan = _workload(args, n, dtype)
@@ -123,9 +123,8 @@ def child_memory(args) -> dict:
     if args.init == "plain":
         state = sj.init_state(algorithm, problem.params, n)
     else:
-        state = sharding.init_state(
-            algorithm, problem.params, n, sharding.client_mesh(jax.devices()[:1])
-        )
+        mesh = layout.ClientMesh(layout.client_mesh(jax.devices()[:1]))
+        state = sj.init_state(algorithm, problem.params, n, mesh)
     jax.block_until_ready(state)
     rss_after_state = peak_rss_mib()
     table_bytes = sum(a.nbytes for a in jax.tree.leaves(state.clients))
@@ -163,13 +162,13 @@ def child_sharded(args) -> dict:
     import jax.random as jr
 
     import scaffold_jax as sj
-    from scaffold_jax import sharding
+    from scaffold_jax import layout
 
     data, problem, algorithm, plan = _workload(args, args.num_clients, args.dtype)
-    sim = sharding.ShardedSimulation(
-        algorithm, problem, plan, args.clients_per_round, mesh=sharding.client_mesh()
+    sim = sj.Simulation(
+        algorithm, problem, plan, args.clients_per_round, layout=layout.ClientMesh()
     )
-    state, data = sim.init(data), sim.place_data(data)
+    state, data = sim.init(data), sim.layout.place_data(data)
     hp, key = sj.hparams(client_lr=0.1), jr.key(0)
     start = time.perf_counter()
     compiled = sim.run_rounds.lower(hp, state, data, key, num_rounds=args.rounds).compile()

@@ -51,7 +51,7 @@ import numpy as np
 from common import peak_rss_mib
 
 import scaffold_jax as sj
-from scaffold_jax.simulate import client_keys, round_key_and_ids
+from scaffold_jax.engine import client_keys, round_key_and_ids
 from scaffold_jax.tree import take_rows
 
 IMAGE_SHAPE = (28, 28)

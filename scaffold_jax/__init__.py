@@ -5,19 +5,16 @@ vmapped across the sampled clients, and a whole round (many rounds, in fact) com
 one XLA program.
 """
 
-from scaffold_jax import algorithms, checkpoint, data, diagnostics, models, sharding, sweep
+from scaffold_jax import algorithms, checkpoint, data, diagnostics, layout, loop, models, sweep
 from scaffold_jax.algorithms import fedavg, fedprox, scaffold, sgd
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
-from scaffold_jax.simulate import (
-    DivergenceError,
-    RunResult,
-    RunTerminated,
-    Simulation,
-    init_state,
-)
+from scaffold_jax.engine import Simulation, init_state
+from scaffold_jax.layout import ClientMesh, SingleDevice
+from scaffold_jax.loop import DivergenceError, RunResult, RunTerminated
 from scaffold_jax.types import (
     Algorithm,
     ClientOutput,
+    HParam,
     HParams,
     Problem,
     SimState,
@@ -30,15 +27,18 @@ __version__ = "0.1.0"
 __all__ = [
     "Algorithm",
     "BatchPlan",
+    "ClientMesh",
     "ClientOutput",
     "DivergenceError",
     "FederatedData",
+    "HParam",
     "HParams",
     "Problem",
     "RunResult",
     "RunTerminated",
     "SimState",
     "Simulation",
+    "SingleDevice",
     "algorithms",
     "check_hparams",
     "checkpoint",
@@ -50,9 +50,10 @@ __all__ = [
     "from_partition",
     "hparams",
     "init_state",
+    "layout",
+    "loop",
     "models",
     "scaffold",
     "sgd",
-    "sharding",
     "sweep",
 ]

@@ -43,10 +43,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from scaffold_jax.experiments import ConfigError, RunConfig
+from scaffold_jax.loop import DivergenceError
 from scaffold_jax.paper import PROTOCOLS
-from scaffold_jax.simulate import DivergenceError
 
-_KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float}
+_KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
 
 
 def _flag(name: str) -> str:
@@ -127,8 +127,25 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument(
         "--algorithms", nargs="+", metavar="NAME", help="algorithms to sweep [default: --algorithm]"
     )
-    sw.add_argument("--lr-grid", type=float, nargs="+", metavar="LR", required=True)
-    sw.add_argument("--seeds", type=int, nargs="+", metavar="N", default=[0])
+    sw.add_argument(
+        "--lr-grid", type=float, nargs="+", metavar="LR", help="eta_l values [default: --client-lr]"
+    )
+    sw.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="NAME=V1,V2,...",
+        help="an axis over any declared hyper-parameter, e.g. --grid prox_mu=0.01,0.1,1 or "
+        "--grid server_lr=0.5,1; repeatable (axes multiply)",
+    )
+    sw.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        metavar="N",
+        default=[0],
+        help="root seeds of sampling and minibatches (the partition keeps --seed) [0]",
+    )
     sw.add_argument("--target", type=float, default=0.7, help="target test accuracy [0.7]")
     _common(sw, out=False)
 
@@ -148,12 +165,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
-    """--config plus one flag per :class:`RunConfig` field (flags override the file)."""
+    """--config, --plugin, --set, one flag per :class:`RunConfig` field and one per
+    hyper-parameter or option a registered algorithm declares (flags override the file)."""
+    from scaffold_jax import experiments
+
     parser.add_argument("--config", metavar="FILE", help="a .toml or .json config file")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module (dotted name or .py file) that registers algorithms, models, "
+        "datasets or partitioners before anything else; repeatable (config key: plugins)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set any config field or declared hyper-parameter / option (VALUE parsed as "
+        "JSON when it can be), e.g. --set prox_mu=0.5; repeatable",
+    )
     defaults = RunConfig()
+    declared = {**experiments.declared_hparams(), **experiments.declared_options()}
+    for name, spec in declared.items():
+        kwargs = {"default": argparse.SUPPRESS, "dest": f"declared:{name}"}
+        if getattr(spec, "choices", None):
+            kwargs["choices"] = None  # validated with the config, naming the field
+        kind = float if hasattr(spec, "allow_zero") else str
+        default = spec.default
+        help_text = f"{spec.help} [default: {default}]" if default is not None else spec.help
+        parser.add_argument(_flag(name), type=kind, metavar="X", help=help_text, **kwargs)
     for field in dataclasses.fields(RunConfig):
         meta = field.metadata
         kind = meta["kind"]
+        if kind == "table" or field.name == "plugins":
+            continue  # filled by the declared flags and --set; plugins by --plugin
         help_text = meta["help"]
         if meta.get("choices"):
             help_text += f" ({' | '.join(meta['choices'])})"
@@ -199,8 +246,8 @@ def _parse_set(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _config(args: argparse.Namespace) -> RunConfig:
-    """The validated :class:`RunConfig` of --config and the flags given."""
+def _config(args: argparse.Namespace, validate: bool = True) -> RunConfig:
+    """The :class:`RunConfig` of --config and the flags given, validated unless told."""
     from scaffold_jax import experiments
 
     values: dict[str, Any] = {}
@@ -208,7 +255,16 @@ def _config(args: argparse.Namespace) -> RunConfig:
         values.update(experiments.load_config_file(args.config))
     names = [f.name for f in dataclasses.fields(RunConfig)]
     values.update({name: getattr(args, name) for name in names if hasattr(args, name)})
-    return RunConfig.from_dict(values, where="config").validate()
+    # Declared hyper-parameters and options given as flags or --set: from_dict moves them
+    # into the config's hparams / options tables.
+    values.update(
+        {k.split(":", 1)[1]: v for k, v in vars(args).items() if k.startswith("declared:")}
+    )
+    values.update(_parse_set(args.set))
+    if args.plugin:
+        values["plugins"] = [*values.get("plugins", []), *args.plugin]
+    config = RunConfig.from_dict(values, where="config")
+    return config.validate() if validate else config
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -218,72 +274,138 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
+    """``--grid NAME=V1,V2,...`` → ``{NAME: [V1, V2, ...]}``."""
+    axes = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            axes[name.strip()] = [float(v) for v in values.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"--grid {item!r} is invalid: it must be NAME=V1,V2,... with numbers."
+            ) from None
+    return axes
+
+
 def _sweep_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scaffold_jax import experiments
+    from scaffold_jax import experiments, results
     from scaffold_jax import sweep as sweeps
+    from scaffold_jax.algorithms import ALGORITHMS
 
-    config = _config(args)
-    out = Path(config.out or f"results/sweep-{config.dataset}")
-    if (out / "sweep.json").exists() and not args.overwrite:
-        raise FileExistsError(
-            f"{out} already holds a sweep (sweep.json); pass --overwrite or another --out."
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    dataset, results = None, {}
-    for name in args.algorithms or [config.algorithm]:
-        built = experiments.build(config.replace(algorithm=name), dataset=dataset)
-        dataset = built.dataset
-        grid, seeds, configs = sweeps.grid(
-            client_lr=args.lr_grid,
-            server_lr=config.server_lr,
-            prox_mu=config.prox_mu if name == "fedprox" else 0.0,
-            seeds=args.seeds,
-        )
-        results[name] = sweeps.sweep(
-            built.simulation,
-            built.data,
-            grid,
-            seeds,
-            config.rounds,
-            config.eval_every,
-            targets=(args.target,),
-            configs=configs,
-        )
-        if not args.quiet:
-            print(
-                f"{name}: {len(configs)} configs x {config.rounds} rounds in "
-                f"{results[name].run_seconds:.1f} s (+{results[name].compile_seconds:.1f} s "
-                f"compile) on {built.info['dataset']}"
+    given = _config(args, validate=False)
+    names = args.algorithms or [given.algorithm]
+    for name in names:
+        if name not in ALGORITHMS:
+            raise ConfigError(ALGORITHMS.unknown_message(name))
+
+    def for_algorithm(name: str) -> RunConfig:
+        """The config with the hyper-parameters and options ``name`` declares."""
+        spec = ALGORITHMS[name]
+        return given.replace(
+            algorithm=name,
+            hparams={k: v for k, v in given.hparams.items() if k in spec.hparams},
+            options={k: v for k, v in given.options.items() if k in spec.options},
+        ).validate()
+
+    for table in ("hparams", "options"):
+        for key in getattr(given, table):
+            if not any(key in getattr(ALGORITHMS[n], table) for n in names):
+                raise ConfigError(
+                    f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
+                )
+    config = for_algorithm(names[0])
+    axes = _grid_axes(args.grid)
+    if args.lr_grid:
+        axes["client_lr"] = list(args.lr_grid)
+    for axis in axes:
+        if not any(axis in ALGORITHMS[n].hparams for n in names):
+            raise ConfigError(
+                f"--grid {axis}: no algorithm of this sweep ({', '.join(names)}) declares the "
+                "hyper-parameter " + axis + "."
             )
-    summary = sweeps.summarize(results, args.target)
-    table = sweeps.format_summary(summary)
-    record = {
-        "config": config.to_dict(),
-        "lr_grid": list(args.lr_grid),
-        "seeds": list(args.seeds),
-        "target": args.target,
-        "dataset": dataset.name,
-        "results": {
-            name: {
-                "configs": r.configs,
-                "records": r.records,
-                "diverged_round": r.diverged_round.tolist(),
-                "compile_seconds": r.compile_seconds,
-                "run_seconds": r.run_seconds,
+    out = Path(config.out or f"results/sweep-{config.dataset}")
+    results.check_folder(out, args.overwrite, dry_run=True)
+    dataset, sweep_results = None, {}
+    to_save = {**config.to_dict(), "algorithms": names, "grid": axes, "seeds": list(args.seeds)}
+    # Every record goes to metrics.jsonl as it is made (one series per config), so a sweep
+    # killed half-way keeps what it finished; sweep.json and the tables come at the end.
+    with results.RunWriter(out, to_save, (args.target,), args.overwrite, plots=()) as writer:
+        for name in names:
+            declared = ALGORITHMS[name].hparams
+            cfg = for_algorithm(name)
+            fixed = dict(cfg.hparams)
+            built = experiments.build(cfg, dataset=dataset)
+            dataset = built.dataset
+            swept = {k: v for k, v in axes.items() if k in declared}
+            values = {
+                "client_lr": swept.pop("client_lr", [cfg.client_lr]),
+                "server_lr": swept.pop("server_lr", [cfg.server_lr]),
+                **{k: [v] for k, v in fixed.items()},
+                **swept,
             }
-            for name, r in results.items()
-        },
-        "summary": summary,
-    }
-    (out / "sweep.json").write_text(json.dumps(record, indent=1, default=_json_default))
-    (out / "summary.md").write_text(f"Sweep on {dataset.name}, target {args.target:g}\n\n{table}\n")
-    sweeps.plot_rounds_to_target(results, args.target).savefig(out / "rounds_to_target.png")
-    sweeps.plot_best_curves(results, args.target).savefig(out / "best_curves.png")
+            grid, seeds, configs = sweeps.grid(seeds=args.seeds, **values)
+
+            def sink(record, name=name):
+                config_of = record.get("config", {})
+                series = f"{name} " + " ".join(f"{k}={v:g}" for k, v in config_of.items())
+                flat = {k: v for k, v in record.items() if k != "config"}
+                writer.record(series, {"algorithm": name, **config_of, **flat})
+
+            sweep_results[name] = sweeps.sweep(
+                built.simulation,
+                built.data,
+                grid,
+                seeds,
+                config.rounds,
+                config.eval_every,
+                targets=(args.target,),
+                callback=sink,
+            )
+            if not args.quiet:
+                print(
+                    f"{name}: {len(configs)} configs x {config.rounds} rounds in "
+                    f"{sweep_results[name].run_seconds:.1f} s "
+                    f"(+{sweep_results[name].compile_seconds:.1f} s "
+                    f"compile) on {built.info['dataset']}"
+                )
+        summary = results.summarize(sweep_results, args.target)
+        table = results.format_summary(summary)
+        record = {
+            "config": to_save,
+            "target": args.target,
+            "dataset": dataset.name,
+            "results": {
+                name: {
+                    "configs": r.configs,
+                    "records": r.records,
+                    "diverged_round": r.diverged_round.tolist(),
+                    "compile_seconds": r.compile_seconds,
+                    "run_seconds": r.run_seconds,
+                }
+                for name, r in sweep_results.items()
+            },
+            "summary": summary,
+        }
+        writer.write_text("sweep.json", json.dumps(record, indent=1, default=_json_default))
+        writer.write_text(
+            "summary.md", f"Sweep on {dataset.name}, target {args.target:g}\n\n{table}\n"
+        )
+        for filename, fig in (
+            ("rounds_to_target.png", results.plot_rounds_to_target(sweep_results, args.target)),
+            ("best_curves.png", results.plot_best_curves(sweep_results, args.target)),
+        ):
+            results.save_figure(fig, out / filename)
+            writer.files.append(filename)
+        writer.add(dataset=dataset.name, best={n: e["best"] for n, e in summary.items()})
+        writer.finish(plots=())
     if not args.quiet:
         print(table)
-        print(f"wrote {out}/sweep.json, summary.md, rounds_to_target.png, best_curves.png")
+        print(f"wrote {out}/: {', '.join(writer.files)}")
     return 0
 
 
@@ -366,8 +488,25 @@ def _terminate(signum, frame):  # noqa: ARG001 - the signal handler signature
     raise SystemExit(128 + signum)
 
 
+def _preload_plugins(argv: Sequence[str]) -> None:
+    """Imports the ``--plugin`` modules before the parser is built, so that what they
+    register (an algorithm's hyper-parameters, say) has its flags."""
+    from scaffold_jax.registry import load_plugins
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    known, _ = pre.parse_known_args(argv)
+    load_plugins(known.plugin)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``scaffold-jax``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _preload_plugins(argv)
+    except ValueError as err:
+        print(f"scaffold-jax: error: {err}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

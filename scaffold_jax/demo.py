@@ -18,15 +18,12 @@ from pathlib import Path
 import jax
 
 import scaffold_jax as sj
+from scaffold_jax import results
 from scaffold_jax.data import partition, sources
 
 # η_l per method: the fewest rounds to 70% test accuracy over the grid {0.03, 0.1, 0.3, 1, 3}
 # on this split (100 rounds, seed 0; ties broken by final accuracy), as the paper tunes η_l.
 STEP_SIZES = {"scaffold": 0.1, "fedavg": 3.0, "sgd": 3.0}
-
-
-def rounds_to(records, target):
-    return next((r["round"] for r in records if r.get("test_accuracy", 0) >= target), None)
 
 
 def main(argv=None) -> dict:
@@ -75,7 +72,7 @@ def main(argv=None) -> dict:
         runs[name] = {
             "client_lr": STEP_SIZES[name],
             "records": result.records,
-            "rounds_to_target": rounds_to(result.records, args.target),
+            "rounds_to_target": results.rounds_to_target(result.records, args.target),
             "best_accuracy": max(r["test_accuracy"] for r in result.records),
             "compile_s": result.compile_seconds,
             "run_s": result.run_seconds,
@@ -98,29 +95,21 @@ def main(argv=None) -> dict:
         )
     (out / "results.json").write_text(json.dumps({"config": vars(args), "runs": runs}, indent=1))
     plot_path = out / "accuracy.png"
-    _plot(runs, plot_path, f"{ds.name}, {data.num_clients} clients, s = {args.similarity:g}%")
+    records = [
+        {"series": f"{name} (η_l = {run['client_lr']:g})", **r}
+        for name, run in runs.items()
+        for r in run["records"]
+    ]
+    spec = results.PlotSpec(
+        plot_path.name,
+        "test_accuracy",
+        "test accuracy",
+        title=f"{ds.name}, {data.num_clients} clients, s = {args.similarity:g}%",
+        target=args.target,
+    )
+    results.plot_curves(records, spec, plot_path)
     print(f"wrote {out / 'results.json'} and {plot_path}")
     return runs
-
-
-def _plot(runs, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, run in runs.items():
-        rounds = [r["round"] for r in run["records"]]
-        ax.plot(rounds, [r["test_accuracy"] for r in run["records"]], label=name)
-    ax.set_xlabel("communication rounds")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

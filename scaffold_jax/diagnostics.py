@@ -45,9 +45,8 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -72,8 +71,6 @@ __all__ = [
     "hessian_dissimilarity",
     "ideal_update",
     "ideal_update_distance",
-    "plot_G_vs_similarity",
-    "plot_drift",
     "smoothness",
     "suggested_local_steps",
 ]
@@ -801,73 +798,3 @@ def format_report(report: DiagnosticsReport) -> str:
         f"  time                 compile {r.compile_seconds:.2f} s, run {r.run_seconds:.2f} s",
     ]
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------ plots
-def plot_drift(
-    histories: Mapping[str, Any],
-    path: str | os.PathLike,
-    *,
-    title: str = "Client drift",
-    ylabel: str = "client drift  mean ‖y_i − x‖",
-) -> str:
-    """Plots per-round drift curves (e.g. FedAvg vs SCAFFOLD) to an image file.
-
-    Args:
-      histories: name -> ``[R]`` per-round values (e.g. ``result.round_metrics
-        ["client_drift"]``).
-      path: output file (the format follows the suffix, e.g. ``.png``, ``.pdf``).
-      title: figure title.
-      ylabel: y-axis label.
-
-    Returns:
-      ``path`` as a string.
-    """
-    # matplotlib is optional (the "plots" extra); a Figure needs no pyplot and no global
-    # backend, so this is safe to call from threads and headless machines.
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4), layout="constrained")
-    ax = fig.subplots()
-    positive = True
-    for name, values in histories.items():
-        values = np.asarray(values, dtype=np.float64).reshape(-1)
-        positive &= bool(np.all(values > 0))
-        ax.plot(np.arange(1, values.size + 1), values, label=str(name))
-    if positive:
-        ax.set_yscale("log")
-    ax.set_xlabel("round")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.savefig(os.fspath(path))
-    return os.fspath(path)
-
-
-def plot_G_vs_similarity(
-    similarities: Sequence[float],
-    G_values: Sequence[float],
-    path: str | os.PathLike,
-    *,
-    title: str = "Gradient dissimilarity vs data similarity",
-) -> str:
-    """Plots G (e.g. ``G_at_x``) against the s% similarity of the split to an image file.
-
-    Returns:
-      ``path`` as a string.
-    """
-    from matplotlib.figure import Figure
-
-    s = np.asarray(similarities, dtype=np.float64).reshape(-1)
-    g = np.asarray(G_values, dtype=np.float64).reshape(-1)
-    if s.shape != g.shape:
-        raise ValueError(f"{s.size} similarities but {g.size} G values; they must pair up.")
-    order = np.argsort(s)
-    fig = Figure(figsize=(5, 4), layout="constrained")
-    ax = fig.subplots()
-    ax.plot(s[order], g[order], marker="o")
-    ax.set_xlabel("similarity s (%)")
-    ax.set_ylabel("G")
-    ax.set_title(title)
-    fig.savefig(os.fspath(path))
-    return os.fspath(path)

@@ -27,22 +27,41 @@ from typing import Any, NamedTuple
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax import algorithms, models, results
+from scaffold_jax import models, results
+from scaffold_jax import sweep as sweep_module
+from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import partition, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData, from_partition
-from scaffold_jax.simulate import DivergenceError, Simulation
-from scaffold_jax.types import Algorithm, HParams, Problem
-from scaffold_jax.types import hparams as build_hparams
+from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
+from scaffold_jax.engine import Simulation
+from scaffold_jax.loop import DivergenceError
+from scaffold_jax.models import MODELS
+from scaffold_jax.registry import PLUGIN_HINT, Registry, load_plugins
+from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams, Problem, resolve_hparams
 
-ALGORITHM_NAMES = ("scaffold", "fedavg", "fedprox", "sgd")
-PARTITIONS = ("similarity", "dirichlet", "shards", "iid")
 BATCH_PLANS = ("fraction", "epochs", "fixed", "full")
-MODELS = ("logreg", "mlp")
 WEIGHTINGS = ("uniform", "num_examples")
-CONTROL_DTYPES = ("float32", "bfloat16")
-# How the paper's tables name the algorithms.
-DISPLAY = {"sgd": "SGD", "scaffold": "SCAFFOLD", "fedavg": "FedAvg", "fedprox": "FedProx"}
+
+
+def declared_hparams() -> dict[str, HParam]:
+    """Every hyper-parameter beyond the step sizes that a registered algorithm declares
+    (the first declaration of a name wins), read at each call: plugins may add some."""
+    out: dict[str, HParam] = {}
+    for _, spec in ALGORITHMS.items():
+        for name, hparam in spec.hparams.items():
+            if name not in STEP_SIZES:
+                out.setdefault(name, hparam)
+    return out
+
+
+def declared_options() -> dict[str, Any]:
+    """Every factory option (``{config key: Option}``) a registered algorithm declares."""
+    out: dict[str, Any] = {}
+    for _, spec in ALGORITHMS.items():
+        for name, option in spec.options.items():
+            out.setdefault(name, option)
+    return out
 
 
 class ConfigError(ValueError):
@@ -53,11 +72,18 @@ class ConfigError(ValueError):
 # =====================================================================================
 # RunConfig: one run, validated in one place
 # =====================================================================================
-def _opt(default: Any, help: str, kind: str, choices: Sequence[str] | None = None):
-    """A config field with CLI metadata: ``kind`` is int, float, str, bool, floats, ints."""
-    meta = {"help": help, "kind": kind, "choices": tuple(choices) if choices else None}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+def _opt(default: Any, help: str, kind: str, choices: Sequence[str] | Registry | None = None):
+    """A config field with CLI metadata: ``kind`` is int, float, str, bool, floats, ints.
+
+    A :class:`~scaffold_jax.registry.Registry` as ``choices`` is kept as it is, not copied:
+    whoever reads the choices (the command line, when it builds its parser) sees the
+    entries registered by then, plugins' included.
+    """
+    if not isinstance(choices, Registry):
+        choices = tuple(choices) if choices else None
+    meta = {"help": help, "kind": kind, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -71,21 +97,31 @@ class RunConfig:
     batches of 0.2 of the client's data, 1 epoch; SGD: one full-batch step), S from
     ``client_fraction`` (default 0.2, the paper's 20%).
 
+    Algorithms declare their own hyper-parameters and factory options (see
+    :mod:`scaffold_jax.algorithms`); a config holds them in the tables ``hparams`` and
+    ``options``, or as top-level keys of the same names (``prox_mu = 0.5``,
+    ``scaffold_option = "I"``), which :meth:`from_dict` moves into those tables. A value for
+    a name the chosen algorithm does not declare is an error, unless it is the default of
+    the algorithm that does (a ``config.json`` of an earlier version holds every such
+    field).
+
     A config file (TOML or JSON) holds these fields as top-level keys; an unknown key is
     an error, so a typo never silently falls back to a default. The ``config.json`` a run
     writes is itself a valid config file.
     """
 
-    algorithm: str = _opt("scaffold", "federated algorithm", "str", ALGORITHM_NAMES)
-    scaffold_option: str = _opt(
-        "II", "SCAFFOLD control update: II (the paper's default) or I", "str", ("I", "II")
+    algorithm: str = _opt("scaffold", "federated algorithm", "str", ALGORITHMS)
+    plugins: list[str] = _opt(
+        [], "modules or .py files to import first (they register algorithms, models...)", "strs"
     )
-    control_dtype: str = _opt(
-        "float32", "storage dtype of SCAFFOLD's client controls", "str", CONTROL_DTYPES
-    )
-    prox_mu: float = _opt(1.0, "FedProx proximal weight mu (the paper fixes 1)", "float")
     client_lr: float = _opt(0.1, "client (local) step size eta_l", "float")
     server_lr: float = _opt(1.0, "server (global) step size eta_g", "float")
+    hparams: dict[str, float] = _opt(
+        {}, "the algorithm's other declared hyper-parameters, e.g. {prox_mu = 1.0}", "table"
+    )
+    options: dict[str, Any] = _opt(
+        {}, "the algorithm's factory options, e.g. {scaffold_option = 'I'}", "table"
+    )
     weighting: str = _opt("uniform", "server aggregation weights", "str", WEIGHTINGS)
     dataset: str = _opt("fashion_mnist", "dataset", "str", sources.DATASETS)
     data_dir: str | None = _opt(None, "folder of IDX files for the dataset", "str")
@@ -96,7 +132,7 @@ class RunConfig:
     max_test_examples: int | None = _opt(
         None, "use a random subset of this many test examples", "int"
     )
-    partition: str | None = _opt(None, "how examples are split over clients", "str", PARTITIONS)
+    partition: str | None = _opt(None, "how examples are split over clients", "str", PARTITIONERS)
     similarity: float | None = _opt(
         None, "similarity split: percent of i.i.d. data per client, 0..100", "float"
     )
@@ -134,6 +170,20 @@ class RunConfig:
         Raises:
           ConfigError: unknown keys.
         """
+        values = dict(values)
+        if "plugins" in values and isinstance(values["plugins"], (list, tuple)):
+            _load_plugins(values["plugins"])  # they may declare the names used below
+        hparams, options = (
+            dict(values.pop("hparams", None) or {}),
+            dict(values.pop("options", None) or {}),
+        )
+        for name in declared_hparams():
+            if name in values:
+                hparams[name] = values.pop(name)
+        for name in declared_options():
+            if name in values:
+                options[name] = values.pop(name)
+        values["hparams"], values["options"] = hparams, options
         known = cls.field_names()
         unknown = [k for k in values if k not in known]
         if unknown:
@@ -161,10 +211,13 @@ class RunConfig:
         """
         errors: list[str] = []
         check = _Checker(errors)
-        check.choice("algorithm", self.algorithm, ALGORITHM_NAMES)
-        check.choice("scaffold_option", _option_name(self.scaffold_option), ("I", "II"))
-        check.choice("control_dtype", self.control_dtype, CONTROL_DTYPES)
-        check.number("prox_mu", self.prox_mu, low=0.0, what="finite and >= 0")
+        if check.type("plugins", self.plugins, (list, tuple), "a list of modules or .py files"):
+            try:
+                _load_plugins(self.plugins)
+            except ConfigError as err:
+                errors.append(str(err))
+        if check.registered("algorithm", self.algorithm, ALGORITHMS):
+            self._validate_algorithm(check, errors)
         check.number("client_lr", self.client_lr, low=0.0, strict=True, what="finite and > 0")
         check.number("server_lr", self.server_lr, low=0.0, strict=True, what="finite and > 0")
         check.choice("weighting", self.weighting, WEIGHTINGS)
@@ -174,14 +227,14 @@ class RunConfig:
             except ValueError:
                 errors.append(
                     f"dataset = {self.dataset!r} is invalid: it must be one of "
-                    f"{', '.join(sources.DATASETS)}."
+                    f"{', '.join(sources.DATASETS)}; {PLUGIN_HINT}."
                 )
         check.type("data_dir", self.data_dir, str, "a folder path", optional=True)
         check.type("download", self.download, bool, "true or false")
         check.integer("max_train_examples", self.max_train_examples, low=1, optional=True)
         check.integer("max_test_examples", self.max_test_examples, low=1, optional=True)
         self._validate_partition(check, errors)
-        check.choice("model", self.model, MODELS)
+        check.registered("model", self.model, MODELS)
         if check.type("hidden_sizes", self.hidden_sizes, (list, tuple), "a list of integers"):
             if not self.hidden_sizes or any(
                 isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in self.hidden_sizes
@@ -231,17 +284,50 @@ class RunConfig:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
         return self
 
+    def _validate_algorithm(self, check: _Checker, errors: list[str]) -> None:
+        """The ``hparams`` and ``options`` tables against what the algorithm declares."""
+        spec = ALGORITHMS[self.algorithm]
+        for table, declared_here, everywhere in (
+            ("hparams", spec.hparams, declared_hparams()),
+            ("options", spec.options, declared_options()),
+        ):
+            values = getattr(self, table)
+            if not check.type(table, values, Mapping, "a table of names and values"):
+                continue
+            for name, value in values.items():
+                if name in STEP_SIZES:
+                    errors.append(
+                        f"{table}.{name} is invalid: set the step size {name} as its own field."
+                    )
+                elif name in declared_here:
+                    self._check_declared(check, name, value, declared_here[name])
+                elif name not in everywhere:
+                    errors.append(
+                        f"{table}.{name} is unknown: no registered algorithm declares it "
+                        f"({self.algorithm} takes {', '.join(declared_here) or 'none'})."
+                    )
+                elif not self._check_declared(check, name, value, everywhere[name]):
+                    pass  # out of range: said already
+                elif value != _default(everywhere[name]):
+                    errors.append(
+                        f"{name} = {value!r} does not apply to algorithm = "
+                        f"{self.algorithm!r}, which takes "
+                        f"{', '.join(k for k in declared_here if k not in STEP_SIZES) or 'none'}"
+                        "; remove it or choose an algorithm that declares it."
+                    )
+
+    @staticmethod
+    def _check_declared(check: _Checker, name: str, value: Any, declared: Any) -> bool:
+        """Checks ``value`` against its declaration; False (with a message) when bad."""
+        if isinstance(declared, HParam):
+            low_ok = "finite and >= 0" if declared.allow_zero else "finite and > 0"
+            return check.number(name, value, low=0.0, strict=not declared.allow_zero, what=low_ok)
+        if declared.choices is not None and declared.parse(value) not in declared.choices:
+            return check.choice(name, value, declared.choices)
+        return True
+
     def _validate_partition(self, check: _Checker, errors: list[str]) -> None:
-        given = {
-            "similarity": self.similarity,
-            "dirichlet": self.dirichlet_alpha,
-            "shards": self.shards_per_client,
-        }
-        field_of = {
-            "similarity": "similarity",
-            "dirichlet": "dirichlet_alpha",
-            "shards": "shards_per_client",
-        }
+        # The fields' own ranges; which partitioner takes which field is the registry's.
         check.number(
             "similarity", self.similarity, low=0.0, high=100.0, optional=True,
             what="a percentage in [0, 100] (0 = label-sorted, 100 = i.i.d.)",
@@ -251,20 +337,27 @@ class RunConfig:
             what="finite and > 0",
         )  # fmt: skip
         check.integer("shards_per_client", self.shards_per_client, low=1, optional=True)
+        owner = _partition_fields()
+        given = {f: getattr(self, f) for f in owner if getattr(self, f, None) is not None}
         if self.partition is not None:
-            if not check.choice("partition", self.partition, PARTITIONS):
+            if not check.registered("partition", self.partition, PARTITIONERS):
                 return
-            for kind, value in given.items():
-                if value is not None and kind != self.partition:
+            takes = PARTITIONERS[self.partition].params
+            for field in takes:
+                if field not in self.field_names():
                     errors.append(
-                        f"{field_of[kind]} = {value!r} does not apply to partition = "
-                        f"{self.partition!r}; remove it or set partition = {kind!r}."
+                        f"partition = {self.partition!r} takes the field {field!r}, which "
+                        "this config does not have."
                     )
-        else:
-            set_kinds = [k for k, v in given.items() if v is not None]
-            if len(set_kinds) > 1:
-                fields = ", ".join(f"{field_of[k]} = {given[k]!r}" for k in set_kinds)
-                errors.append(f"{fields} are conflicting partition settings: give one of them.")
+            for field, value in given.items():
+                if field not in takes:
+                    errors.append(
+                        f"{field} = {value!r} does not apply to partition = "
+                        f"{self.partition!r}; remove it or set partition = {owner[field]!r}."
+                    )
+        elif len({owner[f] for f in given}) > 1:
+            fields = ", ".join(f"{f} = {v!r}" for f, v in given.items())
+            errors.append(f"{fields} are conflicting partition settings: give one of them.")
 
     def _validate_plan(self, check: _Checker, errors: list[str]) -> None:
         check.integer("local_epochs", self.local_epochs, low=1, optional=True)
@@ -318,25 +411,25 @@ class RunConfig:
 
     # ------------------------------------------------------------------ resolution
     def resolved_partition(self) -> tuple[str, dict[str, Any]]:
-        """``(kind, arguments)`` of the partition after defaults."""
+        """``(partitioner name, its split keywords)`` after defaults.
+
+        The partitioner is ``partition``, else the one that takes the field that is set,
+        else :data:`~scaffold_jax.data.partition.DEFAULT_PARTITIONER`; each of its
+        parameters comes from its config field, or its declared default when the field is
+        unset.
+        """
         kind = self.partition
         if kind is None:
-            kind = (
-                "dirichlet"
-                if self.dirichlet_alpha is not None
-                else "shards"
-                if self.shards_per_client is not None
-                else "similarity"
+            owner = _partition_fields()
+            kind = next(
+                (owner[f] for f in owner if getattr(self, f, None) is not None),
+                DEFAULT_PARTITIONER,
             )
-        if kind == "similarity":
-            return kind, {"similarity": 0.0 if self.similarity is None else self.similarity}
-        if kind == "dirichlet":
-            alpha = 0.5 if self.dirichlet_alpha is None else self.dirichlet_alpha
-            return kind, {"alpha": alpha}
-        if kind == "shards":
-            shards = 2 if self.shards_per_client is None else self.shards_per_client
-            return kind, {"shards_per_client": shards}
-        return kind, {}
+        params = PARTITIONERS[kind].params
+        return kind, {
+            keyword: default if getattr(self, field) is None else getattr(self, field)
+            for field, (keyword, default) in params.items()
+        }
 
     def resolved_plan(self) -> BatchPlan:
         """The :class:`BatchPlan` after defaults (see the class docstring)."""
@@ -347,11 +440,11 @@ class RunConfig:
             elif self.batch_size is not None:
                 kind = "epochs"
             elif (
-                self.algorithm == "sgd"
+                ALGORITHMS[self.algorithm].default_plan == "full"
                 and self.local_epochs is None
                 and (self.batch_fraction is None)
             ):
-                kind = "full"  # the paper's SGD: one gradient on the client's full data
+                kind = "full"  # e.g. the paper's SGD: one gradient on the client's full data
             else:
                 kind = "fraction"
         if kind == "full":
@@ -373,17 +466,50 @@ class RunConfig:
             return self.out
         return f"results/{self.algorithm}-{sources.canonical_name(self.dataset).replace('/', '-')}"
 
-    def hparams(self) -> HParams:
-        mu = self.prox_mu if self.algorithm == "fedprox" else 0.0
-        return build_hparams(client_lr=self.client_lr, server_lr=self.server_lr, prox_mu=mu)
+    def resolved_hparams(self) -> HParams:
+        """The algorithm's declared hyper-parameters: the step sizes, the ``hparams``
+        table, and the declared defaults for the rest (names it does not declare left
+        out)."""
+        spec = ALGORITHMS[self.algorithm]
+        given = {k: v for k, v in self.hparams.items() if k in spec.hparams}
+        algorithm = spec.build(lambda params, batch: 0.0)
+        return resolve_hparams(
+            algorithm, {"client_lr": self.client_lr, "server_lr": self.server_lr, **given}
+        )
+
+    def resolved_options(self) -> dict[str, Any]:
+        """The algorithm's factory options (``{config key: value}``, parsed, defaults
+        filled in; names it does not declare left out)."""
+        spec = ALGORITHMS[self.algorithm]
+        return {
+            name: option.parse(self.options.get(name, option.default))
+            for name, option in spec.options.items()
+        }
+
+
+def _partition_fields() -> dict[str, str]:
+    """Config field -> the first registered partitioner that takes it (read at each call:
+    a plugin may have registered partitioners since import)."""
+    owner: dict[str, str] = {}
+    for name, spec in PARTITIONERS.items():
+        for field in spec.params:
+            owner.setdefault(field, name)
+    return owner
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _option_name(option: Any) -> Any:
-    return {1: "I", 2: "II", "1": "I", "2": "II", "i": "I", "ii": "II"}.get(option, option)
+def _default(declared: Any) -> Any:
+    return declared.default
+
+
+def _load_plugins(specs: Sequence[str]) -> None:
+    try:
+        load_plugins(specs)
+    except ValueError as err:
+        raise ConfigError(f"plugins = {list(specs)!r} is invalid: {err}") from err
 
 
 class _Checker:
@@ -412,6 +538,15 @@ class _Checker:
             return self._bad(name, value, "one of " + ", ".join(repr(c) for c in choices))
         return True
 
+    def registered(self, name: str, value: Any, registry: Registry) -> bool:
+        """``value`` must name an entry of ``registry``, as registered when this runs."""
+        if isinstance(value, str) and value in registry:
+            return True
+        close = difflib.get_close_matches(str(value), registry.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        names = ", ".join(repr(n) for n in registry)
+        return self._bad(name, value, f"one of {names}{hint}; {PLUGIN_HINT}")
+
     def integer(self, name, value, low=None, high=None, optional=False, what=None) -> bool:
         if value is None and optional:
             return False
@@ -438,6 +573,9 @@ class _Checker:
         if high is not None and v > high:
             return self._bad(name, value, what)
         return True
+
+
+_TABLES = ("hparams", "options")
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -468,10 +606,11 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"config file {path} could not be parsed: {err}") from err
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} must hold a table/object of fields.")
-    nested = [k for k, v in values.items() if isinstance(v, dict)]
+    nested = [k for k, v in values.items() if isinstance(v, dict) and k not in _TABLES]
     if nested:
         raise ConfigError(
-            f"config file {path}: keys {nested} are tables; every field is a top-level key."
+            f"config file {path}: keys {nested} are tables; every field is a top-level key "
+            f"(only {' and '.join(_TABLES)} are tables)."
         )
     return values
 
@@ -515,56 +654,25 @@ def subset_dataset(
     )
 
 
-def load_dataset(
-    name: str,
-    data_dir: str | None = None,
-    download: bool = False,
-    max_train_examples: int | None = None,
-    max_test_examples: int | None = None,
-    seed: int = 0,
-) -> sources.Dataset:
-    """Loads a dataset (see :func:`scaffold_jax.data.sources.load`), optionally a random
-    subset of it (:func:`subset_dataset`)."""
-    ds = sources.load(name, data_dir, allow_download=download)
-    return subset_dataset(ds, max_train_examples, max_test_examples, seed)
-
-
-def make_partition(
-    labels: np.ndarray, num_clients: int, kind: str, args: Mapping[str, Any], seed: int
-) -> list[np.ndarray]:
-    """Client index lists from a partition kind (``similarity``, ``dirichlet``, ``shards``,
-    ``iid``) and its arguments."""
-    if kind == "similarity":
-        return partition.similarity_split(labels, num_clients, args["similarity"], seed)
-    if kind == "dirichlet":
-        return partition.dirichlet_split(labels, num_clients, args["alpha"], seed)
-    if kind == "shards":
-        return partition.shard_split(labels, num_clients, args["shards_per_client"], seed)
-    if kind == "iid":
-        return partition.iid_split(len(labels), num_clients, seed)
-    raise ValueError(f"partition {kind!r} is unknown; use one of {PARTITIONS}.")
-
-
 def make_problem(
-    model: str, dataset: sources.Dataset, hidden_sizes: Sequence[int] = (256, 256), seed=0
+    model: str,
+    dataset: sources.Dataset,
+    options: Mapping[str, Any] | None = None,
+    seed: int = 0,
 ) -> Problem:
-    """The model of a run as a :class:`Problem` (logistic regression starts at zero; the
-    MLP from ``jax.random.key(seed)``)."""
+    """The model registered as ``model`` (:data:`scaffold_jax.models.MODELS`), sized for
+    ``dataset``, as a :class:`Problem`.
+
+    Args:
+      model: a registered model name.
+      dataset: gives the example shape and the number of classes.
+      options: config fields by name, e.g. ``config.to_dict()``; the model takes those it
+        declares (the MLP: ``hidden_sizes``).
+      seed: its initial params come from ``jax.random.key(seed)`` (logistic regression
+        starts at zero whatever the seed).
+    """
     shape = tuple(np.shape(dataset.train["x"])[1:])
-    if model == "logreg":
-        return models.logistic_regression(shape, dataset.num_classes)
-    if model == "mlp":
-        return models.mlp(shape, dataset.num_classes, tuple(hidden_sizes), key=jr.key(seed))
-    raise ValueError(f"model {model!r} is unknown; use one of {MODELS}.")
-
-
-def make_algorithm(name: str, loss_fn, option: Any = "II", control_dtype="float32") -> Algorithm:
-    """An algorithm by name; SCAFFOLD takes its option (I / II) and control dtype."""
-    if name == "scaffold":
-        return algorithms.make(
-            name, loss_fn, option=_option_name(option), control_dtype=control_dtype
-        )
-    return algorithms.make(name, loss_fn)
+    return models.build(model, shape, dataset.num_classes, key=jr.key(seed), options=options)
 
 
 def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
@@ -591,12 +699,11 @@ def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
             f"num_clients = {config.num_clients} is invalid: the training set has only "
             f"{len(dataset.train['y'])} examples; it must be at most that."
         )
-    parts = make_partition(dataset.train["y"], config.num_clients, kind, args, config.seed)
+    split = PARTITIONERS[kind].split
+    parts = split(dataset.train["y"], config.num_clients, seed=config.seed, **args)
     data = from_partition(dataset.train, parts, test=dataset.test)
-    problem = make_problem(config.model, dataset, config.hidden_sizes, config.seed)
-    algorithm = make_algorithm(
-        config.algorithm, problem.loss_fn, config.scaffold_option, config.control_dtype
-    )
+    problem = make_problem(config.model, dataset, config.to_dict(), config.seed)
+    algorithm = ALGORITHMS[config.algorithm].build(problem.loss_fn, **config.resolved_options())
     plan = config.resolved_plan()
     clients_per_round = config.resolved_clients_per_round()
     simulation = Simulation(algorithm, problem, plan, clients_per_round, config.weighting)
@@ -619,7 +726,8 @@ def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
         "max_local_steps": int(num_steps),
         "max_batch_size": int(batch_width),
     }
-    return Built(dataset, data, problem, algorithm, plan, simulation, config.hparams(), info)
+    hparams = config.resolved_hparams()
+    return Built(dataset, data, problem, algorithm, plan, simulation, hparams, info)
 
 
 # =====================================================================================
@@ -740,7 +848,7 @@ def run(
     Raises:
       ConfigError: an invalid config. FileExistsError: the folder holds a run.
       FileNotFoundError: the dataset is missing.
-      scaffold_jax.simulate.DivergenceError: the model became NaN/Inf (the folder keeps
+      scaffold_jax.loop.DivergenceError: the model became NaN/Inf (the folder keeps
         the records made before and says ``"status": "diverged"``).
     """
     config.validate()
@@ -837,10 +945,13 @@ def run_grid(
     num_rounds: int,
     eval_every: int,
     seed: int = 0,
-    prox_mu: float = 0.0,
+    hparams: Mapping[str, float] | None = None,
     use_sweep: bool = True,
 ) -> tuple[list[GridRun], dict[str, float]]:
     """Runs ``simulation`` for every η_l of a grid from its initial params.
+
+    ``hparams``: the other hyper-parameters, fixed for the whole grid (names the
+    algorithm does not declare are left out; undeclared ones take their defaults).
 
     With ``use_sweep`` the grid is ONE vmapped program (:func:`scaffold_jax.sweep.sweep`):
     a single compilation, and on an accelerator the whole grid for about the price of one
@@ -851,13 +962,10 @@ def run_grid(
       ``(runs, timing)`` with ``timing = {"compile_seconds", "run_seconds"}``.
     """
     lrs = [float(lr) for lr in client_lrs]
+    declared = simulation.algorithm.hparams
+    fixed = {k: float(v) for k, v in (hparams or {}).items() if k in declared}
     if use_sweep:
-        try:
-            from scaffold_jax import sweep as sweep_module
-        except ImportError:  # pragma: no cover - the sweep module is part of the package
-            use_sweep = False
-    if use_sweep:
-        grid_hp, seeds, _ = sweep_module.grid(client_lr=lrs, prox_mu=prox_mu, seeds=seed)
+        grid_hp, seeds, _ = sweep_module.grid(client_lr=lrs, seeds=seed, **fixed)
         result = sweep_module.sweep(simulation, data, grid_hp, seeds, num_rounds, eval_every)
         runs = []
         for j, lr in enumerate(lrs):
@@ -880,7 +988,7 @@ def run_grid(
         try:
             res = simulation.run(
                 data,
-                build_hparams(client_lr=lr, prox_mu=prox_mu),
+                HParams(client_lr=lr, **fixed),
                 num_rounds=num_rounds,
                 eval_every=eval_every,
                 seed=seed,
@@ -905,27 +1013,24 @@ def choose(
     metric: str = "test_accuracy",
     higher_is_better: bool = True,
 ) -> tuple[GridRun, int | None]:
-    """The paper's selection: the η_l reaching ``target`` in the fewest rounds.
-
-    Ties (equal rounds, or nobody reaching the target) go to the better best value of
-    ``metric`` over the run; a diverged run ranks last. With ``target=None`` the best
-    value alone decides (Table 5's "best accuracy within the horizon").
+    """The η_l of a grid chosen by the package's one step-size selection policy,
+    :func:`scaffold_jax.results.select` (the one ``sweep`` uses too; its docstring gives
+    the order of the criteria). Each run of a grid is one seed, so each η_l is a group of
+    one: a diverged η_l ranks last, then the fewest rounds to ``target`` (with
+    ``target=None``: skipped, Table 5's "best accuracy within the horizon"), then the
+    better best value of ``metric``, the lower final training loss and the smaller η_l.
 
     Returns:
       ``(chosen run, its rounds to target or None)``.
     """
-
-    def key(run: GridRun):
-        rounds = (
-            None
-            if target is None
-            else results.rounds_to_target(run.records, target, metric, higher_is_better)
-        )
-        best = results.best_value(run.records, metric, higher_is_better)
-        best = -math.inf if best is None else (best if higher_is_better else -best)
-        # A step size that diverged is unusable even if it got there first.
-        return (run.diverged, rounds is None, rounds if rounds is not None else 0, -best), rounds
-
-    scored = [(key(r), r) for r in runs]
-    (_, rounds), chosen = min(scored, key=lambda item: item[0][0])
+    candidates = [
+        results.Candidate({"client_lr": run.client_lr}, run.records, run.diverged) for run in runs
+    ]
+    best, _ = results.select(candidates, target, metric, higher_is_better)
+    chosen = runs[best["configs"][0]]
+    rounds = (
+        None
+        if target is None
+        else results.rounds_to_target(chosen.records, target, metric, higher_is_better)
+    )
     return chosen, rounds

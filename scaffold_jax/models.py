@@ -3,12 +3,23 @@
 Models take batches ``{"x": [B, ...], "y": [B]}``. Integer inputs (uint8 images kept on
 device) are scaled to [0, 1] inside the step; float inputs are used as they are.
 The engine only ever sees the params pytree and the pure functions (flax's functional API).
+
+:data:`MODELS` names the models that configs and the command line can ask for
+(``logreg``, ``mlp``). A new model is a function returning a :class:`Problem` plus one
+line, ``MODELS.register("name", ModelSpec(build, "Display name", options))``, in any module
+(a plugin, :func:`scaffold_jax.registry.load_plugins`); :func:`build` makes it from a name.
+
+Examples:
+  >>> problem = build("mlp", (28, 28), 10, key=jr.key(0), options={"hidden_sizes": [32]})
+  >>> problem.params["hidden_0"]["kernel"].shape
+  (784, 32)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -16,6 +27,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import optax
 
+from scaffold_jax.registry import Registry
 from scaffold_jax.types import Problem
 
 
@@ -125,3 +137,63 @@ def _check_shape(input_shape, num_classes) -> None:
         raise ValueError(f"input_shape={tuple(input_shape)} must describe a non-empty example.")
     if int(num_classes) < 2:
         raise ValueError(f"num_classes={num_classes} must be >= 2.")
+
+
+# =====================================================================================
+# The registry
+# =====================================================================================
+class ModelSpec(NamedTuple):
+    """A registered model.
+
+    Attributes:
+      build: ``build(input_shape, num_classes, *, key, **options) -> Problem``, where
+        ``input_shape`` is the shape of ONE example and ``key`` seeds the initial params
+        (a model that starts from fixed params, such as the zero-initialised logistic
+        regression, ignores it).
+      display_name: how tables and plots name the model.
+      options: the config fields the model takes (e.g. ``RunConfig.hidden_sizes``), passed
+        to ``build`` as keywords of the same names.
+    """
+
+    build: Callable[..., Problem]
+    display_name: str
+    options: tuple[str, ...] = ()
+
+
+MODELS: Registry[ModelSpec] = Registry("model")
+MODELS.register("logreg", ModelSpec(logistic_regression, "logistic regression"))
+MODELS.register("mlp", ModelSpec(mlp, "MLP", ("hidden_sizes",)))
+
+
+def build(
+    name: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    key: jax.Array,
+    options: Mapping[str, Any] | None = None,
+) -> Problem:
+    """The model registered as ``name``, as a :class:`Problem`.
+
+    Args:
+      name: a name in :data:`MODELS`.
+      input_shape: shape of one example, e.g. ``(28, 28)``.
+      num_classes: number of classes.
+      key: PRNG key of the initial params.
+      options: config fields by name (a whole config's, e.g. ``config.to_dict()``, is
+        fine): the model takes those it declares in :attr:`ModelSpec.options`; a declared
+        one that is absent keeps the model's default.
+
+    Raises:
+      ValueError: an unknown name (the message lists the registered ones).
+      TypeError: ``options`` is not a mapping.
+    """
+    spec = MODELS[name]
+    options = {} if options is None else options
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"options must map config fields to values (e.g. config.to_dict()), got "
+            f"{type(options).__name__}; model {name!r} takes {list(spec.options)}."
+        )
+    taken = {field: options[field] for field in spec.options if field in options}
+    return spec.build(tuple(input_shape), num_classes, key=key, **taken)

@@ -26,24 +26,22 @@ from typing import Any, NamedTuple
 import jax
 
 from scaffold_jax import results
+from scaffold_jax.algorithms import ALGORITHMS, make
 from scaffold_jax.data import partition, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import from_partition
+from scaffold_jax.engine import Simulation
 from scaffold_jax.experiments import (
-    ALGORITHM_NAMES,
-    DISPLAY,
     MODELS,
     CellProgress,
     ConfigError,
     _Checker,
     _is_number,
     choose,
-    make_algorithm,
     make_problem,
     run_grid,
     subset_dataset,
 )
-from scaffold_jax.simulate import Simulation
 
 
 # =====================================================================================
@@ -101,7 +99,7 @@ class Fig3Protocol:
         if not self.lr_grid or any(not _is_number(v) or v <= 0 for v in self.lr_grid):
             errors.append(f"lr_grid = {self.lr_grid!r} is invalid: it must be values > 0.")
         for m in self.methods:
-            if m not in ("sgd", "fedavg", "scaffold", "fedprox"):
+            if m not in ALGORITHMS:
                 errors.append(f"methods = {self.methods!r} is invalid: unknown method {m!r}.")
         if errors:
             raise ConfigError("invalid fig3 protocol:\n  " + "\n  ".join(errors))
@@ -120,8 +118,12 @@ def fig3_protocol(quick: bool = False, **overrides: Any) -> Fig3Protocol:
     return _override(base, overrides).validate()
 
 
+def _display(method: str) -> str:
+    return ALGORITHMS[method].display_name if method in ALGORITHMS else method
+
+
 def _label(method: str, local_steps: int | None) -> str:
-    name = DISPLAY.get(method, method)
+    name = _display(method)
     return name if local_steps is None else f"{name} K={local_steps}"
 
 
@@ -195,7 +197,7 @@ def reproduce_fig3(
             # All G share the Hessians and the start point (figure3_problem draws them from
             # the same seed), so one simulation (one compiled program) serves every G;
             # its params are the G-independent start x0.
-            alg = make_algorithm(method, first.problem.loss_fn)
+            alg = make(method, first.problem.loss_fn)
             plan = BatchPlan.full(1 if local_steps is None else local_steps)
             sim = Simulation(alg, first.problem, plan, clients_per_round=2)
             for G, qp in problems.items():
@@ -263,7 +265,7 @@ def fig3_table(cells: Sequence[Mapping[str, Any]], protocol: Fig3Protocol) -> st
     table_cells = [
         results.Cell(
             row=(
-                DISPLAY.get(c["method"], c["method"]),
+                _display(c["method"]),
                 "—" if c["local_steps"] is None else c["local_steps"],
             ),
             column=f"G = {c['G']:g}",
@@ -380,7 +382,7 @@ class TableProtocol:
                     f"similarities = {self.similarities!r} is invalid: each must be in [0, 100]."
                 )
         for row in self.rows:
-            if row.method not in ALGORITHM_NAMES:
+            if row.method not in ALGORITHMS:
                 errors.append(f"rows: method {row.method!r} is unknown.")
             elif not self.lr_grids.get(row.method):
                 errors.append(f"lr_grids has no step sizes for method {row.method!r}.")
@@ -563,7 +565,7 @@ def reproduce_table(
         dataset, protocol.max_train_examples, protocol.max_test_examples, protocol.seed
     )
     target = table_target(protocol, dataset.name)
-    problem = make_problem(protocol.model, dataset, protocol.hidden_sizes, protocol.seed)
+    problem = make_problem(protocol.model, dataset, dataclasses.asdict(protocol), protocol.seed)
     # Filled with the chosen series as the cells finish; the plots are drawn at the end.
     panels = {f"s = {s:g}%": [] for s in protocol.similarities}
     plots = tuple(
@@ -605,10 +607,9 @@ def reproduce_table(
                 key = (row.method, plan, clients)
                 if key not in simulations:
                     # One simulation per program shape: columns and η_l reuse its program.
-                    alg = make_algorithm(row.method, problem.loss_fn)
+                    alg = make(row.method, problem.loss_fn)
                     simulations[key] = Simulation(alg, problem, plan, clients)
                 sim = simulations[key]
-                mu = protocol.prox_mu if row.method == "fedprox" else 0.0
                 runs, timing = run_grid(
                     sim,
                     data,
@@ -616,10 +617,10 @@ def reproduce_table(
                     protocol.num_rounds,
                     protocol.eval_every,
                     protocol.seed,
-                    prox_mu=mu,
+                    hparams={"prox_mu": protocol.prox_mu},  # for those that declare μ
                     use_sweep=use_sweep,
                 )
-                label = f"{DISPLAY[row.method]} E={row.epochs}"
+                label = f"{_display(row.method)} E={row.epochs}"
                 if len({r.sampled for r in protocol.rows}) > 1:
                     label += f" S={_percent(row.sampled)}"
                 label += f" s={similarity:g}%"
@@ -689,7 +690,7 @@ def format_table(
 
     def row_of(c):
         second = _percent(c["sampled"]) if vary_sampling else c["epochs"]
-        return (DISPLAY[c["method"]], second)
+        return (_display(c["method"]), second)
 
     table_cells = [
         results.Cell(
@@ -716,7 +717,7 @@ def format_table(
         else f"MLP with hidden layers {'-'.join(str(h) for h in protocol.hidden_sizes)}"
     )
     grids = "; ".join(
-        f"{DISPLAY[m]}: {', '.join(f'{v:g}' for v in protocol.lr_grids[m])}" for m in methods
+        f"{_display(m)}: {', '.join(f'{v:g}' for v in protocol.lr_grids[m])}" for m in methods
     )
     sampled = ", ".join(_percent(v) for v in sorted({r.sampled for r in protocol.rows})[::-1])
     epochs = ", ".join(

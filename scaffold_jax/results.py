@@ -1,4 +1,12 @@
-"""Run records on disk: the per-run folder, rounds-to-target, paper-style tables, plots.
+"""Run records on disk: the per-run folder, rounds-to-target, the step-size selection,
+paper-style tables, and every plot.
+
+One of each: :func:`rounds_to_target` is the package's only rounds-to-target;
+:func:`select` is the only step-size selection policy (``reproduce`` reaches it through
+:func:`scaffold_jax.experiments.choose`, ``sweep`` through :func:`summarize`); every plot
+(run curves, a sweep's rounds to target and best curves, client drift, G against
+similarity) is a ``matplotlib.figure.Figure`` in one style (:func:`new_figure`,
+:func:`style_axes`), never pyplot and never a change of the global backend.
 
 Every run (``scaffold-jax run`` or one ``scaffold-jax reproduce`` protocol) owns one output
 folder, written by a :class:`RunWriter`:
@@ -72,13 +80,19 @@ def rounds_to_target(
 ) -> int | None:
     """The first evaluated round at which ``metric`` reaches ``target``, or None.
 
-    A non-finite value (a diverged run) never counts as reaching the target: ``-inf`` is
+    This is the package's one rounds-to-target: single runs, paper tables, sweeps and the
+    step-size selection (:func:`select`) all count with it.
+
+    A diverged run never reaches the target: a non-finite value never counts (``-inf`` is
     below every error target, and a NaN compares False either way, so both are excluded
-    explicitly. The resolution is the evaluation cadence: with ``eval_every = 5`` the
-    answer is a multiple of 5 (an upper bound on the true first round).
+    explicitly), and neither does a record whose ``status`` is present and not ``"ok"``
+    (a sweep config after it diverged). The resolution is the evaluation cadence: with
+    ``eval_every = 5`` the answer is a multiple of 5 (an upper bound on the true first
+    round).
 
     Args:
-      records: evaluation records in round order (each with ``"round"`` and ``metric``).
+      records: evaluation records in round order (each with ``"round"`` and ``metric``,
+        optionally ``"status"``).
       target: the level to reach.
       metric: the record field to compare.
       higher_is_better: True for accuracies (``>= target``), False for losses and errors
@@ -91,18 +105,24 @@ def rounds_to_target(
     """
     for record in records:
         value = record.get(metric)
-        if not is_finite_number(value):
+        if not _counts(record) or not is_finite_number(value):
             continue
         if (value >= target) if higher_is_better else (value <= target):
             return int(record["round"])
     return None
 
 
+def _counts(record: Mapping[str, Any]) -> bool:
+    """False for a record made after its run diverged (``status`` present, not ``"ok"``)."""
+    return record.get("status", "ok") == "ok"
+
+
 def best_value(
     records: Iterable[Mapping[str, Any]], metric: str = "test_accuracy", higher_is_better=True
 ) -> float | None:
-    """The best finite value of ``metric`` over the records (None if there is none)."""
-    values = [r[metric] for r in records if is_finite_number(r.get(metric))]
+    """The best finite value of ``metric`` over the records (None if there is none);
+    records made after a divergence (``status`` not ``"ok"``) do not count."""
+    values = [r[metric] for r in records if _counts(r) and is_finite_number(r.get(metric))]
     if not values:
         return None
     return float(max(values) if higher_is_better else min(values))
@@ -138,6 +158,258 @@ def series_summary(
 
 def _target_key(target: float) -> str:
     return format(float(target), "g")
+
+
+# ----------------------------------------------------------------------------- selection
+class Candidate(NamedTuple):
+    """One run offered to the step-size selection (:func:`select`).
+
+    Attributes:
+      hparams: the hyper-parameters that define the run's group, without the seed (e.g.
+        ``{"client_lr": 0.1, "server_lr": 1.0}``).
+      records: its evaluation records in round order.
+      diverged: whether the run produced a NaN/Inf (a record with ``status`` other than
+        ``"ok"`` marks it diverged too).
+      seed: its seed (reported, never compared).
+    """
+
+    hparams: Mapping[str, Any]
+    records: Sequence[Mapping[str, Any]]
+    diverged: bool = False
+    seed: Any = None
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    mean = math.fsum(values) / len(values)
+    if not math.isfinite(mean):
+        return mean, math.nan
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+
+def _final(records: Sequence[Mapping[str, Any]], name: str) -> float:
+    value = records[-1].get(name) if records else None
+    return float(value) if is_finite_number(value) else math.nan
+
+
+def _loss_name(records: Sequence[Mapping[str, Any]]) -> str:
+    return "train_loss" if any("train_loss" in r for r in records) else "test_loss"
+
+
+def group_runs(
+    candidates: Sequence[Candidate],
+    target: float | None,
+    metric: str = "test_accuracy",
+    higher_is_better: bool = True,
+) -> list[dict[str, Any]]:
+    """Groups runs that differ only in their seed and measures each group.
+
+    Returns:
+      One dict per group, in first-appearance order: ``hparams``, ``seeds``, ``configs``
+      (indices into ``candidates``), ``rounds_to_target`` (per seed, None if not
+      reached), ``reached`` (seeds that reached), ``rounds_mean`` / ``rounds_std`` (None
+      unless every seed reached), ``best_value_mean`` (mean over seeds of the best
+      ``metric`` of each run; None if a seed has no finite value), ``final_value_mean`` /
+      ``_std`` (the last record's ``metric``), ``final_loss_mean`` (final training loss,
+      test loss where there is none; +inf for a diverged or non-finite seed) and
+      ``num_diverged``.
+    """
+    members: dict[tuple, list[int]] = {}
+    for j, cand in enumerate(candidates):
+        members.setdefault(tuple(cand.hparams.items()), []).append(j)
+    groups = []
+    for key, idx in members.items():
+        runs = [candidates[j] for j in idx]
+        diverged = [bool(c.diverged) or not all(_counts(r) for r in c.records) for c in runs]
+        if target is None:
+            rounds = [None] * len(runs)
+        else:
+            rounds = [rounds_to_target(c.records, target, metric, higher_is_better) for c in runs]
+        reached = [r for r in rounds if r is not None]
+        all_reached = target is not None and len(reached) == len(runs)
+        bests = [best_value(c.records, metric, higher_is_better) for c in runs]
+        losses = [
+            math.inf if bad else _final(c.records, _loss_name(c.records))
+            for c, bad in zip(runs, diverged, strict=True)
+        ]
+        losses = [v if math.isfinite(v) else math.inf for v in losses]
+        rounds_mean, rounds_std = _mean_std(reached) if all_reached else (None, None)
+        final_mean, final_std = _mean_std([_final(c.records, metric) for c in runs])
+        groups.append(
+            {
+                "hparams": dict(key),
+                "seeds": [c.seed for c in runs],
+                "configs": idx,
+                "rounds_to_target": rounds,
+                "reached": len(reached),
+                "rounds_mean": rounds_mean,
+                "rounds_std": rounds_std,
+                "best_value_mean": None if None in bests else _mean_std(bests)[0],
+                "final_value_mean": final_mean,
+                "final_value_std": final_std,
+                "final_loss_mean": _mean_std(losses)[0],
+                "num_diverged": sum(diverged),
+            }
+        )
+    return groups
+
+
+def selection_key(group: Mapping[str, Any], higher_is_better: bool = True) -> tuple:
+    """The sort key of :func:`select`'s policy for one group of :func:`group_runs`
+    (smaller is better)."""
+    rounds = group["rounds_mean"]
+    best = group["best_value_mean"]
+    if best is None:  # no finite value at all: worse than any value
+        best_key = math.inf
+    else:
+        best_key = -best if higher_is_better else best
+    client_lr = group["hparams"].get("client_lr")
+    return (
+        group["num_diverged"] > 0,
+        math.inf if rounds is None else rounds,
+        best_key,
+        group["final_loss_mean"],
+        math.inf if client_lr is None else float(client_lr),
+    )
+
+
+def select(
+    candidates: Sequence[Candidate],
+    target: float | None,
+    metric: str = "test_accuracy",
+    higher_is_better: bool = True,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The step-size selection policy: the one ``reproduce`` and ``sweep`` both use.
+
+    Candidates are groups of runs that differ only in their seed (:func:`group_runs`).
+    The chosen group is the first in this order, each criterion breaking the ties of the
+    ones before it:
+
+    1. a group with any diverged seed ranks after every group without one (a step size
+       that blew up is unusable, even if it reached the target first);
+    2. the fewer mean rounds to ``target`` over its seeds (:func:`rounds_to_target`), a
+       group counting as reaching only when ALL its seeds reach (else +inf); with
+       ``target=None`` this criterion is skipped;
+    3. the better mean over seeds of the best value of ``metric`` over each run (higher,
+       or lower with ``higher_is_better=False``; a seed without a finite value is worst);
+    4. the lower mean final training loss (test loss where records have no training loss;
+       a non-finite final loss counts as +inf);
+    5. the smaller ``client_lr`` (then the first group given), so the choice is
+       deterministic.
+
+    Args:
+      candidates: the runs, e.g. one per (η_l, seed) of a grid.
+      target: the level ``metric`` must reach, or None to rank by the best value alone.
+      metric: the record field compared with ``target``.
+      higher_is_better: True for accuracies, False for losses and errors.
+
+    Returns:
+      ``(best group, every group)``, groups as :func:`group_runs` makes them.
+
+    Raises:
+      ValueError: there are no candidates.
+
+    Examples:
+      >>> runs = [
+      ...     Candidate({"client_lr": lr}, [{"round": 5, "test_accuracy": acc}], seed=0)
+      ...     for lr, acc in ((0.1, 0.6), (0.3, 0.7), (1.0, 0.4))
+      ... ]
+      >>> best, groups = select(runs, target=0.5)
+      >>> best["hparams"], best["rounds_mean"], len(groups)
+      ({'client_lr': 0.3}, 5.0, 3)
+    """
+    if not candidates:
+        raise ValueError("select needs at least one run to choose from.")
+    groups = group_runs(candidates, target, metric, higher_is_better)
+    best = min(groups, key=lambda g: selection_key(g, higher_is_better))
+    return best, groups
+
+
+def _as_mapping(results: Any) -> Mapping[str, Any]:
+    # A single SweepResult (duck-typed: this module sits below scaffold_jax.sweep).
+    return {results.algorithm: results} if hasattr(results, "configs") else results
+
+
+def summarize(
+    results: Mapping[str, Any] | Any,
+    target: float | None,
+    metric: str = "test_accuracy",
+    higher_is_better: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """A sweep's step-size selection: per algorithm, the best hyper-parameters.
+
+    Each config of a :class:`~scaffold_jax.sweep.SweepResult` is one run; configs that
+    differ only in their ``seed`` form a group, and :func:`select` (the one policy, see
+    there for its tie-break order) picks the best group.
+
+    Args:
+      results: ``{algorithm name: SweepResult}`` or one SweepResult.
+      target: the target of ``metric`` (e.g. 0.5 for the paper's Table 3), or None.
+      metric: the record key compared with the target.
+      higher_is_better: True for accuracies, False for losses and errors.
+
+    Returns:
+      ``{algorithm: {"best": group, "groups": [group, ...], "target", "metric"}}``, each
+      group as :func:`group_runs` makes it (``configs`` indexes the result's configs).
+    """
+    summary = {}
+    for name, result in _as_mapping(results).items():
+        diverged = list(getattr(result, "diverged", [False] * len(result.configs)))
+        candidates = [
+            Candidate(
+                {k: v for k, v in config.items() if k != "seed"},
+                result.records[j],
+                bool(diverged[j]),
+                config.get("seed"),
+            )
+            for j, config in enumerate(result.configs)
+        ]
+        best, groups = select(candidates, target, metric, higher_is_better)
+        summary[name] = {
+            "best": best,
+            "groups": groups,
+            "target": None if target is None else float(target),
+            "metric": metric,
+        }
+    return summary
+
+
+def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    """A Markdown table of :func:`summarize`'s best configs, one row per algorithm."""
+
+    def fmt(mean, std, digits):
+        return "not reached" if mean is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+    rows = []
+    for name, entry in summary.items():
+        g = entry["best"]
+        hp = ", ".join(f"{k}={v:g}" for k, v in g["hparams"].items())
+        best = "—" if g["best_value_mean"] is None else f"{g['best_value_mean']:.4f}"
+        rows.append(
+            [
+                name,
+                hp,
+                "—" if entry.get("target") is None else fmt(g["rounds_mean"], g["rounds_std"], 1),
+                f"{g['reached']}/{len(g['seeds'])}",
+                best,
+                fmt(g["final_value_mean"], g["final_value_std"], 4),
+                f"{g['final_loss_mean']:.4g}",
+                f"{g['num_diverged']}/{len(g['seeds'])}",
+            ]
+        )
+    metric = next(iter(summary.values()), {}).get("metric", "test_accuracy")
+    header = [
+        "algorithm",
+        "hparams",
+        "rounds to target",
+        "reached",
+        f"best {metric}",
+        f"final {metric}",
+        "final loss",
+        "diverged",
+    ]
+    return markdown_table(header, rows)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -343,6 +615,102 @@ def read_summary(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------------------- plots
+# The one plot style. Every plot of the package is a matplotlib ``Figure`` made by
+# :func:`new_figure` (object API, Agg canvas, constrained layout: never pyplot and never
+# ``matplotlib.use``, so a notebook's or script's backend is left alone) and finished by
+# :func:`style_axes` (labels, grid, the legend outside the axes so it never covers a
+# curve). matplotlib is the optional "plots" extra: it is imported by these functions only.
+PANEL_SIZE = (4.8, 3.4)  # inches per panel, without the legend
+LEGEND_WIDTH = 2.4  # inches added on the right for a legend beside a single panel
+_LEGEND_ROW = 0.17  # inches per legend entry below a panel
+_FONT = 8
+
+
+def new_figure(
+    num_panels: int = 1, *, title: str = "", legend: str = "right", legend_rows: int = 0
+):
+    """A new Figure in the package's one style, and its axes (one row of panels).
+
+    Args:
+      num_panels: panels side by side.
+      title: the figure title (``suptitle``).
+      legend: where :func:`style_axes` will put each panel's legend: ``"right"`` (beside
+        the panel, the room is added to the width), ``"below"`` (under the panel, the room
+        is added to the height: for several panels side by side) or ``"none"``.
+      legend_rows: the most legend entries of a panel, for ``legend="below"``.
+
+    Returns:
+      ``(fig, axes)``: a ``matplotlib.figure.Figure`` with an Agg canvas (so
+      ``fig.savefig`` works without pyplot) and a list of ``num_panels`` axes, gridded.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    width = PANEL_SIZE[0] * num_panels + (LEGEND_WIDTH if legend == "right" else 0.0)
+    height = PANEL_SIZE[1] + (0.3 if title else 0.0)
+    if legend == "below":
+        height += 0.35 + _LEGEND_ROW * legend_rows
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(1, num_panels, squeeze=False)[0])
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=_FONT)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig, axes
+
+
+def style_axes(
+    ax, *, xlabel: str, ylabel: str, title: str = "", legend: str = "right", ncol: int = 1
+) -> None:
+    """Labels, grid and legend of one panel, in the package's one style.
+
+    The legend (when the panel has labelled artists) sits outside the axes, beside
+    (``"right"``) or under (``"below"``) them, so it never covers a curve; constrained
+    layout (or the caller's ``tight_layout``) makes room for it and for the labels.
+    """
+    ax.set_xlabel(xlabel, fontsize=_FONT + 1)
+    ax.set_ylabel(ylabel, fontsize=_FONT + 1)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    handles, _ = ax.get_legend_handles_labels()
+    if not handles or legend == "none":
+        return
+    if legend == "below":
+        ax.legend(
+            loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=7, frameon=False, ncol=ncol
+        )
+    else:
+        ax.legend(
+            loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=7,
+            frameon=False, ncol=ncol,
+        )  # fmt: skip
+
+
+def _log_axis(ax, values: Sequence[float], axis: str = "x") -> None:
+    """A log axis ticked at exactly ``values`` (a step-size grid) with plain labels: no
+    minor-tick labels to collide with them, rotated when there are many."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+    ticks = sorted({float(v) for v in values if v > 0})
+    which.set_major_locator(FixedLocator(ticks))
+    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    which.set_minor_locator(NullLocator())
+    if axis == "x" and len(ticks) > 5:
+        ax.tick_params(axis="x", labelrotation=45)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Writes ``fig`` to ``path`` (format from the suffix); returns the path."""
+    path = Path(path)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
 class PlotSpec(NamedTuple):
     """A plot to write at the end of a run.
 
@@ -353,6 +721,7 @@ class PlotSpec(NamedTuple):
       logy: log-scale y axis (errors f(x) − f*).
       panels: panel title -> series in that panel (None: one panel with every series).
       title: the figure title.
+      target: a target level of ``metric``, drawn as a dashed line (None: none).
     """
 
     filename: str
@@ -361,13 +730,21 @@ class PlotSpec(NamedTuple):
     logy: bool = False
     panels: Mapping[str, Sequence[str]] | None = None
     title: str = ""
+    target: float | None = None
 
 
-def plot_curves(records: Sequence[Mapping[str, Any]], spec: PlotSpec, path: Path) -> bool:
-    """Draws ``spec.metric`` against rounds, one line per series; False if nothing to draw.
+def plot_curves(
+    records: Sequence[Mapping[str, Any]], spec: PlotSpec, path: str | os.PathLike | None = None
+):
+    """``spec.metric`` against rounds, one line per series (a panel per ``spec.panels``).
 
-    Uses matplotlib's object API with the Agg canvas, so it never changes the global
-    backend of a notebook or script that imports this module.
+    Args:
+      records: evaluation records, each with ``"series"`` and ``"round"``.
+      spec: what to draw.
+      path: where to write the image (None: only return the figure).
+
+    Returns:
+      The ``matplotlib.figure.Figure``, or None when there is nothing to draw.
     """
     groups = by_series(records)
     panels = spec.panels or {"": list(groups)}
@@ -377,13 +754,10 @@ def plot_curves(records: Sequence[Mapping[str, Any]], spec: PlotSpec, path: Path
     }
     panels = {title: names for title, names in panels.items() if names}
     if not panels:
-        return False
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(max(6.0, 4.2 * len(panels)), 3.6))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+        return None
+    where = "right" if len(panels) == 1 else "below"
+    rows = max(len(names) for names in panels.values()) + (spec.target is not None)
+    fig, axes = new_figure(len(panels), title=spec.title, legend=where, legend_rows=rows)
     for ax, (title, names) in zip(axes, panels.items(), strict=True):
         for name in names:
             points = [
@@ -394,25 +768,229 @@ def plot_curves(records: Sequence[Mapping[str, Any]], spec: PlotSpec, path: Path
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, label=name)
+        if spec.target is not None:
+            ax.axhline(
+                spec.target, linestyle="--", color="gray", linewidth=1,
+                label=f"target {spec.target:g}",
+            )  # fmt: skip
         if spec.logy:
             ax.set_yscale("log")
-        ax.set_xlabel("communication rounds")
-        ax.set_ylabel(spec.ylabel)
-        if title:
-            ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if spec.title:
-        fig.suptitle(spec.title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+        style_axes(ax, xlabel="communication rounds", ylabel=spec.ylabel, title=title, legend=where)
+    if path is not None:
+        save_figure(fig, path, dpi=110)
+    return fig
 
 
 DEFAULT_PLOTS = (
     PlotSpec("accuracy.png", "test_accuracy", "test accuracy"),
     PlotSpec("loss.png", "test_loss", "test loss"),
 )
+
+
+def _varying(groups: Sequence[Mapping[str, Any]]) -> set[str]:
+    names = groups[0]["hparams"].keys() if groups else ()
+    return {k for k in names if len({g["hparams"][k] for g in groups}) > 1}
+
+
+def _label(name: str, hparams: Mapping[str, Any], show: Iterable[str]) -> str:
+    parts = [
+        f"η_l = {v:g}" if k == "client_lr" else f"{k} = {v:g}"
+        for k, v in hparams.items()
+        if k in set(show)
+    ]
+    return f"{name} ({', '.join(parts)})" if parts else name
+
+
+def plot_rounds_to_target(
+    results: Mapping[str, Any] | Any,
+    target: float,
+    metric: str = "test_accuracy",
+    ax=None,
+    higher_is_better: bool = True,
+):
+    """A sweep's rounds to ``target`` against η_l, per algorithm, mean ± std over seeds.
+
+    One line per algorithm (and per value of another hyper-parameter, when those vary
+    too). A step size whose seeds do not all reach the target is drawn as an ``x`` at the
+    horizon (the last evaluated round), as the legend says.
+
+    Args:
+      results: ``{algorithm: SweepResult}`` or one SweepResult.
+      target: the target of ``metric``.
+      metric: the record field compared with the target.
+      ax: draw into these axes (e.g. a notebook's) instead of a new figure.
+      higher_is_better: True for accuracies, False for losses and errors.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+    """
+    results = _as_mapping(results)
+    summary = summarize(results, target, metric, higher_is_better)
+    fig = ax.figure if ax is not None else None
+    if ax is None:
+        fig, (ax,) = new_figure()
+    horizon = max(
+        [r["round"] for res in results.values() for recs in res.records for r in recs] or [1]
+    )
+    lrs, missed_any = [], False
+    for name, entry in summary.items():
+        lines: dict[tuple, list[dict]] = {}
+        for g in entry["groups"]:
+            others = tuple((k, v) for k, v in g["hparams"].items() if k != "client_lr")
+            lines.setdefault(others, []).append(g)
+        varying = _varying(entry["groups"]) - {"client_lr"}
+        for others, groups in lines.items():
+            groups = sorted(groups, key=lambda g: g["hparams"]["client_lr"])
+            lrs += [g["hparams"]["client_lr"] for g in groups]
+            done = [g for g in groups if g["rounds_mean"] is not None]
+            label = _label(name, dict(others), varying)
+            if done:
+                line = ax.errorbar(
+                    [g["hparams"]["client_lr"] for g in done],
+                    [g["rounds_mean"] for g in done],
+                    yerr=[g["rounds_std"] for g in done],
+                    marker="o",
+                    capsize=3,
+                    label=label,
+                )
+                color = line[0].get_color()
+            else:
+                (line,) = ax.plot([], [], marker="o", label=label)
+                color = line.get_color()
+            missed = [g["hparams"]["client_lr"] for g in groups if g["rounds_mean"] is None]
+            if missed:
+                missed_any = True
+                ax.scatter(missed, [horizon] * len(missed), marker="x", color=color, zorder=3)
+    if missed_any:
+        ax.scatter([], [], marker="x", color="gray", label=f"not reached (at {horizon} rounds)")
+    _log_axis(ax, lrs)
+    relation = "≥" if higher_is_better else "≤"
+    style_axes(
+        ax,
+        xlabel="client step size η_l",
+        ylabel=f"rounds to {metric} {relation} {target:g}",
+        title=f"Rounds to {metric} {relation} {target:g} (mean ± std over seeds)",
+    )
+    return fig
+
+
+def plot_best_curves(
+    results: Mapping[str, Any] | Any,
+    target: float | None,
+    metric: str = "test_accuracy",
+    ax=None,
+    higher_is_better: bool = True,
+):
+    """``metric`` against rounds for each algorithm's chosen config (:func:`summarize`):
+    the mean over its seeds, a band of ± 1 standard deviation over the seeds, and the
+    target as a dashed line.
+
+    Args:
+      results: ``{algorithm: SweepResult}`` or one SweepResult.
+      target: the target of ``metric`` the choice was made for (None: best value alone).
+      metric: the record field drawn.
+      ax: draw into these axes instead of a new figure.
+      higher_is_better: True for accuracies, False for losses and errors.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+    """
+    import numpy as np
+
+    results = _as_mapping(results)
+    summary = summarize(results, target, metric, higher_is_better)
+    fig = ax.figure if ax is not None else None
+    if ax is None:
+        fig, (ax,) = new_figure()
+    num_seeds = set()
+    for name, entry in summary.items():
+        best = entry["best"]
+        runs = [results[name].records[j] for j in best["configs"]]
+        length = min(len(r) for r in runs)
+        curves = np.asarray(
+            [[float(r.get(metric, np.nan)) for r in recs[:length]] for recs in runs]
+        )
+        rounds = [r["round"] for r in runs[0][:length]]
+        mean, std = curves.mean(axis=0), curves.std(axis=0)
+        num_seeds.add(len(runs))
+        label = _label(name, best["hparams"], _varying(entry["groups"]) | {"client_lr"})
+        (line,) = ax.plot(rounds, mean, label=label)
+        ax.fill_between(rounds, mean - std, mean + std, alpha=0.25, color=line.get_color())
+    if target is not None:
+        ax.axhline(target, linestyle="--", color="gray", linewidth=1, label=f"target {target:g}")
+    seeds = "/".join(str(n) for n in sorted(num_seeds))
+    style_axes(
+        ax,
+        xlabel="communication rounds",
+        ylabel=metric,
+        title=f"Chosen config per algorithm: mean over {seeds} seeds, band ± 1 std",
+    )
+    return fig
+
+
+def plot_drift(
+    histories: Mapping[str, Any],
+    path: str | os.PathLike | None = None,
+    *,
+    title: str = "Client drift",
+    ylabel: str = "client drift  mean ‖y_i − x‖",
+):
+    """Per-round drift curves (e.g. FedAvg vs SCAFFOLD), log scale when all positive.
+
+    Args:
+      histories: name -> ``[R]`` per-round values (e.g. ``result.round_metrics
+        ["client_drift"]``).
+      path: where to write the image (the format follows the suffix); None: don't.
+      title: figure title.
+      ylabel: y-axis label.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+    """
+    import numpy as np
+
+    fig, (ax,) = new_figure()
+    positive = True
+    for name, values in histories.items():
+        values = np.asarray(values, dtype=np.float64).reshape(-1)
+        positive &= bool(np.all(values > 0))
+        ax.plot(np.arange(1, values.size + 1), values, label=str(name))
+    if positive:
+        ax.set_yscale("log")
+    style_axes(ax, xlabel="communication rounds", ylabel=ylabel, title=title)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def plot_G_vs_similarity(
+    similarities: Sequence[float],
+    G_values: Sequence[float],
+    path: str | os.PathLike | None = None,
+    *,
+    title: str = "Gradient dissimilarity vs data similarity",
+):
+    """G (e.g. ``DiagnosticsReport.G_at_x``) against the s% similarity of the split.
+
+    Returns:
+      The ``matplotlib.figure.Figure`` (also written to ``path`` when given).
+
+    Raises:
+      ValueError: the two sequences do not pair up.
+    """
+    import numpy as np
+
+    s = np.asarray(similarities, dtype=np.float64).reshape(-1)
+    g = np.asarray(G_values, dtype=np.float64).reshape(-1)
+    if s.shape != g.shape:
+        raise ValueError(f"{s.size} similarities but {g.size} G values; they must pair up.")
+    order = np.argsort(s)
+    fig, (ax,) = new_figure(legend="none")
+    ax.plot(s[order], g[order], marker="o")
+    style_axes(ax, xlabel="similarity s (%)", ylabel="G", title=title)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
 
 
 # ----------------------------------------------------------------------------- writer
@@ -532,7 +1110,7 @@ class RunWriter:
         self._write_csv()
         for spec in self.plots if plots is None else plots:
             try:
-                if plot_curves(self.records, spec, self.folder / spec.filename):
+                if plot_curves(self.records, spec, self.folder / spec.filename) is not None:
                     self.files.append(spec.filename)
             except ImportError:  # matplotlib is an optional extra ("plots")
                 print("matplotlib is not installed: no plots written.", file=sys.stderr)

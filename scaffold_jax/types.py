@@ -1,12 +1,12 @@
 """The shared types of scaffold_jax.
 
 An algorithm is written for ONE client (equinox's "write for one example, vmap at the
-edge"); only :mod:`scaffold_jax.simulate` knows about the client axis.
+edge"); only :mod:`scaffold_jax.engine` (and :mod:`scaffold_jax.layout`) know the client axis.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -18,55 +18,138 @@ Array = jax.Array
 Batch = Any  # a pytree of arrays with a leading example axis, e.g. {"x": [B, ...], "y": [B]}
 
 
-class HParams(NamedTuple):
-    """Hyper-parameters, passed to the compiled round as DATA (float32 scalars).
-
-    Because they are arrays and not Python floats closed over by the program, changing a
-    step size never recompiles, and a sweep can ``vmap`` over a leading config axis.
+class HParam(NamedTuple):
+    """A hyper-parameter an algorithm declares: its default and its allowed range.
 
     Attributes:
-      client_lr: local step size η_l.
-      server_lr: global step size η_g (1.0 in all of the paper's experiments).
-      prox_mu: FedProx proximal weight μ (ignored by the other algorithms).
+      default: the value used when none is given; None: the caller must give one.
+      help: one line for ``--help`` and the docs.
+      allow_zero: whether 0 is allowed (every value must be finite and >= 0; without it,
+        > 0).
     """
 
-    client_lr: Array
-    server_lr: Array
-    prox_mu: Array
+    default: float | None
+    help: str = ""
+    allow_zero: bool = False
 
 
-def hparams(client_lr: float, server_lr: float = 1.0, prox_mu: float = 0.0) -> HParams:
-    """Builds an :class:`HParams` of float32 arrays, checking the values when concrete.
+#: The step sizes every algorithm takes: η_l (no default) and η_g (1.0 in all of the
+#: paper's experiments). An algorithm declares these plus its own (FedProx adds μ).
+STEP_SIZES: dict[str, HParam] = {
+    "client_lr": HParam(None, "client (local) step size eta_l"),
+    "server_lr": HParam(1.0, "server (global) step size eta_g"),
+}
 
-    Any argument may be an array (e.g. ``[C]`` for a sweep over C configs).
+
+@jax.tree_util.register_pytree_with_keys_class
+class HParams(Mapping):
+    """Hyper-parameters by name, passed to the compiled round as DATA (float32 arrays).
+
+    Because they are arrays and not Python floats closed over by the program, changing a
+    step size never recompiles, and a sweep can ``vmap`` over a leading config axis. The
+    names are open: each algorithm declares the ones it reads (:attr:`Algorithm.hparams`),
+    and :func:`resolve_hparams` fills in its defaults. Values read as attributes
+    (``hp.client_lr``) or items (``hp["client_lr"]``).
+
+    Args:
+      values: ``{name: value}``; values are converted to float32 arrays.
+    """
+
+    def __init__(self, values: Mapping[str, Any] | None = None, /, **named: Any):
+        values = {**dict(values or {}), **named}
+        self._values = {str(k): jnp.asarray(v, jnp.float32) for k, v in values.items()}
+
+    def __getitem__(self, name: str) -> Array:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getattr__(self, name: str) -> Array:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(
+                f"these hyper-parameters have no {name!r} (they hold {', '.join(self._values)})"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"HParams({format_hparams(self)})"
+
+    def _asdict(self) -> dict[str, Array]:
+        return dict(self._values)
+
+    def replace(self, **changes: Any) -> HParams:
+        return HParams({**self._values, **changes})
+
+    _replace = replace  # the NamedTuple spelling, which HParams had before it was open
+
+    def tree_flatten_with_keys(self):
+        names = tuple(self._values)
+        return [(jax.tree_util.DictKey(k), self._values[k]) for k in names], names
+
+    @classmethod
+    def tree_unflatten(cls, names, leaves):
+        out = object.__new__(cls)
+        # Leaves may be tracers, ShapeDtypeStructs or None inside jax transformations: keep
+        # them as they are.
+        out._values = dict(zip(names, leaves, strict=True))
+        return out
+
+
+def hparams(client_lr: Any, server_lr: Any = 1.0, **others: Any) -> HParams:
+    """Builds :class:`HParams` of float32 arrays, checking the values when concrete.
+
+    Any value may be an array (e.g. ``[C]`` for a sweep over C configs). Names other than
+    the step sizes (``prox_mu=1.0`` for FedProx, ...) are taken as given; the simulation
+    checks them against its algorithm's declared hyper-parameters.
 
     Raises:
-      ValueError: a step size that is not finite and > 0, or μ that is not finite and >= 0.
+      ValueError: a step size that is not finite and > 0, or another value that is not
+        finite and >= 0.
 
     Examples:
       >>> hp = hparams(client_lr=0.1)
       >>> float(hp.server_lr)
       1.0
     """
-    hp = HParams(
-        client_lr=jnp.asarray(client_lr, jnp.float32),
-        server_lr=jnp.asarray(server_lr, jnp.float32),
-        prox_mu=jnp.asarray(prox_mu, jnp.float32),
-    )
+    hp = HParams(client_lr=client_lr, server_lr=server_lr, **others)
     check_hparams(hp)
     return hp
 
 
-def check_hparams(hp: HParams) -> None:
-    """Raises ValueError for non-positive or non-finite step sizes (concrete values only)."""
+def format_hparams(values: Mapping[str, Any]) -> str:
+    """``client_lr=0.1, ...`` with float32 values printed as float32 (0.1, not 0.100000001)."""
+
+    def show(v):
+        if isinstance(v, jax.core.Tracer) or v is None:
+            return "<traced>"
+        a = np.asarray(v, np.float32)
+        return str(a[()]) if a.ndim == 0 else str(a.tolist())
+
+    return ", ".join(f"{k}={show(v)}" for k, v in values.items())
+
+
+def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> None:
+    """Raises ValueError for values outside their range (concrete values only).
+
+    Without ``declared`` the step sizes must be finite and > 0 and any other value finite
+    and >= 0; with it, each declared value's own range applies.
+    """
     if not isinstance(hp, HParams):
         raise TypeError(
             f"hparams must be an HParams (use scaffold_jax.hparams(...)), got {type(hp).__name__}."
         )
-    for name, allow_zero in (("client_lr", False), ("server_lr", False), ("prox_mu", True)):
-        value = getattr(hp, name)
+    for name, value in hp.items():
         if isinstance(value, jax.core.Tracer):
             continue
+        spec = (declared or STEP_SIZES).get(name)
+        allow_zero = (name not in STEP_SIZES) if spec is None else spec.allow_zero
         value = np.asarray(value, dtype=np.float32)
         bad = ~np.isfinite(value) | (value < 0) | ((value == 0) & (not allow_zero))
         if np.any(bad):
@@ -75,6 +158,44 @@ def check_hparams(hp: HParams) -> None:
             shown = ", ".join(f"{v:.7g}" for v in value.ravel().tolist())
             shown = shown if value.ndim == 0 else f"[{shown}]"
             raise ValueError(f"{name}={shown} is invalid: every value must be {allowed}.")
+
+
+def resolve_hparams(algorithm: Algorithm, given: HParams | Mapping[str, Any]) -> HParams:
+    """``given`` completed with ``algorithm``'s declared defaults, in declaration order.
+
+    Raises:
+      TypeError: ``given`` is not a mapping of hyper-parameters.
+      ValueError: a name the algorithm does not declare, a declared one without a default
+        that is missing, or a value outside its range.
+    """
+    if not isinstance(given, HParams):
+        if not isinstance(given, Mapping):
+            raise TypeError(
+                "hparams must be an HParams (use scaffold_jax.hparams(...)), got "
+                f"{type(given).__name__}."
+            )
+        given = HParams(given)
+    declared = algorithm.hparams
+    unknown = [k for k in given if k not in declared]
+    if unknown:
+        raise ValueError(
+            f"{algorithm.name} does not take the hyper-parameter(s) {', '.join(unknown)}; it "
+            f"takes {', '.join(declared)}. Remove them, or use an algorithm that declares them."
+        )
+    values = {}
+    for name, spec in declared.items():
+        if name in given:
+            values[name] = given[name]
+        elif spec.default is None:
+            raise ValueError(
+                f"{algorithm.name} needs the hyper-parameter {name} ({spec.help}); give it, "
+                f"e.g. scaffold_jax.hparams({name}=...)."
+            )
+        else:
+            values[name] = spec.default
+    hp = HParams(values)
+    check_hparams(hp, declared)
+    return hp
 
 
 class ClientOutput(NamedTuple):
@@ -109,6 +230,9 @@ class Algorithm(NamedTuple):
         is the sum of the weights of ALL N clients (N under uniform weighting), which is
         what keeps SCAFFOLD's ``c = Σ w_i c_i / Σ w_i`` invariant exact.
       server_params: ``server_params(server_state) -> params``, the model x to evaluate.
+      hparams: the hyper-parameters it reads from ``hparams``, ``{name: HParam}`` (default:
+        the step sizes, :data:`STEP_SIZES`). Sweeps, configs, the command line and the
+        run identity cover exactly these.
     """
 
     name: str
@@ -116,6 +240,7 @@ class Algorithm(NamedTuple):
     client_update: Callable[..., tuple[PyTree, ClientOutput]]
     server_update: Callable[..., PyTree]
     server_params: Callable[[PyTree], PyTree]
+    hparams: Mapping[str, HParam] = STEP_SIZES
 
 
 class SimState(NamedTuple):

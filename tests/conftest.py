@@ -1,12 +1,14 @@
 """Shared test helpers.
 
-Rank promotion is set to "raise" (as equinox's tests do) so that a client axis broadcast
-by accident fails loudly instead of silently producing wrong numbers.
+Rank promotion is set to "raise" and dtype promotion to "strict" (as equinox's tests do):
+a client axis broadcast by accident, or a float64 / int32 value silently mixed into
+float32 arithmetic, fails loudly instead of producing wrong numbers.
 """
 
 import jax
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -96,7 +96,8 @@ def test_fedprox_with_zero_mu_is_fedavg(small_data, small_problem):
     plan = sj.BatchPlan.epochs(batch_size=3, num_epochs=2)
     hp = sj.hparams(client_lr=0.2, prox_mu=0.0)
     prox = _run(sj.fedprox(small_problem.loss_fn), small_problem, small_data, plan, 4, hp)
-    avg = _run(sj.fedavg(small_problem.loss_fn), small_problem, small_data, plan, 4, hp)
+    fedavg_hp = sj.hparams(client_lr=0.2)  # FedAvg declares no μ
+    avg = _run(sj.fedavg(small_problem.loss_fn), small_problem, small_data, plan, 4, fedavg_hp)
     assert_trees_close(prox.state.server.params, avg.state.server.params, rtol=1e-6)
     # μ > 0 pulls the clients back towards x: the updates must shrink.
     hp_prox = sj.hparams(client_lr=0.2, prox_mu=1.0)

@@ -27,7 +27,7 @@ import pytest
 import scaffold_jax as sj
 from scaffold_jax import checkpoint
 from scaffold_jax.data import partition, sources
-from scaffold_jax.simulate import DivergenceError
+from scaffold_jax.loop import DivergenceError
 
 DOC = Path(__file__).parent.parent / "docs" / "bad_inputs.md"
 
@@ -188,7 +188,7 @@ CASES = [
          lambda ctx: sj.hparams(client_lr=0.1, prox_mu=-1.0)),
     Case("lr-smuggled", "HParams built by hand with η_l < 0", "Simulation.run", ValueError,
          "client_lr=-1 is invalid: every value must be finite and > 0.",
-         lambda ctx: run(ctx, hp=sj.HParams(jnp.float32(-1), jnp.float32(1), jnp.float32(0)))),
+         lambda ctx: run(ctx, hp=sj.HParams(client_lr=-1.0, server_lr=1.0))),
     Case("hparams-type", "a float instead of HParams", "Simulation.run", TypeError,
          "hparams must be an HParams (use scaffold_jax.hparams(...)), got float.",
          lambda ctx: simulation(ctx).run(ctx.data, 0.1, num_rounds=1)),
@@ -200,12 +200,14 @@ CASES = [
     Case("diverging-lr", "η_l so large that the run diverges", "Simulation.run",
          DivergenceError,
          "scaffold diverged: the server state holds NaN/Inf after round … (the first "
-         "non-finite update came from round …) with client_lr=1e+30, server_lr=1e+30, "
-         "prox_mu=0.0. Lower client_lr or server_lr.",
+         "non-finite update came from round …) with client_lr=1e+30, server_lr=1e+30. "
+         "Lower client_lr or server_lr.",
          lambda ctx: run(ctx, sim=ctx.sim, hp=sj.hparams(client_lr=1e30, server_lr=1e30))),
     # ----- algorithms
     Case("algorithm-name", "unknown algorithm", "algorithms.make", ValueError,
-         "algorithm 'fedsgd' is unknown; use one of ['fedavg', 'fedprox', 'scaffold', 'sgd'].",
+         "algorithm 'fedsgd' is unknown (did you mean 'sgd'?); use one of scaffold, fedavg, "
+         "fedprox, sgd (an entry defined outside scaffold_jax is registered when its module is "
+         "imported: pass --plugin MODULE_OR_FILE.py (config key 'plugins')).",
          lambda ctx: sj.algorithms.make("fedsgd", ctx.problem.loss_fn)),
     Case("scaffold-option", "unknown SCAFFOLD option", "scaffold", ValueError,
          "SCAFFOLD option 3 is unknown; use 1 (or 'I': control = gradient at x) or 2 (or "
@@ -387,8 +389,8 @@ CASES = [
     Case("resume-other-run", "resume with another step size and seed", "Simulation.run",
          ValueError,
          "cannot resume from {tmp}/ckpt/2: it belongs to a different run (seed: 0 in the "
-         "checkpoint, 1 now; hparams: (client_lr=0.1, server_lr=1.0, prox_mu=0.0) in the "
-         "checkpoint, (client_lr=0.2, server_lr=1.0, prox_mu=0.0) now). Resume with the same "
+         "checkpoint, 1 now; hparams: (client_lr=0.1, server_lr=1.0) in the "
+         "checkpoint, (client_lr=0.2, server_lr=1.0) now). Resume with the same "
          "algorithm, data, batch plan, S, weighting, hparams and seed, or start a new run in "
          "another checkpoint directory.",
          lambda ctx: resume(ctx, hp=sj.hparams(0.2), seed=1)),

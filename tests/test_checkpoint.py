@@ -26,7 +26,7 @@ import pytest
 import scaffold_jax as sj
 from scaffold_jax import checkpoint
 from scaffold_jax.algorithms import client_controls
-from scaffold_jax.simulate import DivergenceError, RunTerminated
+from scaffold_jax.loop import DivergenceError, RunTerminated
 
 TESTS_DIR = Path(__file__).parent
 ROOT = TESTS_DIR.parent

@@ -226,7 +226,7 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
         assert record["summary"][name]["best"]["hparams"]["client_lr"] == 0.1
     assert "| scaffold |" in (out / "summary.md").read_text()
     assert main(argv) == 1  # a finished sweep is not overwritten silently
-    assert "already holds a sweep" in capsys.readouterr().err
+    assert "already holds a finished run" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- diagnose

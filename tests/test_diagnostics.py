@@ -244,7 +244,7 @@ def test_ideal_update_distance_vanishes_for_one_full_batch_step(unequal_data, un
     assert float(dg.ideal_update_distance(unequal_problem, unequal_data, x, delta, 2, lr)) > 1e-3
 
 
-# --------------------------------------------------------------------- report and plots
+# ------------------------------------------------------------------------------ report
 def test_diagnose_and_format_report():
     qp = quadratic_problem(num_clients=3, dim=4, beta=1.0, delta=0.25, G=2.0, mu=0.1, seed=2)
     report = dg.diagnose(qp.problem, qp.data, num_iters=200)
@@ -266,20 +266,6 @@ def test_diagnose_and_format_report():
     text = dg.format_report(fitted)
     for needle in ("N = 3 clients", "δ", "β", "suggested K", "compile", "B = "):
         assert needle in text
-
-
-def test_plots(tmp_path):
-    pytest.importorskip("matplotlib")
-    drift = dg.plot_drift(
-        {"FedAvg": np.linspace(2, 1, 30), "SCAFFOLD": np.geomspace(2, 0.01, 30)},
-        tmp_path / "drift.png",
-    )
-    g_plot = dg.plot_G_vs_similarity([100, 0, 50], [0.8, 9.0, 4.5], tmp_path / "g.png")
-    for path in (drift, g_plot):
-        with open(path, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="pair up"):
-        dg.plot_G_vs_similarity([0, 50], [1.0], tmp_path / "bad.png")
 
 
 # --------------------------------------------------------------- G vs s% on Fashion-MNIST

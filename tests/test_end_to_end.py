@@ -11,6 +11,7 @@ import os
 import pytest
 
 import scaffold_jax as sj
+from scaffold_jax import results
 from scaffold_jax.data import partition, sources
 
 pytestmark = pytest.mark.skipif(
@@ -26,10 +27,6 @@ def fmnist_skewed():
     return sj.from_partition(ds.train, parts, test=ds.test)
 
 
-def _rounds_to(records, target):
-    return next((r["round"] for r in records if r["test_accuracy"] >= target), None)
-
-
 def test_scaffold_fedavg_and_sgd_learn_fashion_mnist_and_scaffold_is_fastest(fmnist_skewed):
     problem = sj.models.logistic_regression((28, 28), 10)
     local = sj.BatchPlan.fraction_of_data(0.2, num_epochs=1)
@@ -43,7 +40,7 @@ def test_scaffold_fedavg_and_sgd_learn_fashion_mnist_and_scaffold_is_fastest(fmn
         result = sim.run(fmnist_skewed, sj.hparams(lr), num_rounds=60, eval_every=5, seed=0)
         assert result.records[0]["test_accuracy"] == pytest.approx(0.1, abs=0.01)  # zero init
         assert max(r["test_accuracy"] for r in result.records) >= 0.65
-        reached[name] = _rounds_to(result.records, 0.70)
+        reached[name] = results.rounds_to_target(result.records, 0.70)
     assert reached["scaffold"] is not None and reached["scaffold"] <= 30
     assert reached["fedavg"] is None or reached["scaffold"] < reached["fedavg"]
     assert reached["sgd"] is None or reached["scaffold"] < reached["sgd"]

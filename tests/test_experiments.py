@@ -36,9 +36,10 @@ def test_the_default_config_is_the_papers_setting():
     assert config.resolved_partition() == ("similarity", {"similarity": 0.0})
     assert config.resolved_clients_per_round() == 20
     assert config.resolved_out() == "results/scaffold-fashion_mnist"
-    hp = config.hparams()
-    assert float(hp.client_lr) == pytest.approx(0.1) and float(hp.prox_mu) == 0.0
-    assert float(RunConfig(algorithm="fedprox").hparams().prox_mu) == 1.0
+    hp = config.resolved_hparams()
+    # Exactly what SCAFFOLD declares: no μ for an algorithm that has none.
+    assert list(hp) == ["client_lr", "server_lr"] and float(hp.client_lr) == pytest.approx(0.1)
+    assert float(RunConfig(algorithm="fedprox").resolved_hparams().prox_mu) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -127,7 +128,7 @@ def test_the_partition_is_resolved_from_its_fields(fields, partition):
 )
 def test_invalid_configs_name_the_field_the_value_and_the_range(fields, message):
     with pytest.raises(ConfigError, match=message):
-        RunConfig(**fields).validate()
+        RunConfig.from_dict(fields).validate()
 
 
 def test_every_error_is_reported_at_once():
@@ -139,7 +140,8 @@ def test_every_error_is_reported_at_once():
 
 def test_scaffold_option_accepts_the_papers_and_numeric_names():
     for option in ("I", "II", 1, 2):
-        RunConfig(scaffold_option=option).validate()
+        config = RunConfig.from_dict({"scaffold_option": option}).validate()
+        assert config.resolved_options()["scaffold_option"] == ("I" if option in ("I", 1) else "II")
 
 
 def test_unknown_keys_are_errors_with_a_suggestion():
@@ -207,6 +209,23 @@ def test_choose_for_errors_lower_is_better():
     ]
     chosen, rounds = experiments.choose(runs, 0.1, "e", higher_is_better=False)
     assert (chosen.client_lr, rounds) == (0.3, 4)
+
+
+def test_choose_is_the_one_policy_of_results_select():
+    def run(lr, loss):
+        records = [
+            {"round": 0, "test_accuracy": 0.1, "train_loss": 2.0},
+            {"round": 5, "test_accuracy": 0.6, "train_loss": loss},
+        ]
+        return GridRun(lr, records, np.zeros(2), False)
+
+    # Equal rounds and best value: the lower final training loss decides, then the smaller
+    # η_l; exactly what a sweep's summary picks (scaffold_jax.results.select).
+    runs = [run(0.1, 0.9), run(0.3, 0.5), run(1.0, 0.5)]
+    assert experiments.choose(runs, 0.5) == (runs[1], 5)
+    assert experiments.choose(runs, None) == (runs[1], None)
+    candidates = [results.Candidate({"client_lr": r.client_lr}, r.records) for r in runs]
+    assert results.select(candidates, 0.5)[0]["hparams"] == {"client_lr": 0.3}
 
 
 # ----------------------------------------------------------------------------- grids

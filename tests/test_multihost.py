@@ -55,9 +55,9 @@ def build():
 def outcome(result) -> dict[str, np.ndarray]:
     import jax
 
-    from scaffold_jax import sharding
+    from scaffold_jax import layout
 
-    out = {f"leaf{i}": a for i, a in enumerate(sharding.gather(jax.tree.leaves(result.state)))}
+    out = {f"leaf{i}": a for i, a in enumerate(layout.gather(jax.tree.leaves(result.state)))}
     out["client_ids"] = np.asarray(result.client_ids)
     for name in result.records[0]:
         if name != "seconds":
@@ -79,10 +79,10 @@ def worker(port: int, process_id: int, out_dir: Path) -> None:
         initialization_timeout=120,
     )
     import scaffold_jax as sj
-    from scaffold_jax import sharding
+    from scaffold_jax import layout
 
     sim, data = build()
-    sharded = sharding.shard(sim, sharding.client_mesh())
+    sharded = layout.shard(sim, layout.client_mesh())
     result = sharded.run(data, sj.hparams(client_lr=0.1), num_rounds=ROUNDS, eval_every=2)
     out = outcome(result)  # a collective: every process gathers the whole table
     table = jax.tree.leaves(result.state.clients)[0]

@@ -176,6 +176,36 @@ def test_similarity_split_sizes_are_balanced():
         assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 1003
 
 
+# ------------------------------------------------------------------ the registry
+
+
+@pytest.mark.parametrize("name", P.PARTITIONERS.names())
+def test_every_registered_partitioner_covers_the_examples_with_its_defaults(name):
+    spec = P.PARTITIONERS[name]
+    y = synthetic_labels(n=400)
+    params = {keyword: default for keyword, default in spec.params.values()}
+    parts = spec.split(y, 10, seed=3, **params)
+    assert_exact_cover(parts, len(y), 10)
+    again = spec.split(y, 10, seed=3, **params)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+
+
+def test_the_registered_partitioners_are_the_functions_of_the_module():
+    y = synthetic_labels()
+    for name, direct in [
+        ("similarity", P.similarity_split(y, 5, 10, seed=1)),
+        ("dirichlet", P.dirichlet_split(y, 5, 0.2, seed=1)),
+        ("shards", P.shard_split(y, 5, 3, seed=1)),
+        ("iid", P.iid_split(len(y), 5, 1)),
+    ]:
+        spec = P.PARTITIONERS[name]
+        values = {"similarity": 10, "dirichlet_alpha": 0.2, "shards_per_client": 3}
+        params = {keyword: values[field] for field, (keyword, _) in spec.params.items()}
+        via_registry = spec.split(y, 5, seed=1, **params)
+        assert all(np.array_equal(a, b) for a, b in zip(via_registry, direct, strict=True))
+    assert P.DEFAULT_PARTITIONER in P.PARTITIONERS
+
+
 # ------------------------------------------------------------------ bad inputs
 
 ALL_WITH_LABELS = {

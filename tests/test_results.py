@@ -1,4 +1,5 @@
-"""The run folder writer, rounds-to-target and the paper-style tables."""
+"""The run folder writer, rounds-to-target, the one step-size selection policy, the
+paper-style tables and the plots (one style: Figure objects, the backend left alone)."""
 
 import json
 import math
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -51,6 +53,170 @@ def test_series_summary_reports_targets_best_and_final():
     assert out["best_test_loss"] == pytest.approx(1.1)
     assert out["last_round"] == 15 and out["num_records"] == 4
     assert out["final"]["test_accuracy"] == pytest.approx(0.50)
+
+
+def test_rounds_to_target_and_best_value_ignore_records_after_a_divergence():
+    recs = [
+        {"round": 0, "test_accuracy": 0.1, "status": "ok"},
+        {"round": 5, "test_accuracy": 0.9, "status": "diverged"},  # a sweep config, frozen
+    ]
+    assert results.rounds_to_target(recs, 0.5) is None
+    assert results.best_value(recs) == pytest.approx(0.1)
+    assert results.rounds_to_target(recs[:1], 0.1) == 0  # "ok" counts like no status
+
+
+# ----------------------------------------------------------------------------- selection
+def _run(lr, accuracies, loss=1.0, seed=0, diverged=False, loss_name="train_loss"):
+    """A hand-made run evaluated at rounds 0, 5, 10, ... with a constant final loss."""
+    records = [
+        {"round": 5 * i, "test_accuracy": a, loss_name: loss} for i, a in enumerate(accuracies)
+    ]
+    return results.Candidate({"client_lr": lr}, records, diverged, seed)
+
+
+def _chosen(runs, target=0.5, **kw):
+    best, _ = results.select(runs, target, **kw)
+    return best["hparams"]["client_lr"]
+
+
+def test_select_takes_the_fewest_mean_rounds_and_every_seed_must_reach():
+    runs = [
+        _run(0.1, [0.1, 0.6, 0.6], seed=0),  # reaches at 5 ...
+        _run(0.1, [0.1, 0.2, 0.3], seed=1),  # ... but this seed never: not reached
+        _run(0.3, [0.1, 0.2, 0.6], seed=0),
+        _run(0.3, [0.1, 0.2, 0.7], seed=1),  # 10 and 10
+        _run(1.0, [0.1, 0.2, 0.3, 0.6], seed=0),
+        _run(1.0, [0.1, 0.2, 0.3, 0.9], seed=1),  # 15 and 15, better best value
+    ]
+    best, groups = results.select(runs, 0.5)
+    assert best["hparams"] == {"client_lr": 0.3} and best["seeds"] == [0, 1]
+    assert (best["rounds_mean"], best["rounds_std"], best["reached"]) == (10.0, 0.0, 2)
+    by_lr = {g["hparams"]["client_lr"]: g for g in groups}
+    assert by_lr[0.1]["rounds_mean"] is None and by_lr[0.1]["reached"] == 1
+    assert by_lr[0.1]["rounds_to_target"] == [5, None] and by_lr[0.1]["configs"] == [0, 1]
+
+
+def test_select_breaks_equal_rounds_by_the_best_value_before_the_final_loss():
+    runs = [
+        _run(0.1, [0.1, 0.6, 0.65], loss=0.1),  # lower loss, smaller η_l ...
+        _run(0.3, [0.1, 0.6, 0.8], loss=2.0),  # ... but this best value is higher
+    ]
+    assert _chosen(runs) == 0.3
+    # Mean rounds over seeds: (5 + 15) / 2 ties with 10; the best value still decides.
+    seeds = [
+        _run(0.1, [0.1, 0.6, 0.6], seed=0),
+        _run(0.1, [0.1, 0.2, 0.2, 0.6], seed=1),
+        _run(0.3, [0.1, 0.2, 0.9], seed=0),
+        _run(0.3, [0.1, 0.2, 0.9], seed=1),
+    ]
+    assert _chosen(seeds) == 0.3
+
+
+def test_select_breaks_equal_rounds_and_best_value_by_the_final_loss():
+    runs = [_run(0.1, [0.1, 0.6, 0.7], loss=1.0), _run(0.3, [0.1, 0.6, 0.7], loss=0.5)]
+    assert _chosen(runs) == 0.3
+    assert _chosen(runs, target=None) == 0.3
+    # Without a training loss, the test loss decides.
+    test_loss = [
+        _run(0.1, [0.1, 0.6, 0.7], loss=0.9, loss_name="test_loss"),
+        _run(0.3, [0.1, 0.6, 0.7], loss=0.4, loss_name="test_loss"),
+    ]
+    assert _chosen(test_loss) == 0.3
+
+
+def test_select_breaks_a_full_tie_by_the_smaller_step_size():
+    runs = [_run(0.3, [0.1, 0.6, 0.7]), _run(0.1, [0.1, 0.6, 0.7]), _run(1.0, [0.1, 0.6, 0.7])]
+    assert _chosen(runs) == 0.1
+
+
+def test_a_diverged_group_ranks_last_even_if_it_reached_first():
+    nan = float("nan")
+    runs = [
+        _run(3.0, [0.9, nan], seed=0, diverged=True),  # reached at round 0, then blew up
+        _run(3.0, [0.9, 0.95], seed=1),
+        _run(0.3, [0.1, 0.2, 0.3], seed=0),  # never reaches: still ahead of a diverged one
+        _run(0.3, [0.1, 0.2, 0.3], seed=1),
+        _run(0.1, [0.1, 0.2, 0.6], seed=0),
+        _run(0.1, [0.1, 0.2, 0.6], seed=1),
+    ]
+    best, groups = results.select(runs, 0.5)
+    assert best["hparams"] == {"client_lr": 0.1}
+    ranked = sorted(groups, key=results.selection_key)
+    assert [g["hparams"]["client_lr"] for g in ranked] == [0.1, 0.3, 3.0]
+    assert ranked[-1]["num_diverged"] == 1 and ranked[-1]["final_loss_mean"] == math.inf
+    # A "status" other than "ok" in the records marks a run diverged too.
+    frozen = _run(3.0, [0.9, 0.9])
+    frozen.records[1]["status"] = "diverged"
+    assert _chosen([frozen, _run(0.1, [0.1, 0.6])]) == 0.1
+
+
+def test_select_without_a_target_ranks_by_the_best_value():
+    runs = [
+        _run(0.1, [0.1, 0.7, 0.7, 0.7]),  # reaches 0.5 first ...
+        _run(0.3, [0.1, 0.2, 0.3, 0.9]),  # ... this one has the best accuracy
+    ]
+    assert _chosen(runs, target=0.5) == 0.1
+    best, groups = results.select(runs, None)
+    assert best["hparams"] == {"client_lr": 0.3} and best["best_value_mean"] == 0.9
+    assert all(g["rounds_mean"] is None and g["rounds_to_target"] == [None] for g in groups)
+
+
+def test_select_for_errors_lower_is_better():
+    runs = [
+        results.Candidate({"client_lr": 0.1}, [{"round": r, "e": 1 / (r + 1)} for r in range(9)]),
+        results.Candidate({"client_lr": 0.3}, [{"round": r, "e": 0.5**r} for r in range(9)]),
+    ]
+    best, _ = results.select(runs, 0.1, "e", higher_is_better=False)
+    assert best["hparams"]["client_lr"] == 0.3 and best["rounds_mean"] == 4.0
+    best, _ = results.select(runs, None, "e", higher_is_better=False)
+    assert best["hparams"]["client_lr"] == 0.3
+    with pytest.raises(ValueError, match="at least one run"):
+        results.select([], 0.5)
+
+
+def _sweep_like(algorithm, lrs, seeds=(0, 1), diverged_lr=None, horizon=10):
+    """A SweepResult look-alike (duck-typed, as results sits below scaffold_jax.sweep)."""
+    configs, records, diverged = [], [], []
+    for lr in lrs:
+        for seed in seeds:
+            configs.append({"client_lr": lr, "server_lr": 1.0, "seed": seed})
+            blown = lr == diverged_lr
+            recs = []
+            for i in range(horizon + 1):
+                acc = 1 - 0.9 * math.exp(-i * lr) - 0.01 * seed
+                status = "diverged" if blown and i > 2 else "ok"
+                recs.append(
+                    {
+                        "round": 10 * i,
+                        "test_accuracy": math.nan if status != "ok" else acc,
+                        "train_loss": math.nan if status != "ok" else 1 - acc,
+                        "status": status,
+                    }
+                )
+            records.append(recs)
+            diverged.append(blown)
+    return types.SimpleNamespace(
+        algorithm=algorithm, configs=configs, records=records, diverged=diverged
+    )
+
+
+def test_summarize_a_sweep_with_the_one_policy_and_format_it():
+    sweeps = {
+        "scaffold": _sweep_like("scaffold", [0.03, 0.1, 0.3, 3.0], diverged_lr=3.0),
+        "fedavg": _sweep_like("fedavg", [0.01, 0.05]),
+    }
+    summary = results.summarize(sweeps, target=0.6)
+    best = summary["scaffold"]["best"]
+    assert best["hparams"] == {"client_lr": 0.3, "server_lr": 1.0}  # 3.0 reached first
+    assert best["seeds"] == [0, 1] and summary["scaffold"]["target"] == 0.6
+    assert len(summary["scaffold"]["groups"]) == 4
+    assert summary["fedavg"]["best"]["rounds_mean"] is None  # neither η_l reaches
+    assert results.summarize(sweeps["fedavg"], 0.6).keys() == {"fedavg"}
+    table = results.format_summary(summary)
+    assert "| scaffold | client_lr=0.3, server_lr=1 |" in table
+    assert "| fedavg | client_lr=0.05, server_lr=1 | not reached | 0/2 |" in table
+    none = results.format_summary(results.summarize(sweeps, None))
+    assert "| scaffold | client_lr=0.3, server_lr=1 | — |" in none
 
 
 # ----------------------------------------------------------------------------- tables
@@ -243,3 +409,122 @@ def test_an_early_check_never_deletes_the_old_run(tmp_path):
     assert len(results.read_records(tmp_path)) == 4
     results.check_folder(tmp_path, overwrite=True)
     assert results.read_records(tmp_path) == [] and not (tmp_path / "summary.json").exists()
+
+
+# ----------------------------------------------------------------------------- plots
+def _drawn(fig):
+    """The figure drawn (so artists have extents), and its renderer."""
+    fig.canvas.draw()
+    return fig.canvas.get_renderer()
+
+
+def _assert_one_style(fig, backend):
+    from matplotlib.figure import Figure
+
+    assert isinstance(fig, Figure)
+    assert matplotlib_backend() == backend  # the global backend is left alone
+    renderer = _drawn(fig)
+    box = fig.bbox
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:  # outside the axes (never over a curve) and not clipped
+            extent = legend.get_window_extent(renderer)
+            assert not extent.overlaps(ax.get_window_extent(renderer))
+            assert extent.x0 >= 0 and extent.y0 >= 0 and extent.x1 <= box.x1 + 1
+        label = ax.xaxis.label.get_window_extent(renderer)  # the x label is not clipped
+        assert label.y0 >= 0 and label.x0 >= 0 and label.x1 <= box.x1 + 1
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        for a, b in zip(ticks, ticks[1:], strict=False):
+            assert not a.overlaps(b), "x tick labels overlap"
+
+
+def matplotlib_backend():
+    import matplotlib
+
+    return matplotlib.get_backend()
+
+
+def test_run_curves_are_figures_with_panels_a_target_line_and_outside_legends(tmp_path):
+    pytest.importorskip("matplotlib")
+    backend = matplotlib_backend()
+    recs = [
+        {"series": f"{name} (η_l = {lr:g})", "round": 5 * i, "test_accuracy": a + shift}
+        for name, lr, shift in (("scaffold", 0.1, 0.1), ("sgd", 1.0, 0.0))
+        for i, a in enumerate([0.1, 0.45, 0.52, 0.5])
+    ]
+    spec = results.PlotSpec("a.png", "test_accuracy", "test accuracy", target=0.5, title="t")
+    fig = results.plot_curves(recs, spec, tmp_path / "a.png")
+    _assert_one_style(fig, backend)
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    (ax,) = fig.axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["scaffold (η_l = 0.1)", "sgd (η_l = 1)", "target 0.5"]
+    panels = spec._replace(
+        panels={"G = 1": ["sgd (η_l = 1)"], "G = 10": ["scaffold (η_l = 0.1)"]}, logy=True
+    )
+    fig = results.plot_curves(recs, panels)
+    _assert_one_style(fig, backend)
+    assert [ax.get_title() for ax in fig.axes] == ["G = 1", "G = 10"]
+    assert results.plot_curves(recs, spec._replace(metric="nothing")) is None
+
+
+def test_sweep_plots_are_figures_with_titles_and_readable_axes(tmp_path):
+    pytest.importorskip("matplotlib")
+    backend = matplotlib_backend()
+    lrs = [0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]
+    sweeps = {
+        "scaffold": _sweep_like("scaffold", lrs, diverged_lr=10.0),
+        "fedavg": _sweep_like("fedavg", lrs[:-1], seeds=(0, 1, 2)),
+    }
+    fig = results.plot_rounds_to_target(sweeps, 0.6)
+    _assert_one_style(fig, backend)
+    (ax,) = fig.axes
+    assert "not reached" not in ax.get_title() and "mean ± std" in ax.get_title()
+    assert any("not reached" in t.get_text() for t in ax.get_legend().get_texts())
+    assert [float(t) for t in ax.get_xticks()] == lrs
+    fig = results.plot_best_curves(sweeps, 0.6)
+    _assert_one_style(fig, backend)
+    (ax,) = fig.axes
+    assert "± 1 std" in ax.get_title()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["scaffold (η_l = 3)", "fedavg (η_l = 3)", "target 0.6"]
+    results.save_figure(fig, tmp_path / "best.png")
+    assert (tmp_path / "best.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_diagnostics_plots_are_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    backend = matplotlib_backend()
+    drift = results.plot_drift(
+        {"FedAvg": [2.0 - i / 30 for i in range(30)], "SCAFFOLD": [2 * 0.8**i for i in range(30)]},
+        tmp_path / "drift.png",
+    )
+    _assert_one_style(drift, backend)
+    assert drift.axes[0].get_yscale() == "log"
+    g_plot = results.plot_G_vs_similarity([100, 0, 50], [0.8, 9.0, 4.5], tmp_path / "g.png")
+    _assert_one_style(g_plot, backend)
+    for name in ("drift.png", "g.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="pair up"):
+        results.plot_G_vs_similarity([0, 50], [1.0])
+
+
+def test_plotting_never_imports_pyplot_or_sets_the_backend(tmp_path):
+    pytest.importorskip("matplotlib")
+    script = textwrap.dedent(
+        """
+        import sys
+        import matplotlib
+        matplotlib.use("svg")
+        from scaffold_jax import results
+        recs = [{"series": "a", "round": r, "test_accuracy": r / 10} for r in range(5)]
+        results.plot_curves(recs, results.PlotSpec("a.png", "test_accuracy", "acc"), sys.argv[1])
+        results.plot_drift({"a": [1.0, 0.5]})
+        results.plot_G_vs_similarity([0, 100], [2.0, 1.0])
+        assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
+        assert "matplotlib.pyplot" not in sys.modules
+        """
+    )
+    out = tmp_path / "a.png"
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, timeout=120)
+    assert out.read_bytes()[:4] == b"\x89PNG"

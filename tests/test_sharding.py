@@ -26,7 +26,7 @@ from conftest import make_classification_clients
 from jax.sharding import PartitionSpec as P
 
 import scaffold_jax as sj
-from scaffold_jax import checkpoint, sharding
+from scaffold_jax import checkpoint, layout
 from scaffold_jax.algorithms import client_controls
 from scaffold_jax.data.synthetic import procedural_synthetic
 
@@ -79,7 +79,7 @@ def build(case: dict):
 def outcome(result: sj.RunResult) -> dict[str, np.ndarray]:
     """The comparable parts of a run: state leaves (the client controls as numbers, also
     for a bfloat16 table stored as bit patterns), sampled ids, evaluations."""
-    state = sharding.gather(result.state)
+    state = layout.gather(result.state)
     state = state._replace(clients=state.clients._replace(control=client_controls(state.clients)))
     leaves = jax.tree.leaves(state)
     out = {f"leaf{i}": np.asarray(a, np.float32) for i, a in enumerate(leaves)}
@@ -107,18 +107,18 @@ def collectives(hlo: str) -> list[tuple[str, list[str]]]:
 # ----------------------------------------------------------------------- the subprocess
 def worker(out_dir: Path) -> None:
     """Runs every case sharded over all (forced) devices; writes npz files and a report."""
-    mesh = sharding.client_mesh()
+    mesh = layout.client_mesh()
     report: dict = {"num_devices": mesh.size}
     for name, case in CASES.items():
         sim, data = build(case)
-        sharded = sharding.shard(sim, mesh)
+        sharded = layout.shard(sim, mesh)
         result = sharded.run(data, sj.hparams(client_lr=0.1), num_rounds=ROUNDS, eval_every=2)
         np.savez(out_dir / f"{name}.npz", **outcome(result))
         # The same run stopped at round 2 (checkpoints every 2 rounds), then resumed.
         directory = out_dir / f"checkpoints_{name}"
         hp = sj.hparams(client_lr=0.1)
         sharded.run(data, hp, num_rounds=2, eval_every=2, checkpoint_dir=directory)
-        like = sharded._state_like(data.num_clients)
+        like = sharded.state_like(data.num_clients)
         restored = checkpoint.restore_latest(directory, like).state
         resumed = sharded.run(
             data, hp, num_rounds=ROUNDS, eval_every=2, checkpoint_dir=directory, resume=True
@@ -140,7 +140,7 @@ def worker(out_dir: Path) -> None:
             "server_spec": str(jax.tree.leaves(result.state.server)[0].sharding.spec),
             "block_rows": sorted({s.data.shape[0] for s in table.addressable_shards}),
             "examples_spec": str(
-                jax.tree.leaves(sharded.place_data(data).examples)[0].sharding.spec
+                jax.tree.leaves(sharded.layout.place_data(data).examples)[0].sharding.spec
                 if hasattr(data, "examples")
                 else None
             ),
@@ -148,8 +148,8 @@ def worker(out_dir: Path) -> None:
     # The collectives of the compiled block of the first case (the same program run()
     # compiled, so XLA's in-process cache answers without compiling again).
     sim, data = build(CASES["procedural_s16"])
-    sharded = sharding.shard(sim, mesh)
-    state, data = sharded.init(data), sharded.place_data(data)
+    sharded = layout.shard(sim, mesh)
+    state, data = sharded.init(data), sharded.layout.place_data(data)
     lowered = sharded.run_rounds.lower(
         sj.hparams(client_lr=0.1), state, data, jax.random.key(0), num_rounds=2
     )
@@ -157,8 +157,8 @@ def worker(out_dir: Path) -> None:
     # Tables that cannot be split evenly are refused with a message.
     errors = []
     for attempt in (
-        lambda: sharding.init_state(sim.algorithm, sim.problem.params, 60, mesh),
-        lambda: sharding.place_state(sj.init_state(sim.algorithm, sim.problem.params, 60), mesh),
+        lambda: sj.init_state(sim.algorithm, sim.problem.params, 60, layout.ClientMesh(mesh)),
+        lambda: layout.place_state(sj.init_state(sim.algorithm, sim.problem.params, 60), mesh),
     ):
         try:
             attempt()
@@ -290,8 +290,10 @@ def test_uneven_table_is_refused(eight_devices):
 # --------------------------------------------------------------- one device, in-process
 def test_sharded_init_equals_init_state():
     sim, data = build(CASES["federated_s12"])
-    mesh = sharding.client_mesh()
-    placed = sharding.init_state(sim.algorithm, sim.problem.params, data.num_clients, mesh)
+    mesh = layout.client_mesh()
+    placed = sj.init_state(
+        sim.algorithm, sim.problem.params, data.num_clients, layout.ClientMesh(mesh)
+    )
     plain = sj.init_state(sim.algorithm, sim.problem.params, data.num_clients)
     assert jax.tree.structure(placed) == jax.tree.structure(plain)
     for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(plain), strict=True):
@@ -304,7 +306,7 @@ def one_device():
     """``(simulation, data, sharded simulation on a one-device mesh)``, shared so that its
     compiled blocks are too."""
     sim, data = build(CASES["procedural_s16"])
-    return sim, data, sharding.shard(sim)
+    return sim, data, layout.shard(sim)
 
 
 def test_one_device_mesh_is_bitwise_the_simulation(eight_devices, one_device):
@@ -341,7 +343,7 @@ def test_checkpoint_resume_continues_bitwise(eight_devices, one_device, tmp_path
     assert_same_run(got, expected)
     np.testing.assert_array_equal(got["client_ids"], expected["client_ids"][2:])
     # The restore target carries the mesh's shardings, so the leaves come back placed.
-    restored = checkpoint.restore_latest(tmp_path, sharded._state_like(data.num_clients))
+    restored = checkpoint.restore_latest(tmp_path, sharded.state_like(data.num_clients))
     table = jax.tree.leaves(restored.state.clients)[0]
     assert isinstance(table.sharding, jax.sharding.NamedSharding)
     assert table.sharding.spec == P("clients")
@@ -363,16 +365,14 @@ def test_checkpoint_resume_continues_bitwise(eight_devices, one_device, tmp_path
 
 
 def test_data_shardings_policies():
-    mesh = sharding.client_mesh()
+    mesh = layout.client_mesh()
     _, data = build(CASES["federated_s12"])
     spec = lambda s: jax.tree.leaves(s.examples)[0].spec  # noqa: E731
-    assert spec(sharding.data_shardings(data, mesh, "replicate")) == jax.sharding.PartitionSpec()
-    assert spec(sharding.data_shardings(data, mesh, "shard")) == jax.sharding.PartitionSpec(
-        "clients"
-    )
-    assert sharding.data_shardings(data, mesh).counts.spec == jax.sharding.PartitionSpec()
+    assert spec(layout.data_shardings(data, mesh, "replicate")) == jax.sharding.PartitionSpec()
+    assert spec(layout.data_shardings(data, mesh, "shard")) == jax.sharding.PartitionSpec("clients")
+    assert layout.data_shardings(data, mesh).counts.spec == jax.sharding.PartitionSpec()
     with pytest.raises(ValueError, match="unknown"):
-        sharding.data_shardings(data, mesh, "scatter")
+        layout.data_shardings(data, mesh, "scatter")
 
 
 def test_mesh_must_have_one_axis():
@@ -380,7 +380,7 @@ def test_mesh_must_have_one_axis():
     mesh = jax.sharding.Mesh(devices, ("a", "b"))
     sim, _ = build(CASES["procedural_s16"])
     with pytest.raises(ValueError, match="one-axis mesh"):
-        sharding.shard(sim, mesh)
+        layout.shard(sim, mesh)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The vmapped engine against a plain per-client Python reference loop, determinism,
 compilation counts, evaluation and input validation."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -9,7 +10,7 @@ import pytest
 from conftest import assert_trees_close, make_classification_clients, quadratic_clients
 
 import scaffold_jax as sj
-from scaffold_jax.simulate import sample_clients
+from scaffold_jax.engine import sample_clients
 
 
 # --------------------------------------------------------------------------- reference loop
@@ -24,7 +25,7 @@ def reference_run(
     key, id), and the batch plan's positions), so both see the same minibatches.
     """
     n_clients = data.num_clients
-    lr, glr, mu = float(hp.client_lr), float(hp.server_lr), float(hp.prox_mu)
+    lr, glr, mu = float(hp.client_lr), float(hp.server_lr), float(hp.get("prox_mu", 0.0))
     x = jax.tree.map(lambda a: np.asarray(a, np.float64), problem.params)
     c = jax.tree.map(np.zeros_like, x)
     c_i = [jax.tree.map(np.zeros_like, x) for _ in range(n_clients)]
@@ -114,7 +115,8 @@ def test_engine_matches_per_client_reference_loop(
 ):
     # epochs plan: clients of 2..13 examples take 1..5 steps of a batch of 3, padded slots.
     plan = sj.BatchPlan.epochs(batch_size=3, num_epochs=1)
-    hp = sj.hparams(client_lr=0.4, server_lr=0.8, prox_mu=0.5)
+    mu = {"prox_mu": 0.5} if name == "fedprox" else {}
+    hp = sj.hparams(client_lr=0.4, server_lr=0.8, **mu)
     options = {"option": option} if name == "scaffold" else {}
     alg = sj.algorithms.make(name, small_problem.loss_fn, **options)
     sim = sj.Simulation(
@@ -158,7 +160,7 @@ def test_scaffold_reaches_the_optimum_where_fedavg_stalls():
 def test_client_chunks_equal_one_vmap_over_all_sampled_clients(monkeypatch):
     """Chunked rounds (even, uneven and the automatic CPU chunk) give the unchunked run's
     state and metrics: the same clients, batches and updates, summed in another order."""
-    from scaffold_jax import simulate
+    from scaffold_jax import engine
 
     data = sj.from_client_arrays(make_classification_clients(list(range(3, 43)), seed=3))
     problem = sj.models.logistic_regression((5,), 3)
@@ -166,7 +168,7 @@ def test_client_chunks_equal_one_vmap_over_all_sampled_clients(monkeypatch):
     hp = sj.hparams(client_lr=0.3)
     # One client's working set: batches 288 B + one step in float32 96 B + 4 x params 288 B.
     # A budget of 5 clients makes the automatic rule chunk: 5 -> 4, a divisor of S = 16.
-    monkeypatch.setattr(simulate, "CLIENT_CHUNK_BYTES", 5 * 672)
+    monkeypatch.setattr(engine, "CLIENT_CHUNK_BYTES", 5 * 672)
     runs, chunks = {}, {}
     for chunk in (None, 4, 7, "auto"):
         sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, plan, 16, client_chunk=chunk)
@@ -179,18 +181,18 @@ def test_client_chunks_equal_one_vmap_over_all_sampled_clients(monkeypatch):
 
 
 def test_automatic_client_chunk_follows_the_memory_budget(monkeypatch, small_data, small_problem):
-    from scaffold_jax import simulate
+    from scaffold_jax import engine
 
     plan = sj.BatchPlan.fixed(batch_size=3, num_steps=2)
     sim = sj.Simulation(sj.fedavg(small_problem.loss_fn), small_problem, plan, 6)
     assert sim.resolve_client_chunk(small_data) is None  # all 6 fit 16 MiB
-    monkeypatch.setattr(simulate, "CLIENT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(engine, "CLIENT_CHUNK_BYTES", 1)
     assert sim.resolve_client_chunk(small_data) == 1
-    monkeypatch.setattr(simulate, "CLIENT_CHUNK_BYTES", 3 * 10**9)
+    monkeypatch.setattr(engine, "CLIENT_CHUNK_BYTES", 3 * 10**9)
     assert sim.resolve_client_chunk(small_data) is None
-    assert [simulate.balanced_chunk(1000, c) for c in (64, 50, 7)] == [50, 50, 5]
-    assert simulate.balanced_chunk(97, 10) == 10  # prime: 9 chunks of 10 and one of 7
-    assert simulate.balanced_chunk(8, 8) is None
+    assert [engine.balanced_chunk(1000, c) for c in (64, 50, 7)] == [50, 50, 5]
+    assert engine.balanced_chunk(97, 10) == 10  # prime: 9 chunks of 10 and one of 7
+    assert engine.balanced_chunk(8, 8) is None
 
 
 @pytest.mark.parametrize("chunk", ["fast", 0, 2.5, True])
@@ -272,6 +274,23 @@ def test_no_recompilation_in_round_two_nor_for_a_new_learning_rate(small_data, s
     state, _ = sim.run_rounds(sj.hparams(0.05, server_lr=0.5), state, small_data, key, num_rounds=2)
     assert len(traces) == first
     assert sim.run_rounds._cache_size() == 1
+
+
+def test_the_round_traces_once_and_keeps_the_client_axis(small_data, small_problem):
+    """chex's trace counter and shape-prefix check (equinox/optax test habits): a round
+    with other hyper-parameters, another state and another key reuses the one trace, and
+    every leaf of the table keeps its leading [N] client axis."""
+    sim = sj.Simulation(
+        sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 2), 3
+    )
+    round_fn = jax.jit(chex.assert_max_traces(sim.round_fn, n=1), donate_argnums=(1,))
+    state = sim.init(small_data)
+    chex.assert_tree_shape_prefix(state.clients, (small_data.num_clients,))
+    for r, hp in enumerate([sj.hparams(0.1), sj.hparams(0.05, server_lr=0.5), sj.hparams(0.2)]):
+        state, metrics = round_fn(hp, state, small_data, jr.key(r))
+    chex.assert_tree_shape_prefix(state.clients, (small_data.num_clients,))
+    chex.assert_shape(metrics["client_ids"], (3,))
+    assert int(state.round) == 3
 
 
 def test_client_table_is_donated(small_data, small_problem):
@@ -360,7 +379,7 @@ def test_bad_server_step_size_is_rejected(lr):
 
 
 def test_bad_step_size_smuggled_into_run_is_rejected(small_data, small_problem):
-    hp = sj.HParams(jnp.float32(-1.0), jnp.float32(1.0), jnp.float32(0.0))
+    hp = sj.HParams(client_lr=-1.0, server_lr=1.0)
     with pytest.raises(ValueError, match="client_lr"):
         _sim(small_problem).run(small_data, hp, num_rounds=1)
 

@@ -12,6 +12,13 @@ import pytest
 from conftest import assert_trees_close, quadratic_clients
 
 import scaffold_jax as sj
+from scaffold_jax.results import (
+    format_summary,
+    plot_best_curves,
+    plot_rounds_to_target,
+    rounds_to_target,
+    summarize,
+)
 from scaffold_jax.sweep import (
     Sweep,
     SweepResult,
@@ -19,12 +26,7 @@ from scaffold_jax.sweep import (
     choose_chunk_size,
     chunk_shape,
     config_bytes,
-    format_summary,
     grid,
-    plot_best_curves,
-    plot_rounds_to_target,
-    rounds_to_target,
-    summarize,
     sweep,
 )
 
@@ -295,13 +297,16 @@ def test_summary_picks_fewest_rounds_then_lowest_loss():
     assert groups[0.01]["rounds_to_target"] == [20, 10]
     assert groups[10.0]["rounds_mean"] is None and groups[10.0]["num_diverged"] == 1
     assert groups[10.0]["final_loss_mean"] == float("inf")
-    np.testing.assert_allclose(groups[0.01]["final_accuracy_mean"], 0.65)
+    np.testing.assert_allclose(groups[0.01]["final_value_mean"], 0.65)
     table = format_summary(summary)
     assert "| fedavg | client_lr=1" in table and "10.0 ± 0.0" in table
 
 
 def test_summary_of_a_real_sweep_and_its_plots(base, tmp_path):
-    plt = pytest.importorskip("matplotlib.pyplot")
+    matplotlib = pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    backend = matplotlib.get_backend()
     _, _, _, result, _ = base
     target = 0.5
     summary = summarize(result, target)
@@ -311,9 +316,9 @@ def test_summary_of_a_real_sweep_and_its_plots(base, tmp_path):
     assert rows[0]["status"] == "ok" and target in rows[0]["rounds_to_target"]
     for make in (plot_rounds_to_target, plot_best_curves):
         fig = make({"scaffold": result}, target)
+        assert isinstance(fig, Figure) and matplotlib.get_backend() == backend
         fig.savefig(tmp_path / f"{make.__name__}.png")
         assert (tmp_path / f"{make.__name__}.png").stat().st_size > 0
-        plt.close(fig)
 
 
 # ------------------------------------------------------------------------ bad input

@@ -4,7 +4,8 @@ Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, "Federated Optimization in Heteroge
 Networks", MLSys 2020. https://arxiv.org/abs/1812.06127
 
 Client i minimises ``f_i(y) + (μ/2)‖y − x‖²`` with K SGD steps; the server averages as
-FedAvg does. μ is :attr:`HParams.prox_mu` (the SCAFFOLD paper fixes μ = 1).
+FedAvg does. μ is the declared hyper-parameter ``prox_mu`` (default 1, as the SCAFFOLD
+paper fixes it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from scaffold_jax.algorithms.common import (
     stateless_init,
     stateless_server_update,
 )
-from scaffold_jax.types import Algorithm, HParams
+from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams
+
+HPARAMS = {
+    **STEP_SIZES,
+    "prox_mu": HParam(1.0, "FedProx proximal weight mu (the paper fixes 1)", allow_zero=True),
+}
 
 
 def fedprox(loss_fn, server_optimizer: optax.GradientTransformation | None = None) -> Algorithm:
@@ -44,4 +50,5 @@ def fedprox(loss_fn, server_optimizer: optax.GradientTransformation | None = Non
         client_update=client_update,
         server_update=stateless_server_update(server_optimizer),
         server_params=server_params,
+        hparams=HPARAMS,
     )

@@ -95,7 +95,7 @@ def client_controls(client_state: ScaffoldClientState) -> PyTree:
     ``[N, ...]``; a sharded table keeps its layout). Use it rather than reading
     ``client_state.control``, which holds ``uint16`` bit patterns when the controls are
     stored in bfloat16. With several processes, read a sharded result with
-    :func:`scaffold_jax.sharding.gather` first.
+    :func:`scaffold_jax.layout.gather` first.
 
     Args:
       client_state: a :class:`ScaffoldClientState` (arrays, jax or numpy).
@@ -118,6 +118,15 @@ def client_controls(client_state: ScaffoldClientState) -> PyTree:
 
 
 _OPTIONS = {1: 1, 2: 2, "I": 1, "II": 2, "i": 1, "ii": 2}
+
+
+def option_name(option: object) -> object:
+    """SCAFFOLD's option in its canonical spelling, ``"I"`` or ``"II"`` (other values are
+    returned as they are, for the caller to refuse)."""
+    try:
+        return {1: "I", 2: "II"}.get(_OPTIONS.get(option, option), option)  # type: ignore[arg-type]
+    except TypeError:  # unhashable (a list): not an option
+        return option
 
 
 def scaffold(

@@ -167,9 +167,9 @@ def _permutations(
     They are the indices of the ``width`` smallest of ``max_count`` uniforms, taken with
     ``lax.top_k`` on the negated uniforms: the same values, in the same order, as a stable
     ``argsort(u)[:, :width]`` (top_k puts the lower index first on ties, as a stable sort
-    does), but a partial selection instead of a full comparator sort, which on CPU is
-    4-6x cheaper for a fixed plan's few slots out of a client's examples and ~1.7x
-    cheaper even for a whole permutation (benchmarks/README.md).
+    does), but a partial selection instead of a full comparator sort: much cheaper for a
+    fixed plan's few slots out of a client's examples, and cheaper even for a whole
+    permutation (the figures are in benchmarks/README.md).
     """
     width = max_count if width is None else width
     u = jr.uniform(key, (num, max_count))

@@ -21,15 +21,30 @@ example, and the result is a deterministic function of ``seed`` (all randomness 
 * :func:`iid_split`: i.i.d., with equal or log-normal client sizes.
 
 :func:`summary` describes a partition (sizes, labels per client, label histograms).
+
+:data:`PARTITIONERS` names them for configs and the command line (``similarity``,
+``dirichlet``, ``shards``, ``iid``). A new partitioner is a ``split`` function plus one line,
+``PARTITIONERS.register("name", PartitionerSpec(split, params))``, in any module (a plugin,
+:func:`scaffold_jax.registry.load_plugins`).
+
+Examples:
+  >>> spec = PARTITIONERS["dirichlet"]
+  >>> spec.params
+  {'dirichlet_alpha': ('alpha', 0.5)}
+  >>> parts = spec.split(np.arange(40) % 4, 5, seed=0, alpha=1.0)
+  >>> len(parts), sum(len(p) for p in parts)
+  (5, 40)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from scaffold_jax.registry import Registry
 
 # Dirichlet splits are resampled until every client has min_size examples; this bounds the
 # retries so an infeasible request fails with a message instead of spinning forever.
@@ -283,6 +298,45 @@ def iid_split(
         raise ValueError(f"sizes = {sizes!r} is unknown; use 'equal' or 'lognormal'.")
     perm = rng.permutation(n)
     return _finish(np.split(perm, np.cumsum(counts)[:-1]))
+
+
+def _iid_split_of_labels(
+    labels: np.ndarray | Sequence[int], num_clients: int, seed: int
+) -> list[np.ndarray]:
+    """:func:`iid_split` in the registry's form: it needs only how many labels there are."""
+    return iid_split(len(labels), num_clients, seed)
+
+
+class PartitionerSpec(NamedTuple):
+    """A registered partitioner.
+
+    Attributes:
+      split: ``split(labels, num_clients, *, seed, **params) -> client_indices`` (N sorted
+        int64 index arrays, as the functions of this module return).
+      params: the config fields it takes, each mapped to ``(split keyword, default)``,
+        e.g. ``{"dirichlet_alpha": ("alpha", 0.5)}``. A config that sets one of these fields
+        and names no partitioner gets this one; a field left unset takes its default.
+    """
+
+    split: Callable[..., list[np.ndarray]]
+    params: Mapping[str, tuple[str, Any]]
+
+
+PARTITIONERS: Registry[PartitionerSpec] = Registry("partitioner")
+PARTITIONERS.register(
+    "similarity", PartitionerSpec(similarity_split, {"similarity": ("similarity", 0.0)})
+)
+PARTITIONERS.register(
+    "dirichlet", PartitionerSpec(dirichlet_split, {"dirichlet_alpha": ("alpha", 0.5)})
+)
+PARTITIONERS.register(
+    "shards", PartitionerSpec(shard_split, {"shards_per_client": ("shards_per_client", 2)})
+)
+PARTITIONERS.register("iid", PartitionerSpec(_iid_split_of_labels, {}))
+
+# The partitioner of a config that names none and sets none of the partitioners' fields:
+# the paper's s% similarity split (at s = 0, its default).
+DEFAULT_PARTITIONER = "similarity"
 
 
 def check_partition(client_indices: Sequence[np.ndarray], num_examples: int) -> None:

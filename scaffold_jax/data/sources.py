@@ -26,6 +26,11 @@ only ever see one orientation whichever source the data came from.
 Labels: as the source gives them. EMNIST ``letters`` labels are 1..26 in the NIST files
 and TFDS declares 37 classes for them; we keep TFDS's class counts for every dataset so
 that a model's output size does not depend on where the data came from.
+
+:data:`DATASETS` names the datasets :func:`load` knows, each with a :class:`DatasetSpec`
+(its registry name is also its TFDS name). Another dataset that TFDS or IDX files provide
+is one line, ``DATASETS.register("name", DatasetSpec(...))``, in any module (a plugin,
+:func:`scaffold_jax.registry.load_plugins`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from scaffold_jax.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -57,33 +64,43 @@ SYSTEM_DIRS: dict[str, tuple[str, ...]] = {
 }
 
 
-class _Spec(NamedTuple):
+class DatasetSpec(NamedTuple):
+    """A registered dataset: where :func:`load` looks for it and how it reads it.
+
+    Attributes:
+      num_classes: C, as TFDS declares it (every label is in ``[0, C)``).
+      idx_prefix: file-name prefix of its IDX files (``""`` for MNIST's own names); None:
+        it has no IDX distribution (TFDS only).
+      transposed: its images are stored transposed (EMNIST) in IDX files and in TFDS.
+      subdirs: sub-folders of a data dir that may hold it, tried before the dir itself.
+    """
+
     num_classes: int
-    idx_prefix: str | None  # file-name prefix of the IDX files; None: no IDX distribution
-    transposed: bool  # images stored transposed (EMNIST) in IDX files and in TFDS
-    subdirs: tuple[str, ...]  # sub-folders of a data dir that may hold this dataset
+    idx_prefix: str | None
+    transposed: bool
+    subdirs: tuple[str, ...]
 
 
-_EMNIST_SUBDIRS = ("emnist", "gzip")  # NIST's gzip.zip unpacks into gzip/
-_SPECS: dict[str, _Spec] = {
-    "mnist": _Spec(10, "", False, ("mnist",)),
-    "fashion_mnist": _Spec(10, "", False, ("fashion_mnist", "fashion-mnist")),
-    "cifar10": _Spec(10, None, False, ()),
-    **{
-        f"emnist/{config}": _Spec(
-            classes, f"emnist-{config}-", True, (f"emnist-{config}", *_EMNIST_SUBDIRS)
-        )
-        for config, classes in [
-            ("balanced", 47),
-            ("byclass", 62),
-            ("bymerge", 47),
-            ("digits", 10),
-            ("letters", 37),
-            ("mnist", 10),
-        ]
-    },
-}
-DATASETS: tuple[str, ...] = tuple(_SPECS)
+DATASETS: Registry[DatasetSpec] = Registry("dataset")
+DATASETS.register("mnist", DatasetSpec(10, "", False, ("mnist",)))
+DATASETS.register("fashion_mnist", DatasetSpec(10, "", False, ("fashion_mnist", "fashion-mnist")))
+DATASETS.register("cifar10", DatasetSpec(10, None, False, ()))
+
+
+def _emnist(config: str, num_classes: int) -> DatasetSpec:
+    """An EMNIST split: NIST's ``emnist-<config>-`` IDX files, images stored transposed."""
+    # NIST's gzip.zip unpacks into gzip/.
+    return DatasetSpec(
+        num_classes, f"emnist-{config}-", True, (f"emnist-{config}", "emnist", "gzip")
+    )
+
+
+DATASETS.register("emnist/balanced", _emnist("balanced", 47))
+DATASETS.register("emnist/byclass", _emnist("byclass", 62))
+DATASETS.register("emnist/bymerge", _emnist("bymerge", 47))
+DATASETS.register("emnist/digits", _emnist("digits", 10))
+DATASETS.register("emnist/letters", _emnist("letters", 37))
+DATASETS.register("emnist/mnist", _emnist("mnist", 10))
 
 
 class Dataset(NamedTuple):
@@ -347,8 +364,8 @@ def _load_cache(path: Path, name: str) -> Dataset | None:
 def _write_cache(path: Path, ds: Dataset) -> None:
     """Writes atomically (temporary file + rename): concurrent runs never read half a file.
 
-    Uncompressed: loading is then a plain read (EMNIST byclass is ~0.6 GB either way in
-    memory, and recompressing would cost seconds on every load).
+    Uncompressed: loading is then a plain read (the arrays take their full size in memory
+    either way, and decompressing would cost time on every load).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -423,7 +440,7 @@ def load_tfds(
       ImportError: tensorflow-datasets is not installed.
     """
     name = canonical_name(name)
-    spec = _SPECS[name]
+    spec = DATASETS[name]
     path = cache_path(name, cache_dir)
     cached = _load_cache(path, name)
     if cached is not None:
@@ -481,9 +498,13 @@ def load_tfds(
 def canonical_name(name: str) -> str:
     """``"Fashion-MNIST"`` -> ``"fashion_mnist"``, ``"emnist-balanced"`` -> ``"emnist/balanced"``.
 
+    A name registered as it is (a plugin's dataset) is kept unchanged.
+
     Raises:
       ValueError: an unknown dataset.
     """
+    if isinstance(name, str) and name in DATASETS:
+        return name
     key = (
         name.strip()
         .lower()
@@ -492,12 +513,12 @@ def canonical_name(name: str) -> str:
     )
     if key.startswith("emnist-") or key.startswith("emnist_"):
         key = "emnist/" + key[len("emnist-") :]
-    if key not in _SPECS:
+    if key not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}.")
     return key
 
 
-def _idx_folders(root: Path, spec: _Spec) -> Iterable[Path]:
+def _idx_folders(root: Path, spec: DatasetSpec) -> Iterable[Path]:
     """A data dir's dataset-named sub-folders first (a root that holds several datasets
     must not serve MNIST files for Fashion-MNIST), then the folder itself."""
     for sub in spec.subdirs:
@@ -540,7 +561,7 @@ def load(
       ValueError: an unknown name, or files that exist but are malformed.
     """
     name = canonical_name(name)
-    spec = _SPECS[name]
+    spec = DATASETS[name]
     looked: list[str] = []
 
     env_dir = os.environ.get(ENV_DATA_DIR) or None
@@ -591,7 +612,9 @@ def load(
     raise FileNotFoundError(_not_found_message(name, spec, looked, allow_download))
 
 
-def _not_found_message(name: str, spec: _Spec, looked: list[str], allow_download: bool) -> str:
+def _not_found_message(
+    name: str, spec: DatasetSpec, looked: list[str], allow_download: bool
+) -> str:
     lines = [f"could not find the {name} dataset. Looked in:"]
     lines += [f"  - {place}" for place in looked]
     lines.append("Ways to get it:")

@@ -711,17 +711,17 @@ def procedural_synthetic(
     """Builds :class:`ProceduralSynthetic` clients (Synthetic(α, β) generated on the fly).
 
     ``counts`` are drawn procedurally per client id (the same "powerlaw" or fixed sizes as
-    :func:`synthetic_alpha_beta`) and materialised as an ``[N]`` int32 array (4 MB for 10⁶
-    clients) because the engine reads ``counts[ids]`` for weighting. They are capped at
+    :func:`synthetic_alpha_beta`) and materialised as an ``[N]`` int32 array (four bytes
+    per client) because the engine reads ``counts[ids]`` for weighting. They are capped at
     ``max_size`` (default 1000; ``None`` for no cap): ``max_count`` is the padded width of
-    every round's batches, and the uncapped lognormal(4, 2) tail over 10⁶ clients reaches
-    ~10⁶. With the cap about 7.6% of "powerlaw" clients are clipped.
+    every round's batches, and over a million clients the uncapped lognormal(4, 2) tail
+    reaches sizes of the order of the number of clients; the cap clips that tail only.
 
     A single global model fits Synthetic(α, β) well only for few clients: every client's
     W_k carries independent N(0, 1) entries (whatever α), so with thousands of clients the
-    pooled labels are close to unpredictable from x (centralised logistic regression: about
-    83% test accuracy with 30 clients, 17% with 3000). For a learnable many-client task use
-    ``iid=True`` (94% with 3000 clients), which keeps the input heterogeneity (β).
+    pooled labels are close to unpredictable from x (even a centralised logistic regression
+    does little better than chance; benchmarks/README.md has the accuracies). For a
+    learnable many-client task use ``iid=True``, which keeps the input heterogeneity (β).
 
     Test set: ``num_test_clients`` distinct clients chosen at random (numpy, from ``seed``)
     each contribute ``test_per_client`` examples from their stream positions

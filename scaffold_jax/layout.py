@@ -1,6 +1,14 @@
-"""The client axis over many devices and hosts: a ``Mesh`` with a ``clients`` axis.
+"""Where the client axis lives: one device, or a ``Mesh`` with a ``clients`` axis.
 
-What lives where:
+A layout is a VALUE handed to the engine (``Simulation(..., layout=ClientMesh(mesh))``),
+not a subclass of it: :class:`SingleDevice` (the default) changes nothing;
+:class:`ClientMesh` splits the client axis over the devices of a mesh, on one host or
+many. The engine calls a layout at four points only: to build and restore the state
+(:meth:`~ClientMesh.state_shardings`), to place data and states
+(:meth:`~ClientMesh.place_data`, :meth:`~ClientMesh.place_state`), and to pin the layout
+of a round's intermediate values (:meth:`~ClientMesh.constrain`).
+
+What lives where on a mesh:
 
 * the client table (every leaf of ``SimState.clients``, ``[N, ...]``): split in N/D
   contiguous blocks of rows over the D devices of the mesh (device d owns clients
@@ -13,7 +21,7 @@ What lives where:
   for a 610-parameter SCAFFOLD table) and the test set replicated. A procedural dataset has
   no examples to place: its clients are generated where they are trained.
 
-A round (the same :meth:`~scaffold_jax.simulate.Simulation.round_fn`, with layout hints):
+A round (the same :meth:`~scaffold_jax.engine.Simulation.round_fn`, with layout hints):
 
 1. every device draws the same S ids (uniform over all N clients, the same sampler and
    keys as on one device);
@@ -36,7 +44,7 @@ random (a Binomial(S, 1/D)), which a static-shape program can only pad to a wors
 and which would leave devices idle; the rows are small next to the local work.
 
 Why GSPMD and not ``shard_map``: the layout hints are a few ``with_sharding_constraint``
-calls in the generic round (``Simulation._constrain``, a no-op when unsharded), so every
+calls in the generic round (:meth:`ClientMesh.constrain`, a no-op on one device), so every
 algorithm and dataset runs sharded unchanged, and the compiled program does exactly
 steps 3-5 (``tests/test_sharding.py`` checks the collectives in the HLO). A hand-written
 ``shard_map`` could turn the all-reduce of step 3 into a reduce-scatter (half the bytes)
@@ -50,20 +58,20 @@ every process's devices, and each process runs the same program on its own block
 
 Examples:
   >>> import scaffold_jax as sj
-  >>> from scaffold_jax.sharding import client_mesh, shard
+  >>> from scaffold_jax.layout import ClientMesh
   >>> data = sj.data.synthetic.procedural_synthetic(64, 1.0, 1.0, sizes=20)
   >>> problem = sj.models.logistic_regression((60,), 10)
   >>> sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem,
-  ...                     sj.BatchPlan.fixed(10, 5), clients_per_round=8)
-  >>> sharded = shard(sim, client_mesh())
-  >>> result = sharded.run(data, sj.hparams(client_lr=0.1), num_rounds=2)
+  ...                     sj.BatchPlan.fixed(10, 5), clients_per_round=8,
+  ...                     layout=ClientMesh())
+  >>> result = sim.run(data, sj.hparams(client_lr=0.1), num_rounds=2)
   >>> result.state.round.tolist()
   2
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,19 +82,16 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scaffold_jax.simulate import Simulation
-from scaffold_jax.tree import broadcast_rows
 from scaffold_jax.tree import to_host as gather
-from scaffold_jax.types import Algorithm, PyTree, SimState
+from scaffold_jax.types import PyTree, SimState
 
 __all__ = [
     "CLIENTS",
-    "ShardedSimulation",
+    "ClientMesh",
+    "SingleDevice",
     "client_mesh",
     "data_shardings",
     "gather",
-    "init_state",
-    "place",
     "place_data",
     "place_state",
     "shard",
@@ -167,7 +172,7 @@ def data_shardings(data: Any, mesh: Mesh, examples: str = "auto") -> Any:
     * ``"auto"`` (default): ``"shard"`` when the rows split evenly, else ``"replicate"``.
 
     ``counts`` and ``offsets`` stay replicated: 4 bytes per client, read by the host-side
-    checks of :meth:`~scaffold_jax.simulate.Simulation.run` (which cannot read an array
+    checks of :meth:`~scaffold_jax.engine.Simulation.check` (which cannot read an array
     spread over several processes) and by every device to find any client's examples.
 
     Args:
@@ -228,177 +233,108 @@ def place_data(data: Any, mesh: Mesh, examples: str = "auto") -> Any:
     return jax.tree.map(_put, data, data_shardings(data, mesh, examples))
 
 
-def place(state: SimState, data: Any, mesh: Mesh, examples: str = "auto") -> tuple[SimState, Any]:
-    """:func:`place_state` and :func:`place_data` together."""
-    return place_state(state, mesh), place_data(data, mesh, examples)
+@dataclasses.dataclass(frozen=True)
+class SingleDevice:
+    """The default layout: the whole client axis on the default device; changes nothing.
 
-
-def init_state(algorithm: Algorithm, params: PyTree, num_clients: int, mesh: Mesh) -> SimState:
-    """The initial :class:`SimState`, built directly in its sharded layout.
-
-    Equal to :func:`scaffold_jax.simulate.init_state` value for value, but each device
-    allocates only its own block of the table and no host copy of the whole table is ever
-    made: peak memory is one table, not two (the unsharded builder materialises a
-    broadcast and then its copy). With several hosts every process calls it alike.
-
-    Raises:
-      ValueError: ``num_clients`` is not a multiple of the number of devices.
-    """
-    _check_rows("the client table", num_clients, mesh)
-    server, client = algorithm.init(params)
-    # Numpy constants, closed over: the program needs no inputs, so every process can
-    # run it on the global mesh without first placing anything.
-    server, client = jax.tree.map(np.asarray, (server, client))
-
-    def build():
-        return SimState(
-            server=jax.tree.map(jnp.asarray, server),
-            clients=broadcast_rows(client, num_clients),
-            round=jnp.zeros((), jnp.int32),
-        )
-
-    like = jax.eval_shape(build)
-    return jax.jit(build, out_shardings=state_shardings(like, mesh))()
-
-
-class ShardedSimulation(Simulation):
-    """A :class:`~scaffold_jax.simulate.Simulation` whose client axis is split over a mesh.
-
-    Same constructor arguments as ``Simulation`` plus ``mesh``; the same compiled round
-    with layout hints (see the module docstring), so its results equal the unsharded
-    simulation's up to the order of floating-point sums (rtol 1e-5 in the tests).
-
-    :meth:`init` returns the state already placed; :meth:`run` places ``data`` and the
-    state it is given (or builds a placed one) before running, so
-    ``ShardedSimulation(...).run(data, ...)`` is all a caller needs. To call the compiled
-    :attr:`round` / :attr:`run_rounds` directly, pass a state from :meth:`init` and data
-    from :meth:`place_data`.
-
-    Args:
-      algorithm, problem, plan, clients_per_round, weighting, eval_batch_size: as for
-        :class:`~scaffold_jax.simulate.Simulation`.
-      mesh: a one-axis mesh (default :func:`client_mesh` over all devices).
-      examples: how :meth:`place_data` lays out materialised examples
-        (see :func:`data_shardings`).
+    On CPU the engine may then run the sampled clients in cache-sized chunks
+    (``Simulation(client_chunk="auto")``).
     """
 
-    def __init__(
-        self,
-        algorithm: Algorithm,
-        problem,
-        plan,
-        clients_per_round: int,
-        weighting: str = "uniform",
-        eval_batch_size: int = 4096,
-        *,
-        mesh: Mesh | None = None,
-        examples: str = "auto",
-    ):
-        self.mesh = client_mesh() if mesh is None else mesh
-        _axis(self.mesh)
-        if examples not in _EXAMPLES_POLICIES:
-            raise ValueError(f"examples={examples!r} is unknown; use one of {_EXAMPLES_POLICIES}.")
-        self.examples = examples
-        super().__init__(algorithm, problem, plan, clients_per_round, weighting, eval_batch_size)
+    #: Whether the engine may run the sampled clients in sequential chunks.
+    allows_client_chunks = True
 
-    def resolve_client_chunk(self, data, configs: int = 1) -> None:
-        """Always None: all S sampled clients in one vmap, split over the mesh.
+    def constrain(self, tree: PyTree, kind: str) -> PyTree:
+        del kind
+        return tree
 
-        A ``lax.map`` over chunks of the sharded client axis would run the devices one
-        chunk after another; each device already holds only S / devices clients.
-        """
-        del data, configs
+    def state_shardings(self, like: SimState) -> None:
+        del like
         return None
 
-    def _constrain(self, tree: PyTree, layout: str) -> PyTree:
+    def place_data(self, data: Any) -> Any:
+        return data
+
+    def place_state(self, state: SimState) -> SimState:
+        return state
+
+    def check_num_clients(self, num_clients: int) -> None:
+        del num_clients
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientMesh:
+    """The client axis split over a one-axis mesh (see the module docstring).
+
+    Results equal the single-device run's up to the order of floating-point sums (rtol
+    1e-5 in the tests). All S sampled clients run in one vmap split over the mesh: a
+    ``lax.map`` over chunks of the sharded axis would run the devices one chunk after
+    another, and each device already holds only S / D clients.
+
+    Args:
+      mesh: a one-axis mesh (default :func:`client_mesh` over all devices).
+      examples: how :meth:`place_data` lays out materialised examples (see
+        :func:`data_shardings`).
+    """
+
+    mesh: Mesh | None = None
+    examples: str = "auto"
+
+    allows_client_chunks = False
+
+    def __post_init__(self):
+        if self.mesh is None:
+            object.__setattr__(self, "mesh", client_mesh())
+        _axis(self.mesh)
+        if self.examples not in _EXAMPLES_POLICIES:
+            raise ValueError(
+                f"examples={self.examples!r} is unknown; use one of {_EXAMPLES_POLICIES}."
+            )
+
+    def constrain(self, tree: PyTree, kind: str) -> PyTree:
+        """Pins ``tree``'s layout: ``"replicated"`` (on every device), ``"sampled"``
+        (``[S, ...]`` leaves split over the client axis) or ``"state"`` (a
+        :class:`SimState`: table rows split, server and round replicated)."""
         wsc = jax.lax.with_sharding_constraint
-        if layout == "state":
+        if kind == "state":
             return SimState(
                 server=wsc(tree.server, _replicated(self.mesh)),
                 clients=wsc(tree.clients, _rows(self.mesh)),
                 round=wsc(tree.round, _replicated(self.mesh)),
             )
-        if layout == "sampled":
+        if kind == "sampled":
             return wsc(tree, _rows(self.mesh))
-        if layout == "replicated":
+        if kind == "replicated":
             return wsc(tree, _replicated(self.mesh))
-        raise ValueError(f"unknown layout {layout!r}")
+        raise ValueError(f"unknown layout kind {kind!r}")
 
-    def init(self, data) -> SimState:
-        """Checks the set-up against ``data``; the initial state, placed on the mesh."""
-        self.check(data)
-        return init_state(self.algorithm, self.problem.params, data.num_clients, self.mesh)
+    def state_shardings(self, like: SimState) -> SimState:
+        """See :func:`state_shardings`."""
+        return state_shardings(like, self.mesh)
 
-    def place_data(self, data):
-        """``data`` laid out on this simulation's mesh (see :func:`data_shardings`)."""
+    def place_data(self, data: Any) -> Any:
+        """See :func:`place_data`."""
         return place_data(data, self.mesh, self.examples)
 
     def place_state(self, state: SimState) -> SimState:
-        """``state`` laid out on this simulation's mesh (see :func:`place_state`)."""
+        """See :func:`place_state`."""
         return place_state(state, self.mesh)
 
-    def run(self, data, *args, **kwargs):
-        """:meth:`Simulation.run` on the mesh: places ``data`` and ``state`` first.
-
-        Without ``state`` the initial state is built directly in its sharded layout
-        (:meth:`init`).
-
-        Checkpoints: ``checkpoint_dir`` saves as usual and ``resume=True`` restores the
-        newest checkpoint directly in the mesh layout (each leaf is read to the host and
-        placed with its ``NamedSharding``: table rows split, the rest replicated; no
-        unplaced device copy is made, so the restore peaks at the host copy plus the placed
-        table, as an unsharded resume does), then continues the run bit for bit as the
-        uninterrupted sharded run. A checkpoint written by an unsharded
-        :class:`~scaffold_jax.simulate.Simulation` of the same run resumes too.
-
-        With several processes every process calls ``run`` with the same arguments and the
-        same ``checkpoint_dir``, on a filesystem they all see. A save gathers the whole
-        table to the host of EVERY process (a collective; host memory for one table per
-        process) and process 0 writes it; a resume reads the files on every process, and
-        each keeps only the blocks of its own devices (see :mod:`scaffold_jax.checkpoint`).
-
-        Raises:
-          ValueError: N is not a multiple of the number of devices (also when resuming).
-        """
-        bound = inspect.signature(Simulation.run).bind(self, data, *args, **kwargs)
-        arguments = bound.arguments
-        arguments["data"] = self.place_data(data)
-        if arguments.get("state") is not None:
-            arguments["state"] = self.place_state(arguments["state"])
-        elif not arguments.get("resume", False):
-            arguments["state"] = self.init(arguments["data"])
-        # With resume=True, Simulation.run restores the state into _state_like: placed.
-        return Simulation.run(*bound.args, **bound.kwargs)
-
-    def _state_like(self, num_clients: int) -> SimState:
-        """:meth:`Simulation._state_like` with this mesh's shardings on every leaf."""
+    def check_num_clients(self, num_clients: int) -> None:
+        """ValueError unless N splits evenly over the mesh's devices."""
         _check_rows("the client table", num_clients, self.mesh)
-        like = super()._state_like(num_clients)
-        return jax.tree.map(
-            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-            like,
-            state_shardings(like, self.mesh),
-        )
 
 
-def shard(simulation: Simulation, mesh: Mesh | None = None, examples: str = "auto"):
-    """The :class:`ShardedSimulation` with ``simulation``'s configuration on ``mesh``.
+def shard(simulation: Any, mesh: Mesh | None = None, examples: str = "auto") -> Any:
+    """``simulation`` with its client axis on ``mesh``: ``simulation.replace(layout=
+    ClientMesh(mesh, examples))``.
 
     Examples:
       >>> import scaffold_jax as sj
       >>> problem = sj.models.logistic_regression((4,), 3)
       >>> sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem,
       ...                     sj.BatchPlan.fixed(4, 2), clients_per_round=2)
-      >>> shard(sim).mesh.axis_names
+      >>> shard(sim).layout.mesh.axis_names
       ('clients',)
     """
-    return ShardedSimulation(
-        simulation.algorithm,
-        simulation.problem,
-        simulation.plan,
-        simulation.clients_per_round,
-        simulation.weighting,
-        simulation.eval_batch_size,
-        mesh=mesh,
-        examples=examples,
-    )
+    return simulation.replace(layout=ClientMesh(mesh, examples))

@@ -1,0 +1,572 @@
+"""The pure programs of a simulation: init, sample, round, multi-round scan, evaluate.
+
+A round is one pure function ``round(hparams, state, data, key) -> (state, metrics)``:
+
+1. ``round_key = fold_in(key, state.round)``; sample S of N clients uniformly without
+   replacement; client i's key is ``fold_in(clients_key, i)`` (``clients_key`` split from
+   the round key), so what a client does depends on its id, never on its position in the
+   sampled set or on how the client axis is laid out.
+2. gather the sampled rows of the client table, draw each client's batches, run
+   ``vmap(client_update)`` over the S clients;
+3. aggregate with the algorithm's pure ``server_update``; scatter the new rows back.
+
+Many rounds run as one ``lax.scan`` inside one ``jit`` whose state argument is donated,
+so the ``[N, ...]`` client table is updated in place. Nothing per client or per step
+happens in Python. This module and :mod:`scaffold_jax.layout` are the only ones that know
+the client axis; the host loop that runs these programs (evaluation cadence, checkpoints,
+signals, divergence) is :mod:`scaffold_jax.loop`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+
+from scaffold_jax.data.batching import BatchPlan
+from scaffold_jax.layout import SingleDevice
+from scaffold_jax.tree import all_finite, set_rows, sq_norm, take_rows, weighted_mean
+from scaffold_jax.types import (
+    Algorithm,
+    HParams,
+    Problem,
+    PyTree,
+    SimState,
+    resolve_hparams,
+)
+
+WEIGHTINGS = ("uniform", "num_examples")
+
+
+def check_count(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` as an int; ValueError unless it is an integer >= ``minimum``.
+
+    Integral floats (``1e3``) are accepted; ``2.5`` or ``True`` are not: ``int()`` would
+    silently truncate them.
+    """
+    if isinstance(value, bool):
+        as_int = None
+    elif isinstance(value, (int, np.integer)):
+        as_int = int(value)
+    elif isinstance(value, (float, np.floating)) and float(value).is_integer():
+        as_int = int(value)
+    else:
+        as_int = None
+    if as_int is None:
+        raise ValueError(f"{name} = {value!r} is invalid: it must be an integer >= {minimum}.")
+    if as_int < minimum:
+        raise ValueError(f"{name} = {value} is invalid: it must be >= {minimum}.")
+    return as_int
+
+
+def initial_state(algorithm: Algorithm, params: PyTree, num_clients: int) -> SimState:
+    """The initial :class:`SimState` as a pure (traceable) function: server state from
+    ``params``, the single-client state broadcast to a ``[N, ...]`` table, round 0."""
+    server, client = algorithm.init(params)
+    return SimState(
+        server=jax.tree.map(jnp.asarray, server),
+        clients=jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), client),
+        round=jnp.zeros((), jnp.int32),
+    )
+
+
+def init_state(
+    algorithm: Algorithm, params: PyTree, num_clients: int, layout: Any = None
+) -> SimState:
+    """:func:`initial_state`, built by one jitted program directly in ``layout``.
+
+    The table is allocated once (on a :class:`~scaffold_jax.layout.ClientMesh`, each
+    device only its own block); no host copy of it is made, and the result never aliases
+    ``params`` (donating the state leaves the caller's params alive).
+
+    Raises:
+      ValueError: the layout cannot hold ``num_clients`` rows (not a multiple of its
+        devices).
+    """
+    layout = SingleDevice() if layout is None else layout
+    layout.check_num_clients(num_clients)
+
+    def build(params):
+        return initial_state(algorithm, params, num_clients)
+
+    shardings = layout.state_shardings(jax.eval_shape(build, params))
+    if jax.process_count() == 1:
+        return jax.jit(build, out_shardings=shardings)(params)
+    # Several processes: the params are numpy constants closed over, so the program has no
+    # inputs to place and every process runs it alike on the global mesh.
+    constants = jax.tree.map(np.asarray, params)
+    return jax.jit(lambda: build(constants), out_shardings=shardings)()
+
+
+def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> jax.Array:
+    """S distinct client ids, uniformly without replacement (int32 ``[S]``).
+
+    Every S-subset of the N clients is equally likely. For S << N this uses Floyd's
+    algorithm (O(S²) work, no O(N) pass; timings in benchmarks/README.md); otherwise a
+    permutation of all N ids.
+    """
+    n, s = num_clients, clients_per_round
+    if s == n or s * s > 16 * n * max(1, n.bit_length()):
+        return jr.permutation(key, n)[:s].astype(jnp.int32)
+    keys = jr.split(key, s)
+
+    def add_one(i, chosen):
+        # Floyd: draw j in [0, t]; take j unless already chosen, in which case take t
+        # (which cannot be chosen yet). Each step keeps the chosen set uniform.
+        t = n - s + i
+        j = jr.randint(keys[i], (), 0, t + 1, dtype=jnp.int32)
+        return chosen.at[i].set(jnp.where(jnp.any(chosen == j), t, j))
+
+    return jax.lax.fori_loop(0, s, add_one, jnp.full((s,), -1, jnp.int32))
+
+
+def client_keys(round_key: jax.Array, ids: jax.Array) -> jax.Array:
+    """Per-client keys derived from the client id (``[S]`` keys)."""
+    clients_key = jr.split(round_key)[1]
+    return jax.vmap(lambda i: jr.fold_in(clients_key, i))(ids)
+
+
+def round_key_and_ids(key, round_index, num_clients, clients_per_round):
+    round_key = jr.fold_in(key, round_index)
+    ids = sample_clients(jr.split(round_key)[0], num_clients, clients_per_round)
+    return round_key, ids
+
+
+CLIENT_CHUNK_BYTES = 16 * 2**20
+"""Working-set budget of one chunk of clients on CPU (``client_chunk="auto"``), sized so
+that a chunk's K local steps run from a server core's L2/L3 caches."""
+
+
+def balanced_chunk(num: int, chunk: int) -> int | None:
+    """A chunk size of at most ``chunk`` that splits ``num`` evenly when it can.
+
+    The largest divisor of ``num`` in ``[chunk / 2, chunk]``, else ``ceil(num / n)`` for the
+    fewest chunks n; None when one chunk holds all ``num``.
+    """
+    if chunk >= num:
+        return None
+    for size in range(chunk, max(1, chunk // 2) - 1, -1):
+        if num % size == 0:
+            return size
+    return -(-num // -(-num // chunk))
+
+
+def heldout_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
+    """``test_loss`` and ``test_accuracy`` of ``params`` on ``data.test`` (when present)."""
+    test = getattr(data, "test", None)
+    if test is None:
+        return {}
+    out = {"test_loss": jnp.mean(sim.per_example(sim.problem.loss_fn, params, test))}
+    if sim.problem.accuracy_fn is not None:
+        out["test_accuracy"] = jnp.mean(sim.per_example(sim.problem.accuracy_fn, params, test))
+    return out
+
+
+def train_objective(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
+    """``train_loss``, the federated objective f(x) = (1/N) Σ_i f_i(x) (Σ_i n_i f_i / Σ_i n_i
+    under ``weighting="num_examples"``), over every training example of materialised data."""
+    if not hasattr(data, "examples"):
+        return {}
+    losses = sim.per_example(sim.problem.loss_fn, params, data.examples)
+    n = losses.shape[0]
+    owner = jnp.repeat(jnp.arange(data.num_clients), data.counts, total_repeat_length=n)
+    sums = jax.ops.segment_sum(losses, owner, num_segments=data.num_clients)
+    if sim.weighting == "num_examples":
+        return {"train_loss": jnp.sum(sums) / n}
+    return {"train_loss": jnp.mean(sums / data.counts.astype(jnp.float32))}
+
+
+#: What :meth:`Simulation.evaluate_fn` computes unless told otherwise.
+DEFAULT_EVALUATORS = (heldout_metrics, train_objective)
+
+
+class Simulation:
+    """The compiled programs of one algorithm on one problem with a fixed round shape.
+
+    Everything that fixes the SHAPE of the program (the algorithm, the batch plan, S, the
+    weighting, the layout) is given here; everything that is data (hyper-parameters,
+    state, the dataset, the key) is passed to the compiled functions, so changing a step
+    size or the seed never recompiles. :meth:`run` runs them in the host loop
+    (:func:`scaffold_jax.loop.run`).
+
+    Args:
+      algorithm: an :class:`~scaffold_jax.types.Algorithm`.
+      problem: the :class:`~scaffold_jax.types.Problem` (initial params and loss).
+      plan: the :class:`~scaffold_jax.data.batching.BatchPlan` of the local steps.
+      clients_per_round: S.
+      weighting: ``"uniform"`` (the paper's 1/|S| averaging) or ``"num_examples"``.
+      eval_batch_size: examples per chunk in the jitted evaluation.
+      client_chunk: how many sampled clients run in one vmapped chunk of the round:
+        ``"auto"`` (all S on an accelerator or a client mesh, cache-sized chunks on CPU;
+        see :meth:`resolve_client_chunk`), None (all S) or a number of clients.
+      layout: where the client axis lives: :class:`~scaffold_jax.layout.SingleDevice`
+        (default) or a :class:`~scaffold_jax.layout.ClientMesh`.
+      evaluators: the evaluation functions ``fn(simulation, params, data) -> {name:
+        scalar}`` traced into :meth:`evaluate_fn` (default :data:`DEFAULT_EVALUATORS`:
+        test loss and accuracy, training objective).
+
+    Examples:
+      >>> import numpy as np, scaffold_jax as sj
+      >>> rng = np.random.default_rng(0)
+      >>> data = sj.data.from_client_arrays(
+      ...     [{"x": rng.normal(size=(n, 4)).astype("float32"), "y": rng.integers(0, 3, n)}
+      ...      for n in (5, 8, 6)])
+      >>> problem = sj.models.logistic_regression((4,), 3)
+      >>> sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem,
+      ...                     sj.BatchPlan.fixed(batch_size=4, num_steps=3), clients_per_round=2)
+      >>> result = sim.run(data, sj.hparams(client_lr=0.1), num_rounds=4, eval_every=2)
+      >>> [r["round"] for r in result.records]
+      [0, 2, 4]
+    """
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        problem: Problem,
+        plan: BatchPlan,
+        clients_per_round: int,
+        weighting: str = "uniform",
+        eval_batch_size: int = 4096,
+        client_chunk: int | str | None = "auto",
+        layout: Any = None,
+        evaluators: Sequence[Callable[..., Mapping[str, jax.Array]]] = DEFAULT_EVALUATORS,
+    ):
+        if not isinstance(plan, BatchPlan):
+            raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting={weighting!r} is unknown; use one of {WEIGHTINGS}.")
+        self.algorithm = algorithm
+        self.problem = problem
+        self.plan = plan
+        self.clients_per_round = check_count("clients_per_round (S)", clients_per_round)
+        self.weighting = weighting
+        self.eval_batch_size = check_count("eval_batch_size", eval_batch_size)
+        if not (client_chunk is None or (isinstance(client_chunk, str) and client_chunk == "auto")):
+            try:
+                client_chunk = check_count("client_chunk", client_chunk)
+            except ValueError:
+                raise ValueError(
+                    f"client_chunk = {client_chunk!r} is invalid: use 'auto', None (all S "
+                    "clients in one vmap) or a number of clients per chunk >= 1."
+                ) from None
+        self.client_chunk = client_chunk
+        self.layout = SingleDevice() if layout is None else layout
+        self.evaluators = tuple(evaluators)
+        self.round = jax.jit(self.round_fn, donate_argnums=(1,))
+        self.run_rounds = jax.jit(
+            self.run_rounds_fn, static_argnames=("num_rounds",), donate_argnums=(1,)
+        )
+        self.evaluate = jax.jit(self.evaluate_fn)
+
+    def replace(self, **changes: Any) -> Simulation:
+        """A new simulation with some constructor arguments changed (e.g. ``layout=``)."""
+        names = (
+            "algorithm", "problem", "plan", "clients_per_round", "weighting",
+            "eval_batch_size", "client_chunk", "layout", "evaluators",
+        )  # fmt: skip
+        return Simulation(**{name: changes.get(name, getattr(self, name)) for name in names})
+
+    # ----------------------------------------------------------------- the pure programs
+    def round_fn(
+        self,
+        hparams: HParams,
+        state: SimState,
+        data,
+        key: jax.Array,
+        diverged: jax.Array | None = None,
+    ):
+        """One round (pure; :attr:`round` is its jitted, state-donating version).
+
+        ``diverged``: for the sweep's freeze policy, this config's carried flag (a bool
+        scalar). When given, a round whose new server state or new client rows hold a
+        NaN/Inf is NOT applied (nor is any round once ``diverged`` is set): the state keeps
+        its previous values, only the round counter advances, and the metrics gain
+        ``finite``, whether this round's results were finite.
+        """
+        num_clients, num_sampled = data.num_clients, self.clients_per_round
+        layout = self.layout
+        round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled)
+        # The table is read and written with the REPLICATED ids; the clients' work is split
+        # over devices by position in the sampled set (no-ops on one device).
+        ids = layout.constrain(ids, "replicated")
+        keys = client_keys(round_key, ids)
+        work_ids, keys = layout.constrain((ids, keys), "sampled")
+        rows = take_rows(state.clients, ids)
+        clients = state.clients
+        if diverged is not None:
+            # Writing the gathered rows back is a no-op that makes the table the round
+            # updates depend on them: the gather is materialised before the in-place
+            # scatter, which XLA would otherwise fuse into the late `where` below and pay
+            # for with a copy of the whole table.
+            clients = set_rows(clients, ids, rows)
+        rows_in = layout.constrain(rows, "sampled")
+
+        def client_work(client_id, client_key, row):
+            # Batches are drawn inside each client's work so that a chunk gathers only its
+            # own clients' examples (the working set stays chunk-sized).
+            batches, mask = data.client_batches(client_id, client_key, self.plan)
+            return self.algorithm.client_update(
+                hparams, state.server, row, batches, mask, client_key
+            )
+
+        chunk = self.resolve_client_chunk(data)
+        if chunk is None:
+            new_rows, outputs = jax.vmap(client_work)(work_ids, keys, rows_in)
+        else:
+            new_rows, outputs = jax.lax.map(
+                lambda args: client_work(*args), (work_ids, keys, rows_in), batch_size=chunk
+            )
+        if self.weighting == "num_examples":
+            weights = data.counts[ids].astype(jnp.float32)
+            total_weight = jnp.sum(data.counts.astype(jnp.float32))
+        else:
+            weights = jnp.ones((num_sampled,), jnp.float32)
+            total_weight = jnp.asarray(num_clients, jnp.float32)
+        outputs = outputs._replace(weight=weights)
+        server = self.algorithm.server_update(hparams, state.server, outputs, total_weight)
+        new_rows = layout.constrain(new_rows, "replicated")
+        metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
+        metrics["client_ids"] = ids
+        # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
+        metrics["client_drift"] = jnp.mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
+        metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
+        if diverged is not None:
+            finite = all_finite(server) & all_finite(new_rows)
+            keep = finite & ~diverged
+            server = optax.tree.where(keep, server, state.server)
+            new_rows = optax.tree.where(keep, new_rows, rows)
+            metrics["finite"] = finite
+        clients = set_rows(clients, ids, new_rows)
+        new_state = SimState(server=server, clients=clients, round=state.round + 1)
+        return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
+
+    def resolve_client_chunk(self, data, configs: int = 1) -> int | None:
+        """How many sampled clients one vmapped chunk of the round runs (None: all S).
+
+        ``client_chunk="auto"`` picks None on an accelerator or a layout that splits the
+        clients over devices, where one kernel over all S clients is fastest, and on CPU
+        as many clients as fit :data:`CLIENT_CHUNK_BYTES` of working set (their
+        ``[K, B, ...]`` batches, one step's batch in float32 and four params-sized
+        buffers), so that a chunk's K steps run in cache instead of streaming
+        ``[S, params]`` buffers through memory at every step (measured in
+        benchmarks/README.md). The chunk is balanced (the largest divisor of S in
+        [chunk/2, chunk] when there is one): ``lax.map`` runs a remainder as one more,
+        separately compiled, vmap. Results equal the unchunked round up to the order of
+        floating-point sums. ``configs`` configurations vmapped side by side (a sweep's
+        block) share the budget: a sweep asks for its chunk here and runs the round of
+        ``replace(client_chunk=...)``.
+        """
+        num_sampled = self.clients_per_round
+        if self.client_chunk is None or not self.layout.allows_client_chunks:
+            return None
+        if self.client_chunk != "auto":
+            return None if self.client_chunk >= num_sampled else self.client_chunk
+        if jax.default_backend() != "cpu":
+            return None
+        per_client = self.client_bytes(data) * configs
+        return balanced_chunk(num_sampled, max(1, CLIENT_CHUNK_BYTES // per_client))
+
+    def client_bytes(self, data) -> int:
+        """The working set of one sampled client's local steps, in bytes (see
+        :meth:`resolve_client_chunk`)."""
+        batches, _ = jax.eval_shape(lambda: data.client_batches(jnp.int32(0), jr.key(0), self.plan))
+        return sum(
+            math.prod(a.shape) * a.dtype.itemsize + 4 * math.prod(a.shape[1:])
+            for a in jax.tree.leaves(batches)
+        ) + 4 * sum(4 * math.prod(jnp.shape(a)) for a in jax.tree.leaves(self.problem.params))
+
+    def run_rounds_fn(self, hparams: HParams, state: SimState, data, key, num_rounds: int):
+        """``num_rounds`` rounds as one ``lax.scan``; metrics gain a leading ``[R]`` axis."""
+
+        def body(state, _):
+            return self.round_fn(hparams, state, data, key)
+
+        return jax.lax.scan(body, state, None, length=num_rounds)
+
+    def evaluate_fn(self, server_state: PyTree, data) -> dict[str, jax.Array]:
+        """Centralised metrics of the server model x: every evaluator's, merged (by default
+        ``test_loss`` / ``test_accuracy`` on ``data.test`` and ``train_loss``)."""
+        params = self.algorithm.server_params(server_state)
+        out: dict[str, jax.Array] = {}
+        for evaluator in self.evaluators:
+            out.update(evaluator(self, params, data))
+        return out
+
+    def per_example(self, fn: Callable, params: PyTree, examples: PyTree) -> jax.Array:
+        """``fn(params, batch) -> [B]`` over all examples in chunks of
+        ``eval_batch_size`` (``lax.map``), without copying the data."""
+        n = jax.tree.leaves(examples)[0].shape[0]
+        size = min(self.eval_batch_size, n)
+        num_chunks = math.ceil(n / size)
+
+        def chunk(i):
+            # The last chunk is clamped to end at n; its overlap with the previous chunk is
+            # dropped below, so every example counts exactly once.
+            start = jnp.minimum(i * size, n - size)
+            batch = jax.tree.map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=0), examples
+            )
+            return fn(params, batch).astype(jnp.float32)
+
+        values = jax.lax.map(chunk, jnp.arange(num_chunks))  # [num_chunks, size]
+        if num_chunks * size == n:
+            return values.reshape(-1)
+        head = values[:-1].reshape(-1)
+        tail = values[-1, num_chunks * size - n :]
+        return jnp.concatenate([head, tail])
+
+    # ----------------------------------------------------------------- the host-side API
+    def init(self, data) -> SimState:
+        """Checks the set-up against ``data`` and returns the initial :class:`SimState`,
+        placed in this simulation's layout."""
+        self.check(data)
+        return init_state(self.algorithm, self.problem.params, data.num_clients, self.layout)
+
+    def state_like(self, num_clients: int) -> SimState:
+        """The state's shapes, dtypes and (in a client mesh) shardings for ``num_clients``:
+        what a checkpoint is restored into, already placed."""
+        self.layout.check_num_clients(num_clients)
+        like = jax.eval_shape(
+            lambda: initial_state(self.algorithm, self.problem.params, num_clients)
+        )
+        shardings = self.layout.state_shardings(like)
+        if shardings is None:
+            return like
+        return jax.tree.map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            like,
+            shardings,
+        )
+
+    def check(self, data) -> None:
+        """Raises ValueError naming the problem if the simulation cannot run on ``data``."""
+        if not all(hasattr(data, a) for a in ("num_clients", "counts", "client_batches")):
+            raise TypeError(
+                "data must be a federated dataset (a FederatedData, e.g. from "
+                "scaffold_jax.from_client_arrays, or a procedural dataset with num_clients, "
+                f"counts and client_batches); got {type(data).__name__}."
+            )
+        num_clients = data.num_clients
+        if self.clients_per_round > num_clients:
+            raise ValueError(
+                f"clients_per_round (S) = {self.clients_per_round} exceeds the number of "
+                f"clients N = {num_clients}; use S <= N."
+            )
+        counts = np.asarray(data.counts)
+        if counts.min() < 1:
+            empty = np.flatnonzero(counts < 1)[:5].tolist()
+            raise ValueError(f"clients {empty} have no data; every client needs >= 1 example.")
+        self._check_problem_fits(data)
+        self._check_labels(data)
+
+    def _check_labels(self, data) -> None:
+        """Integer labels of materialised data must index the problem's C classes."""
+        num_classes = getattr(self.problem, "num_classes", None)
+        if num_classes is None:
+            return
+        sets = {"the clients' examples": getattr(data, "examples", None)}
+        sets["the test set"] = getattr(data, "test", None)
+        for where, examples in sets.items():
+            if not isinstance(examples, Mapping) or "y" not in examples:
+                continue
+            if not getattr(examples["y"], "is_fully_addressable", True):
+                continue  # spread over processes: each process checks its own input data
+            labels = np.asarray(examples["y"])
+            if not np.issubdtype(labels.dtype, np.integer) or labels.size == 0:
+                continue
+            bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+            if bad.size:
+                wider = (
+                    ""
+                    if labels.min() < 0
+                    else f", or build the model with num_classes > {labels.max()}"
+                )
+                raise ValueError(
+                    f"labels must be class indices in [0, {num_classes}) for this model: "
+                    f"label {labels[bad[0]]} at index {bad[0]} of {where} ({bad.size} labels "
+                    f"out of range). Remap the labels to 0..{num_classes - 1}{wider}."
+                )
+
+    def _check_problem_fits(self, data) -> None:
+        batches, mask = jax.eval_shape(
+            lambda: data.client_batches(jnp.int32(0), jr.key(0), self.plan)
+        )
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), batches)
+        try:
+            out = jax.eval_shape(self.problem.loss_fn, self.problem.params, batch)
+        except Exception as err:  # flax, optax and jnp each raise their own error types
+            shapes = jax.tree.map(lambda s: (tuple(s.shape), str(s.dtype)), batch)
+            params = jax.tree.map(lambda a: tuple(jnp.shape(a)), self.problem.params)
+            raise ValueError(
+                "the model's params do not fit the data: loss_fn(params, batch) failed for a "
+                f"batch with shapes {shapes} and params with shapes {params}. Build the model "
+                f"for the data's example shape and number of classes. ({err})"
+            ) from err
+        if tuple(out.shape) != tuple(mask.shape[1:]):
+            raise ValueError(
+                f"loss_fn must return one loss per example, shape {tuple(mask.shape[1:])}; it "
+                f"returned shape {tuple(out.shape)}. Return per-example losses, not a mean."
+            )
+        test = getattr(data, "test", None)
+        if test is not None:
+            # Evaluation runs the loss on the test set too; a set the model cannot read would
+            # otherwise fail deep inside the compiled evaluation with a flax or KeyError.
+            structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), test)
+            try:
+                jax.eval_shape(self.problem.loss_fn, self.problem.params, structs)
+            except Exception as err:
+                shapes = jax.tree.map(lambda s: (tuple(s.shape), str(s.dtype)), structs)
+                train = jax.tree.map(lambda s: (tuple(s.shape[1:]), str(s.dtype)), batch)
+                raise ValueError(
+                    f"the test set does not fit the model: loss_fn(params, test) failed for a "
+                    f"test set with shapes {shapes} (training batches: {train}). Give the "
+                    f"test set the fields and example shape of the training data. ({err})"
+                ) from err
+
+    def resolve_hparams(self, hparams: HParams | Mapping[str, Any]) -> HParams:
+        """``hparams`` completed with the algorithm's declared defaults and checked
+        (see :func:`scaffold_jax.types.resolve_hparams`)."""
+        return resolve_hparams(self.algorithm, hparams)
+
+    def run(
+        self,
+        data,
+        hparams: HParams | Mapping[str, Any],
+        num_rounds: int,
+        eval_every: int | None = None,
+        seed: int = 0,
+        state: SimState | None = None,
+        callback: Callable[[dict[str, Any]], None] | None = None,
+        checkpoint_dir: Any = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        resume: bool = False,
+    ):
+        """Runs the simulation in the host loop: :func:`scaffold_jax.loop.run` (see there
+        for the schedule, checkpoints and resume, signals and divergence).
+
+        Returns:
+          A :class:`~scaffold_jax.loop.RunResult`.
+        """
+        from scaffold_jax import loop  # the host loop sits above the engine it runs
+
+        return loop.run(
+            self,
+            data,
+            hparams,
+            num_rounds,
+            eval_every=eval_every,
+            seed=seed,
+            state=state,
+            callback=callback,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            resume=resume,
+        )

@@ -1,0 +1,637 @@
+"""The ONE host loop: evaluation cadence, record sinks, checkpoints and resume, signals,
+divergence policy.
+
+Single runs (:func:`run`, what :meth:`Simulation.run <scaffold_jax.engine.Simulation.run>`
+calls), sweeps (:mod:`scaffold_jax.sweep`) and the command line all run their compiled
+programs through :func:`drive`. What differs between them is a :class:`Task`: the compiled
+block of rounds, the evaluation that turns a state into records, and the divergence
+policy, ``raise`` for a single run (:class:`DivergenceError` naming the round) or
+``freeze`` per config in a sweep (inside the compiled round; the loop then never stops).
+
+Schedule. The loop is anchored at the round the run started from, r0 (0 for a fresh
+run): evaluations at r0, r0 + E, r0 + 2E, ... and at the last round r0 + ``num_rounds``;
+checkpoints (with a checkpoint directory) at r0 and every ``checkpoint_every`` rounds
+after it, and at the last round, so a finished run always leaves its final state. The
+rounds between two such points are ONE compiled ``lax.scan``.
+
+Resuming restores the newest readable checkpoint (falling back past corrupt ones, see
+:func:`scaffold_jax.checkpoint.restore_latest`), refuses one written by another run (its
+identity: algorithm, data, plan, S, weighting, declared hyper-parameters, seed), and
+continues bit for bit; the records saved with it open the new records.
+
+Signals. While a loop runs, SIGINT and SIGTERM are deferred: the current compiled block
+finishes, a checkpoint is saved (when there is a directory), then SIGINT raises a plain
+``KeyboardInterrupt`` and SIGTERM a :class:`RunTerminated` (a ``SystemExit`` with code
+143), each carrying the result so far, ``status="interrupted"``, as ``result``. A second
+signal acts at once. With several processes (``jax.distributed``) a signal received by any
+of them stops all of them after the same block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.random as jr
+import numpy as np
+
+from scaffold_jax.engine import Simulation, check_count
+from scaffold_jax.tree import all_finite
+from scaffold_jax.types import HParams, PyTree, SimState, format_hparams
+
+Record = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class RunResult:
+    """What :func:`run` returns (or attaches to the exception it raises).
+
+    Attributes:
+      state: the final :class:`SimState`.
+      records: one dict per evaluation (round, test/train metrics, elapsed seconds). After
+        ``resume=True`` it starts with the records restored from the checkpoint.
+      client_ids: ``[R, S]`` int32, the clients sampled in every round run by THIS call
+        (audit and replay); after a resume the first row is round ``resumed_from``.
+      round_metrics: per-round metrics of the rounds run by this call, each ``[R]``.
+      compile_seconds: time spent compiling the round program(s) and the evaluation.
+      run_seconds: wall time of the rounds and evaluations after compilation (checkpoint
+        writing excluded).
+      status: ``"finished"`` for a returned result; ``"diverged"`` on the result carried
+        by a :class:`DivergenceError`; ``"interrupted"`` on the result carried (as
+        ``.result``) by the ``KeyboardInterrupt`` or :class:`RunTerminated` raised on
+        SIGINT / SIGTERM.
+      resumed_from: the round of the checkpoint this call resumed from, else None.
+      checkpoint_seconds: wall time spent writing checkpoints.
+    """
+
+    state: SimState
+    records: list[dict[str, Any]]
+    client_ids: np.ndarray
+    round_metrics: dict[str, np.ndarray]
+    compile_seconds: float
+    run_seconds: float
+    status: str = "finished"
+    resumed_from: int | None = None
+    checkpoint_seconds: float = 0.0
+
+    def final(self, name: str) -> float:
+        return float(self.records[-1][name])
+
+
+class DivergenceError(ValueError):
+    """The server state of a run became NaN or Inf; the run stopped.
+
+    Attributes:
+      result: the :class:`RunResult` so far, ``status="diverged"``; its ``state`` is the
+        non-finite one, its ``records`` the (finite) evaluations made before.
+      records: ``result.records``.
+      diverged_round: the round that produced the non-finite values (1-based, i.e. the
+        value of ``state.round`` after it, as :mod:`scaffold_jax.sweep` reports it).
+    """
+
+    def __init__(self, message: str, result: Any, diverged_round: int):
+        super().__init__(message)
+        self.result = result
+        self.records = result.records
+        self.diverged_round = diverged_round
+
+
+class RunTerminated(SystemExit):
+    """SIGTERM stopped a run after its current compiled block (and its checkpoint).
+
+    A ``SystemExit`` with code 143 (128 + SIGTERM, what a shell reports for a process
+    killed by SIGTERM). ``result`` is the result so far, ``status="interrupted"``;
+    ``message`` says where the checkpoint is.
+    """
+
+    def __init__(self, message: str, result: Any):
+        super().__init__(128 + int(signal.SIGTERM))
+        self.message = message
+        self.result = result
+
+
+class Diverged(Exception):
+    """Raised by a task's divergence policy: the loop stops and raises
+    :class:`DivergenceError` with the result so far."""
+
+    def __init__(self, message: str, diverged_round: int):
+        super().__init__(message)
+        self.diverged_round = diverged_round
+
+
+# ----------------------------------------------------------------------------- signals
+class _DeferredSignals:
+    """Holds SIGINT and SIGTERM back until the current compiled block has finished.
+
+    A compiled block cannot be stopped half-way without losing it, so the first signal is
+    only noted; the loop saves a checkpoint at the end of the block and then raises. A
+    second signal acts at once (the user does not want to wait). The previous handlers are
+    restored on exit. Off the main thread Python cannot install handlers: nothing changes.
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _DeferredSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(sig)
+            # None: a handler installed outside Python; SIG_IGN: the signal is ignored on
+            # purpose (e.g. nohup). Either way it is not ours to take over.
+            if previous is None or previous is signal.SIG_IGN:
+                continue
+            self._previous[sig] = previous
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            return
+        self._restore()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def __exit__(self, *exc_info) -> None:
+        self._restore()
+
+
+def _agreed_signal(received: int | None) -> tuple[int | None, bool]:
+    """``(signal, here)``: the signal to stop on and whether THIS process received it.
+
+    With several processes every one must stop after the same block (the checkpoint and
+    the next block are collectives), so the processes pool what they received at every
+    block boundary (a collective) and all stop if any of them was signalled.
+    """
+    if jax.process_count() == 1:
+        return received, received is not None
+    from jax.experimental import multihost_utils
+
+    pooled = multihost_utils.process_allgather(np.asarray([received or 0], np.int32))
+    pooled = np.asarray(pooled).reshape(-1)
+    pooled = pooled[pooled != 0]
+    if received is not None:
+        return received, True
+    return (int(pooled[0]), False) if pooled.size else (None, False)
+
+
+# ----------------------------------------------------------------------------- the loop
+class Task(Protocol):
+    """What :func:`drive` runs: compiled programs over a state, and a divergence policy."""
+
+    def compile_block(self, state: PyTree, key: jax.Array, num_rounds: int) -> Callable:
+        """The compiled ``fn(state, key) -> (state, metrics)`` of ``num_rounds`` rounds
+        (the state is donated; metrics gain a leading ``[R]`` axis)."""
+
+    def compile_evaluate(self, state: PyTree) -> Callable:
+        """The compiled ``fn(state) -> metrics`` of the evaluation."""
+
+    def round_of(self, state: PyTree) -> int:
+        """The round ``state`` is at."""
+
+    def records(self, state: PyTree, metrics: Mapping[str, np.ndarray], round: int, seconds: float):
+        """The evaluation records (a list of dicts) of ``state``, whose evaluation gave the
+        host ``metrics``, at ``round``."""
+
+    def check(self, state: PyTree, metrics: Mapping[str, np.ndarray], first: int, last: int):
+        """The divergence policy after rounds ``first + 1 .. last``: raise
+        :class:`Diverged` to stop, or return."""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What :func:`drive` hands to its ``finish`` callback."""
+
+    state: PyTree
+    records: list[Record]
+    metrics: list[dict[str, np.ndarray]]
+    compile_seconds: float
+    run_seconds: float
+    checkpoint_seconds: float
+    status: str
+    resumed_from: int | None
+
+
+def drive(
+    task: Task,
+    state: PyTree | None,
+    key: jax.Array,
+    num_rounds: int,
+    eval_every: int,
+    finish: Callable[[Outcome], Any],
+    callback: Callable[[Record], None] | None = None,
+    checkpointer: Any = None,
+    checkpoint_every: int | None = None,
+    identity: Mapping[str, Any] | None = None,
+    resume_into: PyTree | None = None,
+) -> Any:
+    """Runs ``task`` for ``num_rounds`` rounds from ``state`` (or, with ``resume_into``,
+    from the newest checkpoint of ``checkpointer`` restored into that shape).
+
+    Args:
+      task: the compiled programs and divergence policy (see :class:`Task`).
+      state: the state to start from (donated), or None when resuming.
+      key: the root key(s) of the programs.
+      num_rounds: rounds to run from the start round r0 (checked >= 1 by the caller).
+      eval_every: evaluation period E.
+      finish: makes the caller's result from an :class:`Outcome`; its value is returned,
+        and attached as ``result`` to the exceptions the loop raises.
+      callback: a record sink, called with every new record as it is made.
+      checkpointer: a :class:`~scaffold_jax.checkpoint.Checkpointer`, or None.
+      checkpoint_every: checkpoint period in rounds (with a checkpointer).
+      identity: what fixes the run's trajectory; stored with every checkpoint and compared
+        on resume (see :func:`check_same_run`).
+      resume_into: the state's shapes (``jax.ShapeDtypeStruct`` leaves) to restore into.
+
+    Raises:
+      DivergenceError, KeyboardInterrupt, RunTerminated: see the module docstring.
+    """
+    records: list[Record] = []
+    resumed_from = None
+    seconds_before = 0.0  # run time spent by the process(es) before a resume
+    if resume_into is not None:
+        restored = checkpointer.restore_latest(resume_into)
+        check_same_run(restored.extra.get("identity"), identity, str(restored.path))
+        state, key, resumed_from = restored.state, restored.key, restored.round
+        records = list(restored.extra.get("records", []))
+        seconds_before = float(restored.extra.get("seconds", 0.0))
+        start = int(restored.extra.get("start_round", 0))
+    else:
+        if checkpointer is not None and checkpointer.latest_round() is not None:
+            raise ValueError(
+                f"checkpoint_dir {checkpointer.directory} already holds checkpoints (the "
+                f"newest at round {checkpointer.latest_round()}); pass resume=True to "
+                "continue that run or use an empty directory."
+            )
+        start = task.round_of(state)
+    end = start + num_rounds
+    current = task.round_of(state)
+    if current > end:
+        raise ValueError(
+            f"the checkpoint is at round {current}, past the end of this run (round "
+            f"{end} = {start} + num_rounds {num_rounds}); pass a larger num_rounds."
+        )
+
+    compile_seconds = 0.0
+    compiled: dict[int, Callable] = {}
+    t0 = time.perf_counter()
+    evaluate = task.compile_evaluate(state)
+    compile_seconds += time.perf_counter() - t0
+    block_metrics: list[dict[str, np.ndarray]] = []
+    checkpoint_seconds = 0.0
+    run_start = time.perf_counter()
+    compile_before = compile_seconds
+
+    def block(length: int) -> Callable:
+        nonlocal compile_seconds
+        if length not in compiled:
+            t0 = time.perf_counter()
+            compiled[length] = task.compile_block(state, key, length)
+            compile_seconds += time.perf_counter() - t0
+        return compiled[length]
+
+    def elapsed() -> float:
+        spent = time.perf_counter() - run_start
+        return seconds_before + spent - (compile_seconds - compile_before) - checkpoint_seconds
+
+    def record() -> None:
+        metrics = jax.device_get(evaluate(state))
+        for entry in task.records(state, metrics, current, elapsed()):
+            records.append(entry)
+            if callback is not None:
+                callback(entry)
+
+    def save() -> None:
+        nonlocal checkpoint_seconds
+        t0 = time.perf_counter()
+        extra = {"identity": identity, "start_round": start, "records": records}
+        extra["seconds"] = elapsed()
+        checkpointer.save(state, key, extra, step=current)
+        checkpoint_seconds += time.perf_counter() - t0
+
+    def outcome(status: str) -> Any:
+        jax.block_until_ready(state)
+        run_seconds = time.perf_counter() - run_start - (compile_seconds - compile_before)
+        return finish(
+            Outcome(
+                state=state,
+                records=records,
+                metrics=block_metrics,
+                compile_seconds=compile_seconds,
+                run_seconds=run_seconds - checkpoint_seconds,
+                checkpoint_seconds=checkpoint_seconds,
+                status=status,
+                resumed_from=resumed_from,
+            )
+        )
+
+    def due(r: int, every: int) -> bool:
+        return r == end or (r - start) % every == 0
+
+    def next_point(r: int, every: int) -> int:
+        return min(end, start + ((r - start) // every + 1) * every)
+
+    def stop_if_signalled(signals: _DeferredSignals) -> None:
+        received, here = _agreed_signal(signals.received)
+        if received is None:
+            return
+        if checkpointer is not None and checkpointer.latest_round() != current:
+            save()
+        where = (
+            f"checkpoint at round {current} in {checkpointer.directory}"
+            if checkpointer is not None
+            else "no checkpoint_dir, nothing saved"
+        )
+        name = signal.Signals(received).name
+        by = "" if here else " by another process"
+        message = f"{name} received{by}: stopped after round {current} ({where})."
+        partial = outcome("interrupted" if current < end else "finished")
+        if received == signal.SIGTERM:
+            raise RunTerminated(message, partial)
+        # A plain KeyboardInterrupt, not a subclass: only then does an uncaught one make
+        # Python exit "killed by SIGINT" (status 130), which is what lets a shell loop
+        # around the command stop on Ctrl-C.
+        interrupt = KeyboardInterrupt(message)
+        interrupt.result = partial
+        raise interrupt
+
+    with _DeferredSignals() as signals:
+        if resumed_from is None:
+            record()
+            if checkpointer is not None:
+                save()  # so that resume works even if round r0 + 1 is never reached
+        while current < end:
+            stop_if_signalled(signals)
+            boundary = next_point(current, eval_every)
+            if checkpointer is not None:
+                boundary = min(boundary, next_point(current, checkpoint_every))
+            first = current
+            state, metrics = block(boundary - current)(state, key)
+            metrics = jax.device_get(metrics)
+            block_metrics.append(metrics)
+            current = boundary
+            try:
+                task.check(state, metrics, first, current)
+            except Diverged as err:
+                raise DivergenceError(str(err), outcome("diverged"), err.diverged_round) from None
+            if due(current, eval_every):
+                record()
+            if checkpointer is not None and due(current, checkpoint_every):
+                save()
+        # A signal during the last block (or before a run with nothing left to do) is
+        # still honoured: the caller asked to stop whatever comes after this run.
+        stop_if_signalled(signals)
+    return outcome("finished")
+
+
+# ----------------------------------------------------------------------------- identity
+def run_identity(simulation: Simulation, data, hparams: HParams, seed: int) -> dict[str, Any]:
+    """What fixes a single run's trajectory; a resumed run must agree on all of it.
+
+    ``hparams`` holds exactly the algorithm's declared hyper-parameters (resolved)."""
+    identity = {
+        "algorithm": simulation.algorithm.name,
+        "num_clients": int(data.num_clients),
+        "clients_per_round": simulation.clients_per_round,
+        "weighting": simulation.weighting,
+        "plan": repr(simulation.plan),
+        "seed": int(seed),
+        "hparams": {k: np.asarray(v).tolist() for k, v in hparams.items()},
+    }
+    return json.loads(json.dumps(identity))  # the form it has after a JSON round trip
+
+
+def _upgrade_identity(saved: dict[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint identity written before hyper-parameters were declared per algorithm.
+
+    Those always held ``client_lr``, ``server_lr`` and ``prox_mu``, with ``prox_mu = 0``
+    for every algorithm that ignored it. A name the current algorithm does not declare is
+    dropped when it held that ignored 0, so such checkpoints resume; any other value
+    stays and makes the comparison fail with its name.
+    """
+    saved = dict(saved)
+    hp, now = dict(saved.get("hparams") or {}), current.get("hparams") or {}
+    for name in [k for k in hp if k not in now]:
+        if name == "prox_mu" and hp[name] == 0.0:
+            del hp[name]
+    saved["hparams"] = hp
+    return saved
+
+
+def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], where: str) -> None:
+    """Raises ValueError naming every difference between two run identities."""
+    if saved is None or current is None:
+        return  # written by checkpoint.save() directly: nothing to compare
+    saved = _upgrade_identity(saved, current)
+
+    def show(key, value):
+        if key == "hparams" and isinstance(value, dict):
+            return f"({format_hparams(value)})"
+        return repr(value)
+
+    diffs = [
+        f"{k}: {show(k, saved.get(k))} in the checkpoint, {show(k, v)} now"
+        for k, v in current.items()
+        if saved.get(k) != v
+    ]
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {where}: it belongs to a different run ({'; '.join(diffs)}). "
+            "Resume with the same algorithm, data, batch plan, S, weighting, hparams and "
+            "seed, or start a new run in another checkpoint directory."
+        )
+
+
+# ----------------------------------------------------------------------------- single runs
+class _SingleRun:
+    """A :class:`Task` for one run of a :class:`Simulation`: divergence policy ``raise``."""
+
+    def __init__(self, simulation: Simulation, data, hparams: HParams):
+        self.simulation, self.data, self.hparams = simulation, data, hparams
+        self._all_finite = jax.jit(all_finite)
+
+    def compile_block(self, state, key, num_rounds):
+        sim, data, hp = self.simulation, self.data, self.hparams
+        program = sim.run_rounds.lower(hp, state, data, key, num_rounds=num_rounds).compile()
+        return lambda state, key: program(hp, state, data, key)
+
+    def compile_evaluate(self, state):
+        program = self.simulation.evaluate.lower(state.server, self.data).compile()
+        return lambda state: program(state.server, self.data)
+
+    def round_of(self, state):
+        return int(state.round)
+
+    def records(self, state, metrics, round, seconds):
+        del state
+        entry = {"round": int(round), **{k: float(v) for k, v in metrics.items()}}
+        entry["seconds"] = seconds
+        return [entry]
+
+    def check(self, state, metrics, first, last):
+        if bool(self._all_finite(state.server)):
+            return
+        bad = np.flatnonzero(~np.isfinite(np.asarray(metrics["update_norm"])))
+        diverged_round = first + int(bad[0]) + 1 if bad.size else last
+        raise Diverged(
+            f"{self.simulation.algorithm.name} diverged: the server state holds NaN/Inf after "
+            f"round {last} (the first non-finite update came from round {diverged_round}) "
+            f"with {format_hparams(self.hparams)}. Lower client_lr or server_lr.",
+            diverged_round,
+        )
+
+
+def run(
+    simulation: Simulation,
+    data,
+    hparams: HParams | Mapping[str, Any],
+    num_rounds: int,
+    eval_every: int | None = None,
+    seed: int = 0,
+    state: SimState | None = None,
+    callback: Callable[[dict[str, Any]], None] | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    keep_checkpoints: int = 3,
+    resume: bool = False,
+) -> RunResult:
+    """Runs ``num_rounds`` rounds of ``simulation``, evaluating at the start and every
+    ``eval_every`` rounds (schedule, resume, signals: see the module docstring).
+
+    The root key is ``jax.random.key(seed)``; round r uses ``fold_in(root, r)``, so a run
+    resumed from a state at round r continues exactly as an uninterrupted one. To resume,
+    pass the arguments of the interrupted call unchanged: ``num_rounds`` still counts from
+    r0, and ``callback`` sees only the new records. The data and the state are placed in
+    the simulation's layout first.
+
+    Divergence. After every block the server state is checked; NaN or Inf stops the run
+    with :class:`DivergenceError` (a ``ValueError``) naming the round, the algorithm and
+    the hyper-parameters, and carrying the result so far (``status="diverged"``). We raise
+    rather than return: a single run that diverged is almost always a mistake to be seen,
+    and a grid search can catch it and read ``err.result`` (sweeps freeze diverged configs
+    instead, see :mod:`scaffold_jax.sweep`). The diverged state is never checkpointed.
+
+    Args:
+      simulation: the :class:`~scaffold_jax.engine.Simulation`.
+      data: a federated dataset (:class:`~scaffold_jax.data.FederatedData` or a
+        procedural one).
+      hparams: :class:`HParams` or a mapping; names the algorithm does not declare are
+        refused, declared ones not given take their defaults.
+      num_rounds: rounds to run from r0 (>= 1).
+      eval_every: evaluation period E in rounds (default: ``num_rounds``).
+      seed: the root seed.
+      state: a state to continue from (default: a fresh one). It is donated. Not with
+        ``resume=True``.
+      callback: called with each evaluation record as it is made.
+      checkpoint_dir: where to save checkpoints (see :mod:`scaffold_jax.checkpoint`).
+        Without ``resume`` it must not hold checkpoints already.
+      checkpoint_every: checkpoint period in rounds (default: at every evaluation).
+      keep_checkpoints: how many of the newest checkpoints to keep.
+      resume: continue from the newest checkpoint in ``checkpoint_dir``.
+
+    Returns:
+      A :class:`RunResult` with ``status="finished"``.
+
+    Raises:
+      ValueError: bad arguments, data that do not fit, a checkpoint directory already
+        in use, or a checkpoint of another run.
+      FileNotFoundError: ``resume=True`` and no checkpoint in ``checkpoint_dir``.
+      scaffold_jax.checkpoint.CheckpointError: every checkpoint there is corrupt.
+      DivergenceError: the server state became NaN or Inf.
+      KeyboardInterrupt: SIGINT (after the current block and its checkpoint).
+      RunTerminated: SIGTERM (after the current block and its checkpoint).
+    """
+    num_rounds = check_count("num_rounds", num_rounds)
+    eval_every = check_count("eval_every", num_rounds if eval_every is None else eval_every)
+    seed = check_count("seed", seed, minimum=0)
+    hparams = simulation.resolve_hparams(hparams)
+    for name, value in hparams.items():
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"hparams.{name} has shape {np.shape(value)}: Simulation.run takes scalar "
+                "hyper-parameters; use scaffold_jax.sweep to run a grid of them."
+            )
+    if checkpoint_dir is None:
+        if resume:
+            raise ValueError("resume=True needs the checkpoint_dir to resume from.")
+        if checkpoint_every is not None:
+            raise ValueError(
+                f"checkpoint_every = {checkpoint_every} was given without a checkpoint_dir "
+                "to save in."
+            )
+    else:
+        checkpoint_every = check_count(
+            "checkpoint_every", eval_every if checkpoint_every is None else checkpoint_every
+        )
+        keep_checkpoints = check_count("keep_checkpoints", keep_checkpoints)
+    if resume and state is not None:
+        raise ValueError(
+            "pass either state= (continue from a state in memory) or resume=True "
+            "(continue from the checkpoint), not both."
+        )
+
+    simulation.check(data)
+    identity = run_identity(simulation, data, hparams, seed)
+    layout = simulation.layout
+    data = layout.place_data(data)
+    if not resume:
+        state = simulation.init(data) if state is None else layout.place_state(state)
+    task = _SingleRun(simulation, data, hparams)
+
+    def finish(out: Outcome) -> RunResult:
+        if out.metrics:
+            metrics = {k: np.concatenate([m[k] for m in out.metrics]) for k in out.metrics[0]}
+            client_ids = metrics.pop("client_ids")
+        else:
+            metrics = {}
+            client_ids = np.zeros((0, simulation.clients_per_round), np.int32)
+        return RunResult(
+            state=out.state,
+            records=out.records,
+            client_ids=client_ids,
+            round_metrics=metrics,
+            compile_seconds=out.compile_seconds,
+            run_seconds=out.run_seconds,
+            status=out.status,
+            resumed_from=out.resumed_from,
+            checkpoint_seconds=out.checkpoint_seconds,
+        )
+
+    checkpointer = None
+    if checkpoint_dir is not None:
+        from scaffold_jax.checkpoint import Checkpointer  # orbax is an optional extra
+
+        checkpointer = Checkpointer(checkpoint_dir, max_to_keep=keep_checkpoints)
+    try:
+        return drive(
+            task,
+            state,
+            jr.key(seed),
+            num_rounds,
+            eval_every,
+            finish,
+            callback=callback,
+            checkpointer=checkpointer,
+            checkpoint_every=checkpoint_every,
+            identity=identity,
+            resume_into=simulation.state_like(data.num_clients) if resume else None,
+        )
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()

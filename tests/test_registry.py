@@ -1,0 +1,219 @@
+"""The open vocabularies: the Registry class, and models, partitioners and datasets that a
+test registers (as a plugin would) being usable through RunConfig and the loaders."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from scaffold_jax import experiments, models
+from scaffold_jax.data import partition, sources
+from scaffold_jax.experiments import ConfigError, RunConfig
+from scaffold_jax.models import MODELS, ModelSpec
+from scaffold_jax.registry import PLUGIN_HINT, Registry
+
+
+@pytest.fixture
+def scratch(monkeypatch):
+    """``scratch(registry)``: entries registered during the test are gone after it."""
+
+    def scratch(registry: Registry) -> Registry:
+        monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+        return registry
+
+    return scratch
+
+
+def toy_dataset(n_train=120, n_test=40, num_classes=4, seed=0) -> sources.Dataset:
+    rng = np.random.default_rng(seed)
+
+    def split(n):
+        y = rng.integers(0, num_classes, n).astype(np.int32)
+        return {"x": rng.integers(0, 255, (n, 8, 8)).astype(np.uint8), "y": y}
+
+    return sources.Dataset("toy", "memory", split(n_train), split(n_test), num_classes)
+
+
+def choices(field_name: str) -> tuple[str, ...]:
+    """The choices a field offers the command line, read now."""
+    (field,) = [f for f in dataclasses.fields(RunConfig) if f.name == field_name]
+    return tuple(field.metadata["choices"])
+
+
+# ----------------------------------------------------------------------------- Registry
+def test_registry_refuses_a_taken_name_unless_replace():
+    colours = Registry("colour")
+    red = colours.register("red", (255, 0, 0))
+    assert colours["red"] is red and "red" in colours and "blue" not in colours
+    with pytest.raises(ValueError, match="colour 'red' is already registered"):
+        colours.register("red", (254, 0, 0))
+    colours.register("red", red)  # the same entry again (a re-imported plugin) is fine
+    colours.register("red", (254, 0, 0), replace=True)
+    assert colours["red"] == (254, 0, 0)
+    colours.register("blue", (0, 0, 255))
+    assert colours.names() == ("red", "blue") and list(colours) == ["red", "blue"]
+    assert len(colours) == 2
+
+
+@pytest.mark.parametrize("name", ["", " red", "red ", None, 3])
+def test_registry_refuses_names_that_are_not_clean_strings(name):
+    with pytest.raises(ValueError, match="colour name must be a non-empty string"):
+        Registry("colour").register(name, 1)
+
+
+def test_an_unknown_name_lists_the_known_ones_with_a_suggestion_and_the_plugin_hint():
+    colours = Registry("colour")
+    colours.register("red", 1)
+    colours.register("green", 2)
+    with pytest.raises(ValueError) as err:
+        colours["gren"]
+    text = str(err.value)
+    assert text.startswith(
+        "colour 'gren' is unknown (did you mean 'green'?); use one of red, green"
+    )
+    assert PLUGIN_HINT in text
+
+
+# ----------------------------------------------------------------------------- unknown names
+def test_unknown_model_partitioner_and_dataset_names_say_what_is_known():
+    with pytest.raises(ValueError, match=r"model 'cnn' is unknown; use one of logreg, mlp"):
+        experiments.make_problem("cnn", toy_dataset())
+    with pytest.raises(ValueError, match=r"partitioner 'dirichet' is unknown \(did you mean "):
+        partition.PARTITIONERS["dirichet"]
+    with pytest.raises(ConfigError) as err:
+        RunConfig(partition="dirichet", model="mpl").validate()
+    text = str(err.value)
+    assert (
+        "partition = 'dirichet' is invalid: it must be one of 'similarity', 'dirichlet', "
+        "'shards', 'iid' (did you mean 'dirichlet'?)" in text
+    )
+    assert (
+        "model = 'mpl' is invalid: it must be one of 'logreg', 'mlp' (did you mean 'mlp'?)" in text
+    )
+    assert PLUGIN_HINT in text
+    with pytest.raises(ConfigError, match="model = 3 is invalid"):
+        RunConfig(model=3).validate()
+
+
+# ----------------------------------------------------------------------------- partitioners
+def halves(labels, num_clients, *, seed, stride, calls=None):
+    """Client 0 gets the first half of the examples, the others share the rest."""
+    n = len(labels)
+    if calls is not None:
+        calls.append({"n": n, "num_clients": num_clients, "seed": seed, "stride": stride})
+    rest = np.array_split(np.arange(n // 2, n), num_clients - 1)
+    return [np.arange(n // 2), *rest]
+
+
+def test_a_registered_partitioner_is_validated_and_built_from_the_config(scratch):
+    # Before it is registered it is an error; validation reads the registry when it runs.
+    with pytest.raises(ConfigError, match="partition = 'halves' is invalid"):
+        RunConfig(partition="halves").validate()
+    calls = []
+    split = functools.partial(halves, calls=calls)
+    scratch(partition.PARTITIONERS).register(
+        "halves", partition.PartitionerSpec(split, {"shards_per_client": ("stride", 3)})
+    )
+    assert "halves" in choices("partition")
+
+    config = RunConfig(partition="halves", num_clients=4, clients_per_round=2, seed=5)
+    assert config.validate().resolved_partition() == ("halves", {"stride": 3})
+    given = config.replace(shards_per_client=7)
+    assert given.validate().resolved_partition() == ("halves", {"stride": 7})
+    with pytest.raises(
+        ConfigError,
+        match=r"similarity = 10 does not apply to partition = 'halves'; remove it or set "
+        r"partition = 'similarity'",
+    ):
+        config.replace(similarity=10).validate()
+
+    built = experiments.build(given, dataset=toy_dataset())
+    assert calls == [{"n": 120, "num_clients": 4, "seed": 5, "stride": 7}]
+    assert np.asarray(built.data.counts).tolist() == [60, 20, 20, 20]
+    assert built.info["partition"] == {"kind": "halves", "stride": 7}
+
+
+def test_a_registered_partitioner_without_parameters_keeps_the_builtin_inference(scratch):
+    scratch(partition.PARTITIONERS).register(
+        "halves", partition.PartitionerSpec(functools.partial(halves, stride=0), {})
+    )
+    # A field set without a partition still picks the built-in that takes it.
+    assert RunConfig(dirichlet_alpha=0.3).validate().resolved_partition() == (
+        "dirichlet",
+        {"alpha": 0.3},
+    )
+    with pytest.raises(ConfigError, match="dirichlet_alpha = 0.3 does not apply to partition"):
+        RunConfig(partition="halves", dirichlet_alpha=0.3).validate()
+    assert RunConfig(partition="halves").validate().resolved_partition() == ("halves", {})
+
+
+def test_a_partitioner_taking_a_field_the_config_lacks_is_a_config_error(scratch):
+    scratch(partition.PARTITIONERS).register(
+        "odd", partition.PartitionerSpec(halves, {"stride_of_clients": ("stride", 1)})
+    )
+    with pytest.raises(ConfigError, match="takes the field 'stride_of_clients', which this"):
+        RunConfig(partition="odd").validate()
+
+
+# ----------------------------------------------------------------------------- models
+def test_a_registered_model_builds_the_problem_of_a_config(scratch):
+    calls = []
+
+    def wide_logreg(input_shape, num_classes, *, key, hidden_sizes):
+        calls.append((input_shape, num_classes, list(hidden_sizes)))
+        return models.logistic_regression(input_shape, num_classes, key=key, zero_init=False)
+
+    with pytest.raises(ConfigError, match="model = 'wide' is invalid"):
+        RunConfig(model="wide").validate()
+    scratch(MODELS).register("wide", ModelSpec(wide_logreg, "Wide", ("hidden_sizes",)))
+    assert "wide" in choices("model")
+
+    config = RunConfig(model="wide", hidden_sizes=[3], num_clients=4, clients_per_round=2)
+    built = experiments.build(config.validate(), dataset=toy_dataset())
+    assert calls == [((8, 8), 4, [3])]
+    assert built.problem.params["linear"]["kernel"].shape == (64, 4)
+    # The key comes from the config's seed: another seed, other initial params.
+    other = experiments.build(config.replace(seed=1), dataset=toy_dataset())
+    kernel, other_kernel = (b.problem.params["linear"]["kernel"] for b in (built, other))
+    assert not np.allclose(kernel, other_kernel)
+
+
+def test_models_build_takes_only_the_declared_options():
+    problem = models.build(
+        "mlp", (6,), 3, key=jax.random.key(0), options={"hidden_sizes": [5], "similarity": 3}
+    )
+    assert problem.params["hidden_0"]["kernel"].shape == (6, 5)
+    logreg = models.build("logreg", (6,), 3, key=jax.random.key(0), options={"hidden_sizes": [5]})
+    assert set(logreg.params) == {"linear"}
+    with pytest.raises(TypeError, match="options must map config fields"):
+        models.build("mlp", (6,), 3, key=jax.random.key(0), options=[5])
+
+
+# ----------------------------------------------------------------------------- datasets
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, ">u4").tobytes()
+    path.write_bytes(gzip.compress(header + np.asarray(array, ">u1").tobytes()))
+
+
+def test_a_registered_dataset_loads_from_idx_files_and_validates(scratch, tmp_path):
+    with pytest.raises(ConfigError, match="dataset = 'Glyphs' is invalid"):
+        RunConfig(dataset="Glyphs").validate()
+    scratch(sources.DATASETS).register("Glyphs", sources.DatasetSpec(3, "glyphs-", False, ("g",)))
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "g"
+    folder.mkdir()
+    for split, n in (("train", 12), ("t10k", 5)):
+        _write_idx(folder / f"glyphs-{split}-images-idx3-ubyte.gz", rng.integers(0, 255, (n, 4, 4)))
+        _write_idx(folder / f"glyphs-{split}-labels-idx1-ubyte.gz", rng.integers(0, 3, n))
+    assert sources.canonical_name("Glyphs") == "Glyphs"
+    assert "Glyphs" in choices("dataset")
+    RunConfig(dataset="Glyphs").validate()
+    ds = sources.load("Glyphs", data_dir=tmp_path, cache_dir=tmp_path / "cache")
+    assert ds.name == "Glyphs" and ds.num_classes == 3 and ds.source == str(folder)
+    assert ds.train["x"].shape == (12, 4, 4) and ds.test["y"].shape == (5,)

@@ -27,9 +27,11 @@ that their ratios survive a noisy shared machine:
   no sampling, no masks, no client table; the only "aggregation" is ``x ← mean_S y``, which
   keeps XLA from hoisting the round out of the loop. SGD's bare program is one gradient
   over the K·B examples per client; SCAFFOLD option I's adds that gradient to the K steps.
-  ``bare`` takes the gradient with respect to the params as stored (kernels ``[in, out]``);
-  ``bare_tuned`` does the same work with kernels carried ``[out, in]`` (the compute layout
-  of :mod:`scaffold_jax.local`), the fastest formulation of the local step we found.
+  ``bare`` takes the gradient of the same model with flax's ``nn.Dense`` kernels
+  (``[in, out]``, :func:`flax_layout_problem`), all S clients in one vmap;
+  ``bare_tuned`` does the same work with the package's models (kernels ``[out, in]``,
+  :class:`scaffold_jax.models.Dense`) in the engine's client chunks, the fastest
+  formulation of the local step we found.
 * ``loop``: the per-client loop — a jitted client function (batch drawing + K steps) called
   from Python once per sampled client, then a jitted server update (how most simulators
   run; :func:`loop_program`).
@@ -44,6 +46,7 @@ import resource
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -159,6 +162,33 @@ def make_problem(w: Workload) -> sj.Problem:
     return sj.models.mlp(IMAGE_SHAPE, w.num_classes, hidden_sizes=w.hidden_sizes)
 
 
+class _FlaxLayoutNet(nn.Module):
+    """The workload's model with flax's own ``nn.Dense`` (kernels stored ``[in, out]``)."""
+
+    hidden_sizes: tuple[int, ...]
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = x.astype(jnp.float32).reshape((x.shape[0], -1)) * (1.0 / 255.0)
+        for width in self.hidden_sizes:
+            h = nn.relu(nn.Dense(width)(h))
+        return nn.Dense(self.num_classes)(h)
+
+
+def flax_layout_problem(w: Workload) -> sj.Problem:
+    """:func:`make_problem`'s model with kernels stored ``[in, out]``, as flax's
+    ``nn.Dense`` stores them: the layout before the models took ``[out, in]``
+    (:class:`scaffold_jax.models.Dense`). The ``bare`` floor and the ablation's "stored
+    layout" stage use it."""
+    hidden = tuple(w.hidden_sizes) if w.model == "mlp" else ()
+    module = _FlaxLayoutNet(hidden, w.num_classes)
+    problem = sj.models.classification_problem(module, IMAGE_SHAPE, jr.key(0))
+    if w.model == "logreg":  # zero-initialised, as logistic_regression is
+        problem = problem._replace(params=jax.tree.map(jnp.zeros_like, problem.params))
+    return problem
+
+
 def make_algorithm(name: str, loss_fn) -> sj.Algorithm:
     if name == "scaffold":
         return sj.scaffold(loss_fn, option=2)
@@ -168,7 +198,7 @@ def make_algorithm(name: str, loss_fn) -> sj.Algorithm:
 
 
 def make_hparams(name: str) -> sj.HParams:
-    return sj.hparams(client_lr=0.05, prox_mu=0.01 if name == "fedprox" else 0.0)
+    return sj.hparams(client_lr=0.05, **({"prox_mu": 0.01} if name == "fedprox" else {}))
 
 
 def gradient_kind(name: str) -> str:
@@ -236,17 +266,16 @@ def memory_stats(compiled) -> dict[str, int] | None:
     }
 
 
-def _swap_minor(tree, flips):
-    return jax.tree.map(lambda a, f: jnp.swapaxes(a, -1, -2) if f else a, tree, flips)
-
-
 def bare_program(
     w: Workload, name: str, problem, tuned: bool, chunk: int | None = None, seed: int = 1
 ):
     """``(run, x0)``: R rounds of the bare per-client gradient work (module docstring).
 
-    ``tuned``: kernels carried ``[out, in]`` and the S clients run ``chunk`` at a time
-    (the engine's :meth:`~scaffold_jax.Simulation.resolve_client_chunk`; None: all S).
+    ``tuned``: ``problem`` as given (the models' ``[out, in]`` kernels) and the S clients
+    run ``chunk`` at a time (the engine's
+    :meth:`~scaffold_jax.Simulation.resolve_client_chunk`; None: all S); otherwise the
+    same model with flax's ``[in, out]`` kernels (:func:`flax_layout_problem`), all S in
+    one vmap.
     """
     k, b = w.steps_and_batch
     s = w.clients_per_round
@@ -255,16 +284,14 @@ def bare_program(
     ys = jnp.asarray(rng.integers(0, w.num_classes, (s, k, b)).astype(np.int32))
     lr = 0.05
     kind = gradient_kind(name)
+    if not tuned:
+        problem = flax_layout_problem(w)
     params = jax.tree.map(jnp.asarray, problem.params)
-    flips = jax.tree.map(lambda a: tuned and a.ndim >= 2 and a.shape[-1] < a.shape[-2], params)
 
-    def grad(p_layout, x, y):
-        def loss(p):
-            return jnp.mean(problem.loss_fn(_swap_minor(p, flips), {"x": x, "y": y}))
+    def grad(p, x, y):
+        return jax.grad(lambda q: jnp.mean(problem.loss_fn(q, {"x": x, "y": y})))(p)
 
-        return jax.grad(loss)(p_layout)
-
-    def client(p, cx, cy):  # p in the compute layout; cx [K, B, ...]
+    def client(p, cx, cy):  # cx [K, B, ...]
         out = p
         if kind in ("steps", "steps+grad"):
 
@@ -294,8 +321,8 @@ def bare_program(
                 y = jax.lax.map(lambda a: client(p, *a), (bx, by), batch_size=chunk)
             return jax.tree.map(lambda a: jnp.mean(a, axis=0), y), None
 
-        p, _ = jax.lax.scan(one, _swap_minor(x, flips), None, length=rounds)
-        return _swap_minor(p, flips)
+        p, _ = jax.lax.scan(one, x, None, length=rounds)
+        return p
 
     return run, params
 
@@ -523,14 +550,12 @@ def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[di
     instead of uint8 images.
     """
     import scaffold_jax.data.batching as batching
-    import scaffold_jax.local as local
 
-    no_flips = lambda params: jax.tree.map(lambda a: False, params)  # noqa: E731
     sorted_sampler = (batching, "_permutations", _argsort_permutations)
-    stored_layout = (local, "_compute_layout_flips", no_flips)
+    flax_problem = flax_layout_problem(w)
     programs, rounds, compile_s = {}, {}, {}
 
-    def add(label, patches=(), w_=w, data_=data, donate=True, client_chunk="auto"):
+    def add(label, patches=(), w_=w, data_=data, donate=True, client_chunk="auto", problem=problem):
         with _patched(patches):
             alg = make_algorithm(name, problem.loss_fn)
             sim = sj.Simulation(
@@ -552,10 +577,11 @@ def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[di
     chunk = sj.Simulation(alg, problem, w.plan, w.clients_per_round).resolve_client_chunk(data)
     add(
         "ablation: before (argsort sampler, stored layout, one vmap)",
-        (sorted_sampler, stored_layout),
+        (sorted_sampler,),
         client_chunk=None,
+        problem=flax_problem,
     )
-    add("ablation: + top_k sampler", (stored_layout,), client_chunk=None)
+    add("ablation: + top_k sampler", client_chunk=None, problem=flax_problem)
     if chunk is None:
         add("ablation: + compute layout (engine now)")
     else:

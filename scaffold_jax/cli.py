@@ -7,8 +7,14 @@ Commands:
   is a flag (``client_lr`` -> ``--client-lr``).
 * ``scaffold-jax reproduce {fig3,table3,table4,table5}``: a protocol of Karimireddy et
   al. (ICML 2020), with ``--quick`` for a test-sized run.
-* ``scaffold-jax sweep``: a step-size × seed grid per algorithm, one vmapped program each.
+* ``scaffold-jax sweep``: a grid over any declared hyper-parameter × seeds per algorithm,
+  one vmapped program each.
 * ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model.
+
+``--plugin MODULE_OR_FILE.py`` (repeatable; config key ``plugins``) imports a module that
+registers algorithms, models, datasets or partitioners before the parser is built, so
+their declared hyper-parameters and options have flags; ``--set NAME=VALUE`` sets any
+field or declared name.
 
 Each run writes its output folder (see :mod:`scaffold_jax.results`): ``config.json``,
 ``metrics.jsonl``, ``summary.json``, ``metrics.csv`` and plots; a folder that already
@@ -37,13 +43,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from scaffold_jax.experiments import ConfigError, RunConfig
-from scaffold_jax.loop import DivergenceError
+from scaffold_jax.loop import DivergenceError, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
@@ -117,11 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = commands.add_parser(
         "sweep",
-        help="a grid of step sizes x seeds, one vmapped program per algorithm",
-        description="Sweep eta_l (and seeds) for one or more algorithms on the run described "
-        "by the config flags. Each grid is ONE compiled, vmapped program; writes sweep.json "
-        "(per-config records), summary.md (best eta_l per algorithm by rounds to --target, "
-        "mean +- std over seeds) and two plots to --out.",
+        help="a grid of hyper-parameters x seeds, one vmapped program per algorithm",
+        description="Sweep eta_l (--lr-grid), any declared hyper-parameter (--grid NAME=V1,"
+        "V2,...) and seeds for one or more algorithms on the run described by the config "
+        "flags; each algorithm gets the axes it declares. Each grid is ONE compiled, vmapped "
+        "program. Writes metrics.jsonl as it goes (one series per config), then sweep.json "
+        "(per-config records), summary.md (the best config per algorithm by rounds to "
+        "--target, mean +- std over seeds; the policy of scaffold_jax.results.select) and "
+        "two plots to --out.",
     )
     _config_flags(sw)
     sw.add_argument(
@@ -481,13 +489,6 @@ def _reproduce_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _terminate(signum, frame):  # noqa: ARG001 - the signal handler signature
-    # SIGTERM (a scheduler's kill, `timeout`) outside Simulation.run (which defers it to
-    # the end of its compiled block itself) exits as a shell would report it, 128 + 15,
-    # through SystemExit, so the run's writer records "interrupted" on its way out.
-    raise SystemExit(128 + signum)
-
-
 def _preload_plugins(argv: Sequence[str]) -> None:
     """Imports the ``--plugin`` modules before the parser is built, so that what they
     register (an algorithm's hyper-parameters, say) has its flags."""
@@ -510,17 +511,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        previous = signal.signal(signal.SIGTERM, _terminate)
-    except ValueError:  # not the main thread (e.g. called from a worker): keep the default
-        previous = None
-    try:
         commands = {
             "run": _run_command,
             "reproduce": _reproduce_command,
             "sweep": _sweep_command,
             "diagnose": _diagnose_command,
         }
-        return commands[args.command](args)
+        with sigterm_exits():
+            return commands[args.command](args)
     except (FileExistsError, FileNotFoundError, DivergenceError) as err:
         # DivergenceError first: it is a ValueError, but the config was valid.
         print(f"scaffold-jax: error: {err}", file=sys.stderr)
@@ -531,9 +529,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("scaffold-jax: interrupted; finished records are kept.", file=sys.stderr)
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

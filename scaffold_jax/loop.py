@@ -29,6 +29,7 @@ of them stops all of them after the same block.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -170,6 +171,29 @@ class _DeferredSignals:
 
     def __exit__(self, *exc_info) -> None:
         self._restore()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    del frame
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """Outside a running loop, SIGTERM (a scheduler's kill, ``timeout``) exits as a shell
+    reports it, 128 + 15, through ``SystemExit``, so that a run writer records
+    ``"interrupted"`` on its way out (a running loop defers it to the end of its block
+    itself). The command line wraps every command in it. Off the main thread, nothing
+    changes."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    except ValueError:  # not the main thread: keep the default
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _agreed_signal(received: int | None) -> tuple[int | None, bool]:

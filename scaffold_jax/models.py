@@ -11,8 +11,8 @@ line, ``MODELS.register("name", ModelSpec(build, "Display name", options))``, in
 
 Examples:
   >>> problem = build("mlp", (28, 28), 10, key=jr.key(0), options={"hidden_sizes": [32]})
-  >>> problem.params["hidden_0"]["kernel"].shape
-  (784, 32)
+  >>> problem.params["hidden_0"]["kernel"].shape  # [out, in]: see Dense
+  (32, 784)
 """
 
 from __future__ import annotations
@@ -38,6 +38,40 @@ def _features(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32).reshape((x.shape[0], -1))
 
 
+def _transposed(init: Callable) -> Callable:
+    """``init`` for an ``[in, out]`` kernel, returned ``[out, in]``: the same numbers
+    flax's ``nn.Dense`` starts from, in this module's layout."""
+    return lambda key, shape: init(key, shape).T
+
+
+class Dense(nn.Module):
+    """A dense layer whose kernel is stored ``[out, in]`` (equinox's ``Linear`` layout).
+
+    The model owns its layout; the local solver takes params as they are. Why ``[out,
+    in]``: the gradient of ``x · Wᵀ`` is ``δᵀ x``, which comes out ``[out, in]`` with the
+    wide input axis minor. Vmapped over clients, flax's ``[in, out]`` kernel makes it a
+    batched matmul whose minor axis is ``out`` (10 classes for a logistic regression), a
+    narrow, poorly vectorised GEMM (the speed-up is measured in benchmarks/README.md).
+    Initialised as ``nn.Dense`` is (LeCun normal over the fan-in, zero bias), from the
+    same key: a model seeded alike starts from the same numbers, transposed.
+
+    Attributes:
+      features: the output width.
+    """
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param(
+            "kernel", _transposed(nn.initializers.lecun_normal()), (x.shape[-1], self.features)
+        )
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        # Contract x's last axis with the kernel's input axis (its minor one).
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
+        return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
 class LogisticRegression(nn.Module):
     """Multinomial logistic regression: one dense layer to the class logits."""
 
@@ -45,7 +79,7 @@ class LogisticRegression(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(self.num_classes, name="linear")(_features(x))
+        return Dense(self.num_classes, name="linear")(_features(x))
 
 
 class MLP(nn.Module):
@@ -58,8 +92,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         h = _features(x)
         for i, width in enumerate(self.hidden_sizes):
-            h = nn.relu(nn.Dense(width, name=f"hidden_{i}")(h))
-        return nn.Dense(self.num_classes, name="output")(h)
+            h = nn.relu(Dense(width, name=f"hidden_{i}")(h))
+        return Dense(self.num_classes, name="output")(h)
 
 
 def classification_problem(module: nn.Module, input_shape: Sequence[int], key) -> Problem:
@@ -102,8 +136,8 @@ def logistic_regression(
 
     Examples:
       >>> problem = logistic_regression((28, 28), 10)
-      >>> problem.params["linear"]["kernel"].shape
-      (784, 10)
+      >>> problem.params["linear"]["kernel"].shape  # [out, in]: see Dense
+      (10, 784)
     """
     _check_shape(input_shape, num_classes)
     problem = classification_problem(

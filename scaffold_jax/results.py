@@ -52,7 +52,6 @@ SUMMARY_FILE = "summary.json"
 CSV_FILE = "metrics.csv"
 
 RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"
-DIVERGED = "diverged"
 
 # Record fields that describe the setting of a series rather than measure it: left out of
 # a series' "final" metrics.

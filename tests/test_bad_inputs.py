@@ -221,7 +221,7 @@ CASES = [
          "Simulation.run", ValueError,
          "the model's params do not fit the data: loss_fn(params, batch) failed for a batch "
          "with shapes {'x': ((2, 5), 'float32'), 'y': ((2,), 'int32')} and params with shapes "
-         "{'linear': {'bias': (3,), 'kernel': (7, 3)}}. Build the model for the data's "
+         "{'linear': {'bias': (3,), 'kernel': (3, 7)}}. Build the model for the data's "
          "example shape and number of classes. (…)",
          lambda ctx: run(ctx, sim=simulation(ctx, problem=sj.models.logistic_regression((7,), 3)))),
     Case("loss-returns-mean", "a loss that returns a mean", "Simulation.run", ValueError,
@@ -381,8 +381,8 @@ CASES = [
          "Simulation.run", ValueError,
          "checkpoint {tmp}/ckpt/2 does not match this simulation: .clients.control['linear']"
          "['bias'] is float32(7, 3) in the checkpoint but float32(6, 3) here; "
-         ".clients.control['linear']['kernel'] is float32(7, 5, 3) in the checkpoint but "
-         "float32(6, 5, 3) here. It was written by a run with another model, number of "
+         ".clients.control['linear']['kernel'] is float32(7, 3, 5) in the checkpoint but "
+         "float32(6, 3, 5) here. It was written by a run with another model, number of "
          "clients or algorithm; resume with the same configuration or use another checkpoint "
          "directory.",
          lambda ctx: resume(ctx, data=sj.from_client_arrays(clients(sizes=(2, 9, 5, 13, 3, 7))))),

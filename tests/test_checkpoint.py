@@ -493,3 +493,44 @@ def test_sigint_to_a_process_saves_then_exits_and_resume_is_bitwise_identical(
     assert f"stopped after round {saved} (checkpoint at round {saved}" in err
     err = _resume_and_compare(tmp_path, jax_cache, reference)
     assert "is corrupt" not in err  # the checkpoint saved on SIGINT is intact
+
+
+# --------------------------------------------------------------------------- before the redesign
+def test_a_checkpoint_written_before_the_redesign_resumes(setup, reference, interrupted, tmp_path):
+    """Checkpoints of earlier versions stored every run's hparams as (client_lr,
+    server_lr, prox_mu = 0); SCAFFOLD declares no prox_mu now. Such a checkpoint resumes
+    and ends bit for bit where the uninterrupted run does."""
+    sim, data, hp = setup
+    with checkpoint.Checkpointer(interrupted["dir"]) as ckpt:
+        restored = ckpt.restore_latest(sim.state_like(data.num_clients))
+    extra = json.loads(json.dumps(restored.extra))
+    assert extra["identity"]["hparams"] == {"client_lr": pytest.approx(0.1), "server_lr": 1.0}
+    extra["identity"]["hparams"]["prox_mu"] = 0.0  # what the earlier versions wrote
+    old = tmp_path / "old"
+    checkpoint.save(old, restored.state, restored.key, extra)
+    result = sim.run(data, hp, checkpoint_dir=old, resume=True, **RUN_ARGS)
+    assert result.resumed_from == restored.round
+    assert_bitwise_equal(leaves(result.state), reference["leaves"])
+    # A prox_mu that meant something (not the ignored 0) is still a different run.
+    extra["identity"]["hparams"]["prox_mu"] = 0.5
+    other = tmp_path / "other"
+    checkpoint.save(other, restored.state, restored.key, extra)
+    with pytest.raises(ValueError, match=r"different run \(hparams: \(.*prox_mu=0.5\) in the"):
+        sim.run(data, hp, checkpoint_dir=other, resume=True, **RUN_ARGS)
+
+
+def test_a_checkpoint_of_the_earlier_in_out_kernels_is_refused_naming_the_shapes(tmp_path):
+    """The models store kernels [out, in] now; a checkpoint of the earlier [in, out]
+    logistic regression is refused with both shapes, never silently transposed."""
+    problem = sj.models.logistic_regression((4,), 3)
+    sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, sj.BatchPlan.full(1), 2)
+    old_params = {"linear": {"bias": jnp.zeros(3), "kernel": jnp.zeros((4, 3))}}
+    old_state = sj.init_state(sim.algorithm, old_params, 5)
+    checkpoint.save(tmp_path, old_state, jr.key(0))
+    rng = np.random.default_rng(0)
+    data = sj.from_client_arrays(
+        [{"x": rng.normal(size=(3, 4)).astype("float32"), "y": np.arange(3)} for _ in range(5)]
+    )
+    with pytest.raises(ValueError, match=r"kernel'\] is float32\(5, 4, 3\) in the checkpoint "
+                       r"but float32\(5, 3, 4\) here"):  # fmt: skip
+        sim.run(data, sj.hparams(0.1), num_rounds=1, checkpoint_dir=tmp_path, resume=True)

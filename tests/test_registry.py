@@ -177,7 +177,7 @@ def test_a_registered_model_builds_the_problem_of_a_config(scratch):
     config = RunConfig(model="wide", hidden_sizes=[3], num_clients=4, clients_per_round=2)
     built = experiments.build(config.validate(), dataset=toy_dataset())
     assert calls == [((8, 8), 4, [3])]
-    assert built.problem.params["linear"]["kernel"].shape == (64, 4)
+    assert built.problem.params["linear"]["kernel"].shape == (4, 64)  # [out, in]
     # The key comes from the config's seed: another seed, other initial params.
     other = experiments.build(config.replace(seed=1), dataset=toy_dataset())
     kernel, other_kernel = (b.problem.params["linear"]["kernel"] for b in (built, other))
@@ -188,7 +188,7 @@ def test_models_build_takes_only_the_declared_options():
     problem = models.build(
         "mlp", (6,), 3, key=jax.random.key(0), options={"hidden_sizes": [5], "similarity": 3}
     )
-    assert problem.params["hidden_0"]["kernel"].shape == (6, 5)
+    assert problem.params["hidden_0"]["kernel"].shape == (5, 6)  # [out, in]
     logreg = models.build("logreg", (6,), 3, key=jax.random.key(0), options={"hidden_sizes": [5]})
     assert set(logreg.params) == {"linear"}
     with pytest.raises(TypeError, match="options must map config fields"):
@@ -217,3 +217,20 @@ def test_a_registered_dataset_loads_from_idx_files_and_validates(scratch, tmp_pa
     ds = sources.load("Glyphs", data_dir=tmp_path, cache_dir=tmp_path / "cache")
     assert ds.name == "Glyphs" and ds.num_classes == 3 and ds.source == str(folder)
     assert ds.train["x"].shape == (12, 4, 4) and ds.test["y"].shape == (5,)
+
+
+def test_the_model_owns_its_kernel_layout():
+    """models.Dense stores [out, in] and starts from flax nn.Dense's numbers, transposed:
+    the same function of the same key, with the layout the local solver computes in."""
+    import flax.linen as nn
+
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    ours = models.Dense(3)
+    theirs = nn.Dense(3)
+    p_ours = ours.init(jax.random.key(0), x)["params"]
+    p_theirs = theirs.init(jax.random.key(0), x)["params"]
+    assert p_ours["kernel"].shape == (3, 6) and p_theirs["kernel"].shape == (6, 3)
+    np.testing.assert_array_equal(p_ours["kernel"], p_theirs["kernel"].T)
+    np.testing.assert_allclose(
+        ours.apply({"params": p_ours}, x), theirs.apply({"params": p_theirs}, x), rtol=1e-6
+    )

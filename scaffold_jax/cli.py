@@ -113,11 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="set any protocol field (VALUE parsed as JSON when it can be), e.g. "
         "--set delta=0.99 or --set max_train_examples=20000; repeatable",
     )
-    rep.add_argument(
-        "--no-sweep",
-        action="store_true",
-        help="loop over the eta_l grid instead of one vmapped sweep program",
-    )
     _common(rep)
 
     sw = commands.add_parser(
@@ -483,7 +478,6 @@ def _reproduce_command(args: argparse.Namespace) -> int:
         quick=args.quick,
         overwrite=args.overwrite,
         quiet=args.quiet,
-        use_sweep=not args.no_sweep,
         **overrides,
     )
     return 0

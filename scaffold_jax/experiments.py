@@ -938,6 +938,9 @@ class GridRun(NamedTuple):
     diverged: bool
 
 
+_SWEEP_KEYS = ("config", "status", "seconds")  # a sweep record's own; GridRun has its fields
+
+
 def run_grid(
     simulation: Simulation,
     data,
@@ -946,17 +949,12 @@ def run_grid(
     eval_every: int,
     seed: int = 0,
     hparams: Mapping[str, float] | None = None,
-    use_sweep: bool = True,
 ) -> tuple[list[GridRun], dict[str, float]]:
-    """Runs ``simulation`` for every η_l of a grid from its initial params.
+    """Runs ``simulation`` for every η_l of a grid from its initial params, as ONE vmapped
+    program (:func:`scaffold_jax.sweep.sweep`; each η_l equals its own single run).
 
     ``hparams``: the other hyper-parameters, fixed for the whole grid (names the
     algorithm does not declare are left out; undeclared ones take their defaults).
-
-    With ``use_sweep`` the grid is ONE vmapped program (:func:`scaffold_jax.sweep.sweep`):
-    a single compilation, and on an accelerator the whole grid for about the price of one
-    run. Otherwise (or if the sweep module cannot be imported) it loops over
-    :meth:`Simulation.run`, which still compiles once because η_l is data.
 
     Returns:
       ``(runs, timing)`` with ``timing = {"compile_seconds", "run_seconds"}``.
@@ -964,47 +962,18 @@ def run_grid(
     lrs = [float(lr) for lr in client_lrs]
     declared = simulation.algorithm.hparams
     fixed = {k: float(v) for k, v in (hparams or {}).items() if k in declared}
-    if use_sweep:
-        grid_hp, seeds, _ = sweep_module.grid(client_lr=lrs, seeds=seed, **fixed)
-        result = sweep_module.sweep(simulation, data, grid_hp, seeds, num_rounds, eval_every)
-        runs = []
-        for j, lr in enumerate(lrs):
-            records = [
-                {k: v for k, v in r.items() if k not in ("config", "status", "seconds")}
-                for r in result.records[j]
-            ]
-            runs.append(
-                GridRun(
-                    lr,
-                    records,
-                    np.asarray(result.round_metrics["client_drift"][j]),
-                    bool(result.diverged[j]),
-                )
-            )
-        timing = {"compile_seconds": result.compile_seconds, "run_seconds": result.run_seconds}
-        return runs, timing
-    runs, timing = [], {"compile_seconds": 0.0, "run_seconds": 0.0}
-    for lr in lrs:
-        try:
-            res = simulation.run(
-                data,
-                HParams(client_lr=lr, **fixed),
-                num_rounds=num_rounds,
-                eval_every=eval_every,
-                seed=seed,
-            )
-            diverged = False
-        except DivergenceError as err:
-            # A grid expects some step sizes to blow up: keep the records made before.
-            res, diverged = err.result, True
-        records = [{k: v for k, v in r.items() if k != "seconds"} for r in res.records]
-        drift = np.full(num_rounds, np.nan)
-        measured = np.asarray(res.round_metrics.get("client_drift", []), np.float64)
-        drift[: min(len(measured), num_rounds)] = measured[:num_rounds]
-        runs.append(GridRun(lr, records, drift, diverged))
-        timing["compile_seconds"] += res.compile_seconds
-        timing["run_seconds"] += res.run_seconds
-    return runs, timing
+    grid_hp, seeds, _ = sweep_module.grid(client_lr=lrs, seeds=seed, **fixed)
+    result = sweep_module.sweep(simulation, data, grid_hp, seeds, num_rounds, eval_every)
+    runs = [
+        GridRun(
+            lr,
+            [{k: v for k, v in r.items() if k not in _SWEEP_KEYS} for r in result.records[j]],
+            np.asarray(result.round_metrics["client_drift"][j]),
+            bool(result.diverged[j]),
+        )
+        for j, lr in enumerate(lrs)
+    ]
+    return runs, {"compile_seconds": result.compile_seconds, "run_seconds": result.run_seconds}
 
 
 def choose(

@@ -133,7 +133,6 @@ def reproduce_fig3(
     *,
     overwrite: bool = False,
     quiet: bool = False,
-    use_sweep: bool = True,
 ) -> dict[str, Any]:
     """Runs Figure 3: error vs rounds per G, step sizes tuned per (algorithm, K, G).
 
@@ -208,7 +207,6 @@ def reproduce_fig3(
                     protocol.num_rounds,
                     protocol.eval_every,
                     protocol.seed,
-                    use_sweep=use_sweep,
                 )
                 label = f"{_label(method, local_steps)} · G={G:g}"
                 for run_ in runs:
@@ -542,7 +540,6 @@ def reproduce_table(
     overwrite: bool = False,
     quiet: bool = False,
     dataset: sources.Dataset | None = None,
-    use_sweep: bool = True,
 ) -> dict[str, Any]:
     """Runs one of Tables 3-5 and writes its folder, including ``<name>.md``.
 
@@ -618,7 +615,6 @@ def reproduce_table(
                     protocol.eval_every,
                     protocol.seed,
                     hparams={"prox_mu": protocol.prox_mu},  # for those that declare μ
-                    use_sweep=use_sweep,
                 )
                 label = f"{_display(row.method)} E={row.epochs}"
                 if len({r.sampled for r in protocol.rows}) > 1:
@@ -777,7 +773,6 @@ def reproduce(
     quick: bool = False,
     overwrite: bool = False,
     quiet: bool = False,
-    use_sweep: bool = True,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Runs a named protocol (``fig3``, ``table3``, ``table4``, ``table5``).
@@ -788,7 +783,6 @@ def reproduce(
       quick: the test-sized variant.
       overwrite: replace a folder that holds a run.
       quiet: print nothing but errors.
-      use_sweep: run each η_l grid as one vmapped program (else a loop).
       **overrides: protocol fields to change (e.g. ``dataset="fashion_mnist"``,
         ``num_rounds=300``, ``target=0.6``).
 
@@ -800,5 +794,5 @@ def reproduce(
     protocol = PROTOCOLS[name](quick=quick, **overrides)
     out = Path(out) if out is not None else Path("results") / (name + ("-quick" if quick else ""))
     if name == "fig3":
-        return reproduce_fig3(protocol, out, overwrite=overwrite, quiet=quiet, use_sweep=use_sweep)
-    return reproduce_table(protocol, out, overwrite=overwrite, quiet=quiet, use_sweep=use_sweep)
+        return reproduce_fig3(protocol, out, overwrite=overwrite, quiet=quiet)
+    return reproduce_table(protocol, out, overwrite=overwrite, quiet=quiet)

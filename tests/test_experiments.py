@@ -10,6 +10,7 @@ from scaffold_jax import experiments, paper, results
 from scaffold_jax.data import sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.experiments import ConfigError, GridRun, RunConfig
+from scaffold_jax.loop import DivergenceError
 
 
 def toy_dataset(n_train=600, n_test=200, num_classes=4, seed=0):
@@ -229,13 +230,29 @@ def test_choose_is_the_one_policy_of_results_select():
 
 
 # ----------------------------------------------------------------------------- grids
+def _single_runs(sim, data, client_lrs, num_rounds, eval_every, seed):
+    """The grid as separate Simulation.run calls (what run_grid's sweep must equal)."""
+    runs = []
+    for lr in client_lrs:
+        try:
+            res, diverged = sim.run(data, {"client_lr": lr}, num_rounds, eval_every, seed), False
+        except DivergenceError as err:
+            res, diverged = err.result, True
+        drift = np.full(num_rounds, np.nan)
+        measured = np.asarray(res.round_metrics.get("client_drift", []))
+        drift[: len(measured)] = measured
+        records = [{k: v for k, v in r.items() if k != "seconds"} for r in res.records]
+        runs.append(GridRun(lr, records, drift, diverged))
+    return runs
+
+
 def test_the_sweep_and_the_loop_give_the_same_grid_results():
     ds = toy_dataset()
     config = RunConfig(dataset="fashion_mnist", num_clients=6, clients_per_round=3)
     built = experiments.build(config, dataset=ds)
     kwargs = dict(client_lrs=[0.05, 0.2], num_rounds=4, eval_every=2, seed=3)
-    swept, _ = experiments.run_grid(built.simulation, built.data, use_sweep=True, **kwargs)
-    looped, _ = experiments.run_grid(built.simulation, built.data, use_sweep=False, **kwargs)
+    swept, _ = experiments.run_grid(built.simulation, built.data, **kwargs)
+    looped = _single_runs(built.simulation, built.data, **kwargs)
     for a, b in zip(swept, looped, strict=True):
         assert a.client_lr == b.client_lr and not a.diverged and not b.diverged
         assert [r["round"] for r in a.records] == [0, 2, 4]
@@ -351,9 +368,7 @@ def test_the_loop_grid_keeps_a_diverged_step_size(tmp_path):
     built = experiments.build(
         RunConfig(num_clients=6, clients_per_round=3, rounds=4), dataset=toy_dataset()
     )
-    runs, _ = experiments.run_grid(
-        built.simulation, built.data, [0.1, 1e38], num_rounds=4, eval_every=2, use_sweep=False
-    )
+    runs, _ = experiments.run_grid(built.simulation, built.data, [0.1, 1e38], 4, eval_every=2)
     assert [r.diverged for r in runs] == [False, True]
     assert runs[1].records and runs[1].client_drift.shape == (4,)
     assert experiments.choose(runs, 0.99)[0].client_lr == 0.1

@@ -47,8 +47,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from scaffold_jax.experiments import ConfigError, RunConfig
-from scaffold_jax.loop import DivergenceError, sigterm_exits
+from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
@@ -80,6 +82,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_flags(run)
     _common(run, out=False)  # --out is a RunConfig field, added above
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run the --out folder holds, from its newest checkpoint, bit for "
+        "bit (only --rounds, --eval-every and --targets may change)",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="checkpoint every N rounds [default: every evaluation]",
+    )
+    run.add_argument(
+        "--checkpoint-minutes",
+        type=float,
+        default=5.0,
+        metavar="M",
+        help="and at least every M minutes (at the end of a block) [5]",
+    )
+    run.add_argument(
+        "--no-checkpoint", action="store_true", help="write no checkpoints (no --resume)"
+    )
 
     rep = commands.add_parser(
         "reproduce",
@@ -91,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("experiment", choices=sorted(PROTOCOLS), help="the protocol")
     rep.add_argument("--quick", action="store_true", help="test-sized variant (seconds)")
+    rep.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the protocol the --out folder holds: finished cells are kept",
+    )
     rep.add_argument(
         "--dataset",
         help="tables: 'auto' (EMNIST balanced if available, else Fashion-MNIST) or a "
@@ -150,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="root seeds of sampling and minibatches (the partition keeps --seed) [0]",
     )
     sw.add_argument("--target", type=float, default=0.7, help="target test accuracy [0.7]")
+    sw.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep the --out folder holds: algorithms whose grid finished are "
+        "kept, the others run again (their records are cut back first)",
+    )
     _common(sw, out=False)
 
     diag = commands.add_parser(
@@ -273,7 +308,27 @@ def _config(args: argparse.Namespace, validate: bool = True) -> RunConfig:
 def _run_command(args: argparse.Namespace) -> int:
     from scaffold_jax import experiments
 
-    experiments.run(_config(args), overwrite=args.overwrite, quiet=args.quiet)
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
+    if args.resume and args.no_checkpoint:
+        raise ConfigError("--resume needs checkpoints: drop --no-checkpoint.")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ConfigError(
+            f"--checkpoint-every {args.checkpoint_every} is invalid: it must be >= 1."
+        )
+    if not args.checkpoint_minutes > 0:
+        raise ConfigError(
+            f"--checkpoint-minutes {args.checkpoint_minutes} is invalid: it must be > 0."
+        )
+    experiments.run(
+        _config(args),
+        overwrite=args.overwrite,
+        quiet=args.quiet,
+        resume=args.resume,
+        checkpoint=not args.no_checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_minutes=args.checkpoint_minutes,
+    )
     return 0
 
 
@@ -301,6 +356,11 @@ def _sweep_command(args: argparse.Namespace) -> int:
     from scaffold_jax.algorithms import ALGORITHMS
 
     given = _config(args, validate=False)
+    if not (isinstance(args.target, (int, float)) and 0.0 < args.target <= 1.0):
+        raise ConfigError(
+            f"--target = {args.target:g} is invalid: it must be a test accuracy in (0, 1], "
+            "e.g. --target 0.7."
+        )
     names = args.algorithms or [given.algorithm]
     for name in names:
         if name not in ALGORITHMS:
@@ -332,13 +392,30 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 "hyper-parameter " + axis + "."
             )
     out = Path(config.out or f"results/sweep-{config.dataset}")
-    results.check_folder(out, args.overwrite, dry_run=True)
     dataset, sweep_results = None, {}
     to_save = {**config.to_dict(), "algorithms": names, "grid": axes, "seeds": list(args.seeds)}
+    resume = args.resume and (out / results.CONFIG_FILE).is_file()
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
+    if resume:
+        experiments.check_resumable(out, to_save)
+    else:
+        results.check_folder(out, args.overwrite, dry_run=True)
     # Every record goes to metrics.jsonl as it is made (one series per config), so a sweep
-    # killed half-way keeps what it finished; sweep.json and the tables come at the end.
-    with results.RunWriter(out, to_save, (args.target,), args.overwrite, plots=()) as writer:
+    # killed half-way keeps what it finished; each algorithm's grid, once finished, is a
+    # part of the run (parts.jsonl): a resumed sweep keeps those and runs the others
+    # again. sweep.json and the tables come at the end.
+    writer = results.RunWriter(
+        out, to_save, (args.target,), args.overwrite, plots=(), resume=resume
+    )
+    with writer:
+        finished = {}
+        if resume:
+            finished = {k: _from_part(p) for k, p in writer.keep_finished_parts().items()}
         for name in names:
+            if name in finished:
+                sweep_results[name] = finished[name]
+                continue
             declared = ALGORITHMS[name].hparams
             cfg = for_algorithm(name)
             fixed = dict(cfg.hparams)
@@ -353,11 +430,13 @@ def _sweep_command(args: argparse.Namespace) -> int:
             }
             grid, seeds, configs = sweeps.grid(seeds=args.seeds, **values)
 
-            def sink(record, name=name):
+            entries = []
+
+            def sink(record, name=name, entries=entries):
                 config_of = record.get("config", {})
                 series = f"{name} " + " ".join(f"{k}={v:g}" for k, v in config_of.items())
                 flat = {k: v for k, v in record.items() if k != "config"}
-                writer.record(series, {"algorithm": name, **config_of, **flat})
+                entries.append(writer.record(series, {"algorithm": name, **config_of, **flat}))
 
             sweep_results[name] = sweeps.sweep(
                 built.simulation,
@@ -369,6 +448,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 targets=(args.target,),
                 callback=sink,
             )
+            writer.save_part(name, _part(sweep_results[name]), entries)
             if not args.quiet:
                 print(
                     f"{name}: {len(configs)} configs x {config.rounds} rounds in "
@@ -378,10 +458,11 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 )
         summary = results.summarize(sweep_results, args.target)
         table = results.format_summary(summary)
+        dataset_name = dataset.name if dataset is not None else config.dataset
         record = {
             "config": to_save,
             "target": args.target,
-            "dataset": dataset.name,
+            "dataset": dataset_name,
             "results": {
                 name: {
                     "configs": r.configs,
@@ -394,9 +475,11 @@ def _sweep_command(args: argparse.Namespace) -> int:
             },
             "summary": summary,
         }
-        writer.write_text("sweep.json", json.dumps(record, indent=1, default=_json_default))
+        # Strict JSON (NaN/Inf, e.g. a diverged config's loss, as null): any parser reads it.
+        text = json.dumps(_strict_json(record), indent=1, default=_json_default, allow_nan=False)
+        writer.write_text("sweep.json", text)
         writer.write_text(
-            "summary.md", f"Sweep on {dataset.name}, target {args.target:g}\n\n{table}\n"
+            "summary.md", f"Sweep on {dataset_name}, target {args.target:g}\n\n{table}\n"
         )
         for filename, fig in (
             ("rounds_to_target.png", results.plot_rounds_to_target(sweep_results, args.target)),
@@ -404,12 +487,45 @@ def _sweep_command(args: argparse.Namespace) -> int:
         ):
             results.save_figure(fig, out / filename)
             writer.files.append(filename)
-        writer.add(dataset=dataset.name, best={n: e["best"] for n, e in summary.items()})
+        writer.add(dataset=dataset_name, best={n: e["best"] for n, e in summary.items()})
         writer.finish(plots=())
     if not args.quiet:
         print(table)
         print(f"wrote {out}/: {', '.join(writer.files)}")
     return 0
+
+
+def _part(result) -> dict[str, Any]:
+    """What a resumed sweep needs of a finished algorithm's grid (JSON-able)."""
+    return json.loads(
+        json.dumps(
+            {
+                "algorithm": result.algorithm,
+                "configs": result.configs,
+                "records": result.records,
+                "diverged_round": np.asarray(result.diverged_round).tolist(),
+                "compile_seconds": result.compile_seconds,
+                "run_seconds": result.run_seconds,
+                "targets": list(result.targets),
+            },
+            default=_json_default,
+        )
+    )
+
+
+def _from_part(part: dict[str, Any]):
+    """The finished grid a sweep's part holds, as a SweepResult (records, no states)."""
+    from scaffold_jax.sweep import SweepResult
+
+    return SweepResult(
+        algorithm=part["algorithm"],
+        configs=part["configs"],
+        records=part["records"],
+        diverged_round=np.asarray(part["diverged_round"]),
+        compile_seconds=part["compile_seconds"],
+        run_seconds=part["run_seconds"],
+        targets=tuple(part["targets"]),
+    )
 
 
 def _json_default(value: Any) -> Any:
@@ -420,6 +536,26 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with every NaN/Inf float (numpy's included, in arrays too) as None, so
+    that ``json.dumps(..., allow_nan=False)`` writes strict JSON (null)."""
+    import math
+
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _diagnose_command(args: argparse.Namespace) -> int:
@@ -478,6 +614,7 @@ def _reproduce_command(args: argparse.Namespace) -> int:
         quick=args.quick,
         overwrite=args.overwrite,
         quiet=args.quiet,
+        resume=args.resume,
         **overrides,
     )
     return 0
@@ -513,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         with sigterm_exits():
             return commands[args.command](args)
-    except (FileExistsError, FileNotFoundError, DivergenceError) as err:
+    except (FileExistsError, FileNotFoundError, DivergenceError, OSError) as err:
         # DivergenceError first: it is a ValueError, but the config was valid.
         print(f"scaffold-jax: error: {err}", file=sys.stderr)
         return 1
@@ -523,6 +660,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("scaffold-jax: interrupted; finished records are kept.", file=sys.stderr)
         return 130
+    except SystemExit as err:  # RunTerminated, or SIGTERM outside a running loop
+        if err.code != 128 + 15:
+            raise  # another exit (a plugin's sys.exit): not ours to report
+        where = f" ({err.message.rstrip('.')})" if isinstance(err, RunTerminated) else ""
+        print(
+            f"scaffold-jax: terminated (SIGTERM); finished records are kept{where}.",
+            file=sys.stderr,
+        )
+        return 143
 
 
 if __name__ == "__main__":

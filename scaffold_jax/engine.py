@@ -31,7 +31,14 @@ import optax
 
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.layout import SingleDevice
-from scaffold_jax.tree import all_finite, set_rows, sq_norm, take_rows, weighted_mean
+from scaffold_jax.tree import (
+    all_finite,
+    set_rows,
+    sq_norm,
+    take_rows,
+    tree_bytes,
+    weighted_mean,
+)
 from scaffold_jax.types import (
     Algorithm,
     HParams,
@@ -44,8 +51,11 @@ from scaffold_jax.types import (
 WEIGHTINGS = ("uniform", "num_examples")
 
 
-def check_count(name: str, value: Any, minimum: int = 1) -> int:
-    """``value`` as an int; ValueError unless it is an integer >= ``minimum``.
+def check_count(
+    name: str, value: Any, minimum: int = 1, maximum: int | None = None, why: str = ""
+) -> int:
+    """``value`` as an int; ValueError unless it is an integer >= ``minimum`` (and <=
+    ``maximum`` when given; ``why`` is appended to that message, e.g. :data:`SEED_WHY`).
 
     Integral floats (``1e3``) are accepted; ``2.5`` or ``True`` are not: ``int()`` would
     silently truncate them.
@@ -62,7 +72,16 @@ def check_count(name: str, value: Any, minimum: int = 1) -> int:
         raise ValueError(f"{name} = {value!r} is invalid: it must be an integer >= {minimum}.")
     if as_int < minimum:
         raise ValueError(f"{name} = {value} is invalid: it must be >= {minimum}.")
+    if maximum is not None and as_int > maximum:
+        raise ValueError(f"{name} = {value} is invalid: it must be <= {maximum}{why}.")
     return as_int
+
+
+MAX_SEED = 2**32 - 1
+"""The largest seed: ``jax.random.key(seed)`` keeps only a seed's low 32 bits, so seed
+``2**32 + s`` would silently repeat the run of seed ``s``."""
+
+SEED_WHY = " (jax.random.key keeps only the low 32 bits: a larger seed repeats a smaller one)"
 
 
 def initial_state(algorithm: Algorithm, params: PyTree, num_clients: int) -> SimState:
@@ -141,6 +160,46 @@ def round_key_and_ids(key, round_index, num_clients, clients_per_round):
 CLIENT_CHUNK_BYTES = 16 * 2**20
 """Working-set budget of one chunk of clients on CPU (``client_chunk="auto"``), sized so
 that a chunk's K local steps run from a server core's L2/L3 caches."""
+
+
+_FALLBACK_AVAILABLE_BYTES = 2 << 30
+
+
+def available_memory_bytes(device: jax.Device | None = None) -> int:
+    """Free memory on ``device`` (default the first): ``bytes_limit − bytes_in_use`` on an
+    accelerator, ``MemAvailable`` of ``/proc/meminfo`` on CPU, 2 GiB when neither can be
+    read. (A sweep sizes its chunks from it; :meth:`Simulation.check` refuses a client
+    table larger than it.)"""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "cpu":
+        try:
+            stats = device.memory_stats() or {}
+            if "bytes_limit" in stats:
+                return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        except Exception:  # backends without memory stats raise their own errors
+            pass
+    return _meminfo_available() or _FALLBACK_AVAILABLE_BYTES
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _format_bytes(num: int) -> str:
+    """``1073741824`` -> ``'1.0 GiB'``."""
+    value, unit = float(num), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024 or unit == "EiB":
+            break
+        value /= 1024
+    return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
 def balanced_chunk(num: int, chunk: int) -> int | None:
@@ -287,7 +346,8 @@ class Simulation:
         scalar). When given, a round whose new server state or new client rows hold a
         NaN/Inf is NOT applied (nor is any round once ``diverged`` is set): the state keeps
         its previous values, only the round counter advances, and the metrics gain
-        ``finite``, whether this round's results were finite.
+        ``finite``, whether this round's results were finite. The metrics always hold
+        ``server_finite``, whether the round's new server state is finite.
         """
         num_clients, num_sampled = data.num_clients, self.clients_per_round
         layout = self.layout
@@ -336,8 +396,12 @@ class Simulation:
         # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
         metrics["client_drift"] = jnp.mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
         metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
+        # Whether this round's new server state is finite: the single run's divergence
+        # check reports the first round where it is not (the update norm squares the
+        # update, so it overflows rounds before the state does).
+        metrics["server_finite"] = all_finite(server)
         if diverged is not None:
-            finite = all_finite(server) & all_finite(new_rows)
+            finite = metrics["server_finite"] & all_finite(new_rows)
             keep = finite & ~diverged
             server = optax.tree.where(keep, server, state.server)
             new_rows = optax.tree.where(keep, new_rows, rows)
@@ -458,12 +522,55 @@ class Simulation:
                 f"clients_per_round (S) = {self.clients_per_round} exceeds the number of "
                 f"clients N = {num_clients}; use S <= N."
             )
+        self._check_memory(data)
         counts = np.asarray(data.counts)
         if counts.min() < 1:
             empty = np.flatnonzero(counts < 1)[:5].tolist()
             raise ValueError(f"clients {empty} have no data; every client needs >= 1 example.")
+        test = getattr(data, "test", None)
+        leaves = jax.tree.leaves(test)
+        if test is not None and leaves and np.ndim(leaves[0]) and np.shape(leaves[0])[0] == 0:
+            raise ValueError(
+                "the test set is empty (0 examples): give it at least one example, or build "
+                "the data with test=None to run without a held-out evaluation."
+            )
         self._check_problem_fits(data)
         self._check_labels(data)
+
+    def _check_memory(self, data) -> None:
+        """Refuses, before anything is compiled or allocated, a client table larger than the
+        memory available for it (shapes from ``jax.eval_shape``: no allocation)."""
+        num_clients = data.num_clients
+        like = jax.eval_shape(
+            lambda: initial_state(self.algorithm, self.problem.params, num_clients)
+        )
+        table = tree_bytes(like.clients)
+        mesh = getattr(self.layout, "mesh", None)
+        devices = list(np.asarray(mesh.devices).flat) if mesh is not None else [jax.devices()[0]]
+        local = [d for d in devices if d.process_index == jax.process_index()] or devices
+        # CPU "devices" of a process share its host memory; accelerators hold one block each.
+        share = len(local) if local[0].platform == "cpu" else 1
+        needed = table * share // len(devices)
+        available = available_memory_bytes(local[0])
+        if needed <= available:
+            return
+        try:
+            batches, _ = jax.eval_shape(
+                lambda: data.client_batches(jnp.int32(0), jr.key(0), self.plan)
+            )
+            batch = (
+                f"; one round's batches add {self.clients_per_round * tree_bytes(batches)} bytes"
+            )
+        except Exception:  # data that do not fit the plan: reported by the checks below
+            batch = ""
+        per = " per device" if share < len(devices) else ""
+        raise ValueError(
+            f"the client table of N = {num_clients} clients needs {needed} bytes "
+            f"({_format_bytes(needed)}){per}, more than the {available} bytes "
+            f"({_format_bytes(available)}) available{per} on {local[0].platform}{batch}. Use "
+            "fewer clients N or a smaller model, or split the table over more devices with a "
+            "ClientMesh layout (scaffold_jax.layout)."
+        )
 
     def _check_labels(self, data) -> None:
         """Integer labels of materialised data must index the problem's C classes."""
@@ -534,39 +641,16 @@ class Simulation:
         (see :func:`scaffold_jax.types.resolve_hparams`)."""
         return resolve_hparams(self.algorithm, hparams)
 
-    def run(
-        self,
-        data,
-        hparams: HParams | Mapping[str, Any],
-        num_rounds: int,
-        eval_every: int | None = None,
-        seed: int = 0,
-        state: SimState | None = None,
-        callback: Callable[[dict[str, Any]], None] | None = None,
-        checkpoint_dir: Any = None,
-        checkpoint_every: int | None = None,
-        keep_checkpoints: int = 3,
-        resume: bool = False,
-    ):
-        """Runs the simulation in the host loop: :func:`scaffold_jax.loop.run` (see there
-        for the schedule, checkpoints and resume, signals and divergence).
+    def run(self, data, hparams: HParams | Mapping[str, Any], num_rounds: int, *args, **kwargs):
+        """Runs the simulation in the host loop: ``scaffold_jax.loop.run(self, data, hparams,
+        num_rounds, ...)``, with the same arguments (``eval_every``, ``seed``, ``state``,
+        ``callback``, ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``,
+        ``resume``, ...); see there for the schedule, checkpoints and resume, signals and
+        divergence.
 
         Returns:
           A :class:`~scaffold_jax.loop.RunResult`.
         """
         from scaffold_jax import loop  # the host loop sits above the engine it runs
 
-        return loop.run(
-            self,
-            data,
-            hparams,
-            num_rounds,
-            eval_every=eval_every,
-            seed=seed,
-            state=state,
-            callback=callback,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints,
-            resume=resume,
-        )
+        return loop.run(self, data, hparams, num_rounds, *args, **kwargs)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -24,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import jax.random as jr
 import numpy as np
 
@@ -34,7 +37,7 @@ from scaffold_jax.data import partition, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData, from_partition
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
-from scaffold_jax.engine import Simulation
+from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
 from scaffold_jax.loop import DivergenceError
 from scaffold_jax.models import MODELS
 from scaffold_jax.registry import PLUGIN_HINT, Registry, load_plugins
@@ -173,10 +176,15 @@ class RunConfig:
         values = dict(values)
         if "plugins" in values and isinstance(values["plugins"], (list, tuple)):
             _load_plugins(values["plugins"])  # they may declare the names used below
-        hparams, options = (
-            dict(values.pop("hparams", None) or {}),
-            dict(values.pop("options", None) or {}),
-        )
+        tables = {}
+        for table in _TABLES:
+            given = values.pop(table, None)
+            if given is not None and not isinstance(given, Mapping):
+                raise ConfigError(
+                    f"{table} = {given!r} is invalid: it must be a table of names and values."
+                )
+            tables[table] = dict(given or {})
+        hparams, options = tables["hparams"], tables["options"]
         for name in declared_hparams():
             if name in values:
                 hparams[name] = values.pop(name)
@@ -218,8 +226,8 @@ class RunConfig:
                 errors.append(str(err))
         if check.registered("algorithm", self.algorithm, ALGORITHMS):
             self._validate_algorithm(check, errors)
-        check.number("client_lr", self.client_lr, low=0.0, strict=True, what="finite and > 0")
-        check.number("server_lr", self.server_lr, low=0.0, strict=True, what="finite and > 0")
+        for name, value in (("client_lr", self.client_lr), ("server_lr", self.server_lr)):
+            check.number(name, value, low=0.0, strict=True, what="finite and > 0", float32=True)
         check.choice("weighting", self.weighting, WEIGHTINGS)
         if check.type("dataset", self.dataset, str, "a dataset name"):
             try:
@@ -272,14 +280,28 @@ class RunConfig:
         check.integer("eval_every", self.eval_every, low=1)
         if check.type("targets", self.targets, (list, tuple), "a list of accuracies"):
             for t in self.targets:
-                if not _is_number(t) or not 0.0 < float(t) <= 1.0:
+                if not _is_number(t) or not 0.0 < t <= 1.0:
                     errors.append(
                         f"targets = {list(self.targets)!r} is invalid: every target must be "
                         "an accuracy in (0, 1]."
                     )
                     break
-        check.integer("seed", self.seed, low=0)
-        check.type("out", self.out, str, "a folder path", optional=True)
+        check.integer(
+            "seed",
+            self.seed,
+            low=0,
+            high=MAX_SEED,
+            what=f"an integer >= 0 and <= {MAX_SEED}{SEED_WHY}",
+        )
+        if (
+            check.type("out", self.out, str, "a folder path", optional=True)
+            and not self.out.strip()
+        ):
+            errors.append(
+                f"out = {self.out!r} is invalid: it must be a folder path (an empty one would "
+                "write into the working folder); give a folder, or leave out unset for "
+                "results/<algorithm>-<dataset>."
+            )
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
         return self
@@ -321,7 +343,9 @@ class RunConfig:
         """Checks ``value`` against its declaration; False (with a message) when bad."""
         if isinstance(declared, HParam):
             low_ok = "finite and >= 0" if declared.allow_zero else "finite and > 0"
-            return check.number(name, value, low=0.0, strict=not declared.allow_zero, what=low_ok)
+            return check.number(
+                name, value, low=0.0, strict=not declared.allow_zero, what=low_ok, float32=True
+            )
         if declared.choices is not None and declared.parse(value) not in declared.choices:
             return check.choice(name, value, declared.choices)
         return True
@@ -560,19 +584,42 @@ class _Checker:
         return True
 
     def number(
-        self, name, value, low=None, high=None, strict=False, optional=False, what=None
+        self,
+        name,
+        value,
+        low=None,
+        high=None,
+        strict=False,
+        optional=False,
+        what=None,
+        float32=False,
     ) -> bool:
+        """``float32``: the value becomes a float32 array (a hyper-parameter), so it must
+        also be finite THERE (1e39 is finite in Python but inf in float32)."""
         if value is None and optional:
             return False
         what = what or "a finite number"
-        if not _is_number(value) or not math.isfinite(float(value)):
+        try:
+            v = float(value) if _is_number(value) else math.nan
+        except OverflowError:  # an int beyond float64
+            v = math.nan
+        if not math.isfinite(v):
             return self._bad(name, value, what)
-        v = float(value)
         if low is not None and (v < low or (strict and v == low)):
             return self._bad(name, value, what)
         if high is not None and v > high:
             return self._bad(name, value, what)
+        if float32 and abs(v) > _FLOAT32_MAX:
+            return self._bad(
+                name,
+                value,
+                f"{what}, and at most {_FLOAT32_MAX:.8g} (the largest float32; the step sizes "
+                "and hyper-parameters are float32, where a larger value becomes inf)",
+            )
         return True
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 _TABLES = ("hparams", "options")
@@ -825,6 +872,58 @@ class CellProgress:
 # =====================================================================================
 # scaffold-jax run
 # =====================================================================================
+CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
+#: Fields a resumed run may change: they do not change what the rounds compute.
+RESUMABLE_CHANGES = ("rounds", "eval_every", "targets", "out", "plugins")
+
+
+def data_fingerprint(data: FederatedData) -> str:
+    """SHA-256 of a materialised dataset's arrays (examples, counts, test set): two runs
+    on the same fingerprint trained on the same data, client for client."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves((data.examples, data.counts, data.test)):
+        array = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{array.dtype}{array.shape}".encode())
+        digest.update(array.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
+    """What, beyond the engine's own identity (:func:`scaffold_jax.loop.run_identity`),
+    fixes a command-line run's result: the data (name, source, folder, subset sizes,
+    partition and a fingerprint of the arrays), the model and the algorithm's options."""
+    model_options = {k: getattr(config, k) for k in models.MODELS[config.model].options}
+    return {
+        "dataset": built.info["dataset"],
+        "dataset_source": built.info["dataset_source"],
+        "data_dir": config.data_dir,
+        "max_train_examples": config.max_train_examples,
+        "max_test_examples": config.max_test_examples,
+        "partition": built.info["partition"],
+        "data_fingerprint": data_fingerprint(built.data),
+        "model": config.model,
+        "model_options": model_options,
+        "algorithm_options": config.resolved_options(),
+    }
+
+
+def check_resumable(folder: Path, config: dict[str, Any]) -> None:
+    """Refuses ``--resume`` of a folder that holds a run of another configuration."""
+    saved = json.loads((folder / results.CONFIG_FILE).read_text())
+    config = json.loads(json.dumps(config, default=str))  # tuples as lists, as saved
+    diffs = [
+        f"{k}: {saved.get(k)!r} in the run, {v!r} now"
+        for k, v in config.items()
+        if k not in RESUMABLE_CHANGES and saved.get(k) != v
+    ]
+    if diffs:
+        raise ConfigError(
+            f"--resume: {folder} holds another run ({'; '.join(diffs)}). Resume with the same "
+            f"settings (only {', '.join(RESUMABLE_CHANGES)} may change), or start a new run "
+            "in another folder (or with --overwrite)."
+        )
+
+
 def run(
     config: RunConfig,
     out: str | os.PathLike | None = None,
@@ -832,8 +931,21 @@ def run(
     overwrite: bool = False,
     quiet: bool = False,
     dataset: sources.Dataset | None = None,
+    resume: bool = False,
+    checkpoint: bool = True,
+    checkpoint_every: int | None = None,
+    checkpoint_minutes: float = 5.0,
 ) -> dict[str, Any]:
     """Runs one experiment and writes its folder (see :mod:`scaffold_jax.results`).
+
+    The run checkpoints into ``<out>/checkpoints`` (every ``checkpoint_every`` rounds,
+    default every evaluation, and at the end of any block once ``checkpoint_minutes``
+    have passed since the last save; the newest two are kept), so a killed run continues
+    with ``resume=True`` (``--resume``) bit for bit: the records are cut back to the
+    restored checkpoint and rewritten from there (each evaluation round exactly once),
+    and the summary and plots are an uninterrupted run's. A resume with other data,
+    partition, model, algorithm options or hyper-parameters is refused naming each
+    difference; more rounds or another evaluation cadence are allowed.
 
     Args:
       config: the run's configuration (validated here).
@@ -841,46 +953,87 @@ def run(
       overwrite: replace a folder that holds a run.
       quiet: no progress bar and no printed summary.
       dataset: an already loaded dataset (e.g. in a notebook).
+      resume: continue the run the folder holds (from its newest checkpoint; from round 0
+        when it holds none; a folder without a run simply starts it).
+      checkpoint: write checkpoints (orbax, the ``checkpoint`` extra); False: none.
+      checkpoint_every: checkpoint period in rounds (default: ``config.eval_every``).
+      checkpoint_minutes: save at least this often (at block ends).
 
     Returns:
       The summary (what ``summary.json`` holds).
 
     Raises:
-      ConfigError: an invalid config. FileExistsError: the folder holds a run.
+      ConfigError: an invalid config, or a resume with another configuration.
+      FileExistsError: the folder holds a run (or is in use by a live one).
       FileNotFoundError: the dataset is missing.
       scaffold_jax.loop.DivergenceError: the model became NaN/Inf (the folder keeps
         the records made before and says ``"status": "diverged"``).
+      scaffold_jax.results.RunFolderError: the folder cannot be written (full disk...).
     """
+    from scaffold_jax import loop
+
     config.validate()
+    if checkpoint and importlib.util.find_spec("orbax") is None:
+        if resume:
+            raise ConfigError(
+                "--resume needs orbax-checkpoint: pip install 'scaffold-jax[checkpoint]'."
+            )
+        print("orbax-checkpoint is not installed: this run writes no checkpoints (pip "
+              "install 'scaffold-jax[checkpoint]').", file=sys.stderr)  # fmt: skip
+        checkpoint = False
     folder = Path(out if out is not None else config.resolved_out())
-    # Refuse an occupied folder before spending time on data and compilation.
-    results.check_folder(folder, overwrite, dry_run=True)
+    to_save = config.to_dict()
+    to_save["out"] = str(folder)
+    # Refuse an occupied folder (or a resume of another run) before loading data.
+    if resume and not (folder / results.CONFIG_FILE).is_file():
+        # Nothing was written yet (killed while loading or compiling): a scheduler that
+        # always passes --resume simply starts the run.
+        print(f"nothing to resume in {folder}: starting the run.", file=sys.stderr)
+        resume = False
+    if resume:
+        check_resumable(folder, to_save)
+        results.check_lock(folder)
+    else:
+        results.check_folder(folder, overwrite, dry_run=True)
     built = build(config, dataset)
     series = config.algorithm
     progress = Progress(config.rounds, desc=series, enabled=not quiet)
-    to_save = config.to_dict()
-    to_save["out"] = str(folder)
-    with results.RunWriter(folder, to_save, config.targets, overwrite=overwrite) as writer:
+    directory = folder / CHECKPOINTS
+    restore = resume and checkpoint and directory.is_dir() and any(directory.iterdir())
+    with results.RunWriter(
+        folder, to_save, config.targets, overwrite=overwrite, resume=resume
+    ) as writer:
         writer.add(experiment="run", **built.info)
+        if resume and not restore:
+            writer.reset_records([])  # nothing was saved: start again at round 0
 
         def on_record(record):
             writer.record(series, record)
             progress(record)
 
         try:
-            result = built.simulation.run(
+            result = loop.run(
+                built.simulation,
                 built.data,
                 built.hparams,
                 num_rounds=config.rounds,
                 eval_every=config.eval_every,
                 seed=config.seed,
                 callback=on_record,
+                checkpoint_dir=directory if checkpoint else None,
+                checkpoint_every=checkpoint_every if checkpoint else None,
+                keep_checkpoints=2,
+                resume=restore,
+                identity=run_identity(config, built),
+                on_restore=lambda records: writer.reset_records(records, series),
+                checkpoint_seconds=60.0 * checkpoint_minutes if checkpoint else None,
             )
         except DivergenceError as err:
             writer.close("diverged", error=str(err))
             raise
         finally:
             progress.close()
+        rounds_run = max(len(result.client_ids), 1)
         writer.describe(
             series,
             algorithm=config.algorithm,
@@ -888,10 +1041,13 @@ def run(
             server_lr=config.server_lr,
             compile_seconds=round(result.compile_seconds, 3),
             run_seconds=round(result.run_seconds, 3),
-            seconds_per_round=round(result.run_seconds / config.rounds, 6),
-            rounds_per_second=round(config.rounds / max(result.run_seconds, 1e-9), 3),
-            mean_client_drift=float(np.mean(result.round_metrics["client_drift"])),
+            seconds_per_round=round(result.run_seconds / rounds_run, 6),
+            rounds_per_second=round(rounds_run / max(result.run_seconds, 1e-9), 3),
+            resumed_from=result.resumed_from,
         )
+        drift = result.round_metrics.get("client_drift")
+        if drift is not None and len(drift):  # rounds run by this process (none: resumed done)
+            writer.describe(series, mean_client_drift=float(np.mean(drift)))
         summary = writer.finish()
     if not quiet:
         print(format_run_summary(summary, folder))

@@ -43,7 +43,7 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax.engine import Simulation, check_count
+from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation, check_count
 from scaffold_jax.tree import all_finite
 from scaffold_jax.types import HParams, PyTree, SimState, format_hparams
 
@@ -264,6 +264,8 @@ def drive(
     checkpoint_every: int | None = None,
     identity: Mapping[str, Any] | None = None,
     resume_into: PyTree | None = None,
+    on_restore: Callable[[list[Record]], None] | None = None,
+    checkpoint_seconds: float | None = None,
 ) -> Any:
     """Runs ``task`` for ``num_rounds`` rounds from ``state`` (or, with ``resume_into``,
     from the newest checkpoint of ``checkpointer`` restored into that shape).
@@ -282,6 +284,13 @@ def drive(
       identity: what fixes the run's trajectory; stored with every checkpoint and compared
         on resume (see :func:`check_same_run`).
       resume_into: the state's shapes (``jax.ShapeDtypeStruct`` leaves) to restore into.
+      on_restore: called, on resume, with the records the checkpoint holds (every
+        record up to its round, exactly once) before any new one: a sink that persists
+        records rewrites its copy with them, so a record made after that checkpoint by the
+        interrupted process is not kept twice.
+      checkpoint_seconds: also save at the end of any block when this many seconds of
+        wall time have passed since the last save (blocks end at every evaluation and
+        checkpoint round).
 
     Raises:
       DivergenceError, KeyboardInterrupt, RunTerminated: see the module docstring.
@@ -296,6 +305,8 @@ def drive(
         records = list(restored.extra.get("records", []))
         seconds_before = float(restored.extra.get("seconds", 0.0))
         start = int(restored.extra.get("start_round", 0))
+        if on_restore is not None:
+            on_restore(list(records))
     else:
         if checkpointer is not None and checkpointer.latest_round() is not None:
             raise ValueError(
@@ -318,7 +329,9 @@ def drive(
     evaluate = task.compile_evaluate(state)
     compile_seconds += time.perf_counter() - t0
     block_metrics: list[dict[str, np.ndarray]] = []
+    save_every_seconds = checkpoint_seconds
     checkpoint_seconds = 0.0
+    last_save = time.perf_counter()
     run_start = time.perf_counter()
     compile_before = compile_seconds
 
@@ -342,8 +355,8 @@ def drive(
                 callback(entry)
 
     def save() -> None:
-        nonlocal checkpoint_seconds
-        t0 = time.perf_counter()
+        nonlocal checkpoint_seconds, last_save
+        t0 = last_save = time.perf_counter()
         extra = {"identity": identity, "start_round": start, "records": records}
         extra["seconds"] = elapsed()
         checkpointer.save(state, key, extra, step=current)
@@ -416,7 +429,13 @@ def drive(
                 raise DivergenceError(str(err), outcome("diverged"), err.diverged_round) from None
             if due(current, eval_every):
                 record()
-            if checkpointer is not None and due(current, checkpoint_every):
+            if checkpointer is not None and (
+                due(current, checkpoint_every)
+                or (
+                    save_every_seconds is not None
+                    and time.perf_counter() - last_save >= save_every_seconds
+                )
+            ):
                 save()
         # A signal during the last block (or before a run with nothing left to do) is
         # still honoured: the caller asked to stop whatever comes after this run.
@@ -511,12 +530,22 @@ class _SingleRun:
     def check(self, state, metrics, first, last):
         if bool(self._all_finite(state.server)):
             return
-        bad = np.flatnonzero(~np.isfinite(np.asarray(metrics["update_norm"])))
-        diverged_round = first + int(bad[0]) + 1 if bad.size else last
+        # The round counted is the first whose NEW SERVER STATE is non-finite (the engine's
+        # per-round `server_finite`), whatever the length of the block checked: the update
+        # norm squares the update, so it overflows rounds before the state does.
+        finite = metrics.get("server_finite")
+        bad = np.flatnonzero(~np.asarray(finite, bool)) if finite is not None else []
+        diverged_round = first + int(bad[0]) + 1 if len(bad) else last
+        where = (
+            ""
+            if diverged_round == last
+            else f" (The state is checked after each block of rounds, {first + 1}..{last} "
+            f"here; round {diverged_round} is the first whose new server state held NaN/Inf.)"
+        )
         raise Diverged(
             f"{self.simulation.algorithm.name} diverged: the server state holds NaN/Inf after "
             f"round {last} (the first non-finite update came from round {diverged_round}) "
-            f"with {format_hparams(self.hparams)}. Lower client_lr or server_lr.",
+            f"with {format_hparams(self.hparams)}. Lower client_lr or server_lr.{where}",
             diverged_round,
         )
 
@@ -534,6 +563,9 @@ def run(
     checkpoint_every: int | None = None,
     keep_checkpoints: int = 3,
     resume: bool = False,
+    identity: Mapping[str, Any] | None = None,
+    on_restore: Callable[[list[Record]], None] | None = None,
+    checkpoint_seconds: float | None = None,
 ) -> RunResult:
     """Runs ``num_rounds`` rounds of ``simulation``, evaluating at the start and every
     ``eval_every`` rounds (schedule, resume, signals: see the module docstring).
@@ -568,6 +600,9 @@ def run(
       checkpoint_every: checkpoint period in rounds (default: at every evaluation).
       keep_checkpoints: how many of the newest checkpoints to keep.
       resume: continue from the newest checkpoint in ``checkpoint_dir``.
+      identity: more of what fixes the run (e.g. the command line's data source and
+        partition), compared on resume beside :func:`run_identity`'s.
+      on_restore, checkpoint_seconds: see :func:`drive`.
 
     Returns:
       A :class:`RunResult` with ``status="finished"``.
@@ -583,7 +618,7 @@ def run(
     """
     num_rounds = check_count("num_rounds", num_rounds)
     eval_every = check_count("eval_every", num_rounds if eval_every is None else eval_every)
-    seed = check_count("seed", seed, minimum=0)
+    seed = check_count("seed", seed, minimum=0, maximum=MAX_SEED, why=SEED_WHY)
     hparams = simulation.resolve_hparams(hparams)
     for name, value in hparams.items():
         if np.ndim(value) != 0:
@@ -611,7 +646,8 @@ def run(
         )
 
     simulation.check(data)
-    identity = run_identity(simulation, data, hparams, seed)
+    identity = {**run_identity(simulation, data, hparams, seed), **dict(identity or {})}
+    identity = json.loads(json.dumps(identity))
     layout = simulation.layout
     data = layout.place_data(data)
     if not resume:
@@ -655,6 +691,8 @@ def run(
             checkpoint_every=checkpoint_every,
             identity=identity,
             resume_into=simulation.state_like(data.num_clients) if resume else None,
+            on_restore=on_restore,
+            checkpoint_seconds=checkpoint_seconds,
         )
     finally:
         if checkpointer is not None:

@@ -30,13 +30,14 @@ from scaffold_jax.algorithms import ALGORITHMS, make
 from scaffold_jax.data import partition, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import from_partition
-from scaffold_jax.engine import Simulation
+from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
 from scaffold_jax.experiments import (
     MODELS,
     CellProgress,
     ConfigError,
     _Checker,
     _is_number,
+    check_resumable,
     choose,
     make_problem,
     run_grid,
@@ -96,6 +97,7 @@ class Fig3Protocol:
         check.number("mu", self.mu, low=0.0, high=1.0, strict=True, what="in (0, 1)")
         check.integer("dim", self.dim, low=2)
         check.number("start_distance", self.start_distance, low=0.0, strict=True, what="> 0")
+        _check_seed(check, self.seed)
         if not self.lr_grid or any(not _is_number(v) or v <= 0 for v in self.lr_grid):
             errors.append(f"lr_grid = {self.lr_grid!r} is invalid: it must be values > 0.")
         for m in self.methods:
@@ -104,6 +106,12 @@ class Fig3Protocol:
         if errors:
             raise ConfigError("invalid fig3 protocol:\n  " + "\n  ".join(errors))
         return self
+
+
+def _check_seed(check: _Checker, seed: Any) -> None:
+    check.integer(
+        "seed", seed, low=0, high=MAX_SEED, what=f"an integer >= 0 and <= {MAX_SEED}{SEED_WHY}"
+    )
 
 
 def fig3_protocol(quick: bool = False, **overrides: Any) -> Fig3Protocol:
@@ -116,6 +124,19 @@ def fig3_protocol(quick: bool = False, **overrides: Any) -> Fig3Protocol:
             base, num_rounds=150, lr_grid=(1.0, 0.5, 0.3, 0.15, 0.1, 0.05, 0.02, 0.01)
         )
     return _override(base, overrides).validate()
+
+
+def _prepare(folder: Path, config: dict, overwrite: bool, resume: bool) -> bool:
+    """Checks the output folder before any work; returns whether to resume (a folder
+    without a run simply starts it)."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
+    if resume and (folder / results.CONFIG_FILE).is_file():
+        check_resumable(folder, config)
+        results.check_lock(folder)
+        return True
+    results.check_folder(folder, overwrite, dry_run=True)
+    return False
 
 
 def _display(method: str) -> str:
@@ -133,6 +154,7 @@ def reproduce_fig3(
     *,
     overwrite: bool = False,
     quiet: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Runs Figure 3: error vs rounds per G, step sizes tuned per (algorithm, K, G).
 
@@ -148,7 +170,8 @@ def reproduce_fig3(
 
     protocol.validate()
     folder = Path(out)
-    results.check_folder(folder, overwrite, dry_run=True)
+    config = {"experiment": "fig3", "protocol": dataclasses.asdict(protocol)}
+    resume = _prepare(folder, config, overwrite, resume)
     start = time.perf_counter()
     problems = {
         G: synthetic.figure3_problem(
@@ -167,7 +190,6 @@ def reproduce_fig3(
     ]
     settings = list(dict.fromkeys(settings))
     cells, chosen_series = [], {f"G = {G:g}": [] for G in protocol.gradient_dissimilarities}
-    config = {"experiment": "fig3", "protocol": dataclasses.asdict(protocol)}
     plots = (
         results.PlotSpec(
             "fig3.png",
@@ -180,7 +202,10 @@ def reproduce_fig3(
         ),
     )
     progress = CellProgress(len(settings) * len(problems), "fig3", enabled=not quiet)
-    with results.RunWriter(folder, config, overwrite=overwrite, plots=plots) as writer:
+    with results.RunWriter(
+        folder, config, overwrite=overwrite, plots=plots, resume=resume
+    ) as writer:
+        finished = writer.keep_finished_parts() if resume else {}
         writer.add(
             experiment="fig3",
             dataset="quadratic (scaffold_jax.data.synthetic.figure3_problem)",
@@ -200,6 +225,16 @@ def reproduce_fig3(
             plan = BatchPlan.full(1 if local_steps is None else local_steps)
             sim = Simulation(alg, first.problem, plan, clients_per_round=2)
             for G, qp in problems.items():
+                label = f"{_label(method, local_steps)} · G={G:g}"
+                key = label
+                if key in finished:  # resumed: this cell finished before the interruption
+                    cell = finished[key]
+                    chosen_series[f"G = {G:g}"].append(cell["series"])
+                    cells.append(cell)
+                    writer.describe(cell["series"], chosen=True, **cell)
+                    progress.step(f"{label}: kept from the interrupted run")
+                    continue
+                entries = []
                 runs, timing = run_grid(
                     sim,
                     qp.data,
@@ -208,7 +243,6 @@ def reproduce_fig3(
                     protocol.eval_every,
                     protocol.seed,
                 )
-                label = f"{_label(method, local_steps)} · G={G:g}"
                 for run_ in runs:
                     err0 = run_.records[0]["test_loss"] - qp.f_star
                     for r in run_.records:
@@ -216,7 +250,7 @@ def reproduce_fig3(
                         r["relative_error"] = r["error"] / err0
                         if r["round"] > 0:
                             r["client_drift"] = float(run_.client_drift[r["round"] - 1])
-                        writer.record(
+                        entry = writer.record(
                             f"{label} lr={run_.client_lr:g}",
                             {
                                 "algorithm": method,
@@ -226,6 +260,7 @@ def reproduce_fig3(
                                 **r,
                             },
                         )
+                        entries.append(entry)
                 chosen, rounds = choose(runs, protocol.target, "relative_error", False)
                 chosen_label = f"{label} lr={chosen.client_lr:g}"
                 chosen_series[f"G = {G:g}"].append(chosen_label)
@@ -242,6 +277,7 @@ def reproduce_fig3(
                 }
                 cells.append(cell)
                 writer.describe(chosen_label, chosen=True, **cell)
+                writer.save_part(key, cell, entries)
                 progress.step(
                     f"{label}: {results.format_rounds(rounds, protocol.num_rounds)} rounds "
                     f"(eta_l = {chosen.client_lr:g})"
@@ -369,7 +405,7 @@ class TableProtocol:
         check.integer("eval_every", self.eval_every, low=1)
         check.choice("model", self.model, MODELS)
         check.number("prox_mu", self.prox_mu, low=0.0, what=">= 0")
-        check.integer("seed", self.seed, low=0)
+        _check_seed(check, self.seed)
         check.integer("max_train_examples", self.max_train_examples, low=1, optional=True)
         check.integer("max_test_examples", self.max_test_examples, low=1, optional=True)
         if self.target is not None:
@@ -540,6 +576,7 @@ def reproduce_table(
     overwrite: bool = False,
     quiet: bool = False,
     dataset: sources.Dataset | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Runs one of Tables 3-5 and writes its folder, including ``<name>.md``.
 
@@ -554,7 +591,10 @@ def reproduce_table(
     """
     protocol.validate()
     folder = Path(out)
-    results.check_folder(folder, overwrite, dry_run=True)
+    resume = _prepare(
+        folder, {"experiment": protocol.name, "protocol": dataclasses.asdict(protocol)},
+        overwrite, resume,
+    )  # fmt: skip
     start = time.perf_counter()
     if dataset is None:
         dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
@@ -581,8 +621,10 @@ def reproduce_table(
         len(protocol.rows) * len(protocol.similarities), protocol.name, enabled=not quiet
     )
     with results.RunWriter(
-        folder, config, [target] if target else (), overwrite=overwrite, plots=plots
-    ) as writer:
+        folder, config, [target] if target else (), overwrite=overwrite, plots=plots,
+        resume=resume,
+    ) as writer:  # fmt: skip
+        finished = writer.keep_finished_parts() if resume else {}
         writer.add(
             experiment=protocol.name,
             dataset=dataset.name,
@@ -607,6 +649,18 @@ def reproduce_table(
                     alg = make(row.method, problem.loss_fn)
                     simulations[key] = Simulation(alg, problem, plan, clients)
                 sim = simulations[key]
+                label = f"{_display(row.method)} E={row.epochs}"
+                if len({r.sampled for r in protocol.rows}) > 1:
+                    label += f" S={_percent(row.sampled)}"
+                label += f" s={similarity:g}%"
+                if label in finished:  # resumed: this cell finished before the interruption
+                    cell = finished[label]
+                    panels[f"s = {similarity:g}%"].append(cell["series"])
+                    cells.append(cell)
+                    writer.describe(cell["series"], chosen=True, **cell)
+                    progress.step(f"{label}: kept from the interrupted run")
+                    continue
+                entries = []
                 runs, timing = run_grid(
                     sim,
                     data,
@@ -616,13 +670,9 @@ def reproduce_table(
                     protocol.seed,
                     hparams={"prox_mu": protocol.prox_mu},  # for those that declare μ
                 )
-                label = f"{_display(row.method)} E={row.epochs}"
-                if len({r.sampled for r in protocol.rows}) > 1:
-                    label += f" S={_percent(row.sampled)}"
-                label += f" s={similarity:g}%"
                 for run_ in runs:
                     for r in run_.records:
-                        writer.record(
+                        entry = writer.record(
                             f"{label} lr={run_.client_lr:g}",
                             {
                                 "algorithm": row.method,
@@ -633,6 +683,7 @@ def reproduce_table(
                                 **r,
                             },
                         )
+                        entries.append(entry)
                 chosen, rounds = choose(runs, target)
                 chosen_label = f"{label} lr={chosen.client_lr:g}"
                 panels[f"s = {similarity:g}%"].append(chosen_label)
@@ -650,6 +701,7 @@ def reproduce_table(
                 }
                 cells.append(cell)
                 writer.describe(chosen_label, chosen=True, **cell)
+                writer.save_part(label, cell, entries)
                 result_text = (
                     f"best accuracy {cell['best_accuracy']:.3f}"
                     if target is None
@@ -773,6 +825,7 @@ def reproduce(
     quick: bool = False,
     overwrite: bool = False,
     quiet: bool = False,
+    resume: bool = False,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Runs a named protocol (``fig3``, ``table3``, ``table4``, ``table5``).
@@ -783,6 +836,8 @@ def reproduce(
       quick: the test-sized variant.
       overwrite: replace a folder that holds a run.
       quiet: print nothing but errors.
+      resume: continue the protocol the folder holds: its finished cells (one η_l grid
+        each, recorded in ``parts.jsonl``) are kept, the others run again.
       **overrides: protocol fields to change (e.g. ``dataset="fashion_mnist"``,
         ``num_rounds=300``, ``target=0.6``).
 
@@ -794,5 +849,5 @@ def reproduce(
     protocol = PROTOCOLS[name](quick=quick, **overrides)
     out = Path(out) if out is not None else Path("results") / (name + ("-quick" if quick else ""))
     if name == "fig3":
-        return reproduce_fig3(protocol, out, overwrite=overwrite, quiet=quiet)
-    return reproduce_table(protocol, out, overwrite=overwrite, quiet=quiet)
+        return reproduce_fig3(protocol, out, overwrite=overwrite, quiet=quiet, resume=resume)
+    return reproduce_table(protocol, out, overwrite=overwrite, quiet=quiet, resume=resume)

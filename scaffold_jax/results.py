@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +51,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CSV_FILE = "metrics.csv"
+PARTS_FILE = "parts.jsonl"
 
 RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"
 
@@ -1012,9 +1014,19 @@ class RunWriter:
         run in it (finished or not) is refused: a finished run's results are precious,
         and an interrupted run's records are evidence.
       plots: the plots :meth:`finish` draws.
+      resume: continue the run the folder holds: its records are kept (and cut back by
+        :meth:`reset_records` to what the checkpoint holds), its files are not deleted.
+
+    While open, the writer holds the folder's lock (``.lock``: process id, host, start
+    time): a second writer, or an ``overwrite``, is refused while this one lives; a lock
+    left by a process that died (``kill -9``) is recognised as stale on the same host, the
+    summary it left at ``"running"`` is marked ``"interrupted"``, and the folder can be
+    resumed or overwritten. A write that fails (a full disk, a read-only folder) raises
+    :class:`RunFolderError` naming the file; records already written stay intact.
 
     Raises:
-      FileExistsError: the folder holds a run and ``overwrite`` is False.
+      FileExistsError: the folder holds a run and ``overwrite`` is False, or it is in use.
+      RunFolderError: the folder cannot be written.
 
     Examples:
       >>> import tempfile
@@ -1034,8 +1046,12 @@ class RunWriter:
         targets: Sequence[float] = (),
         overwrite: bool = False,
         plots: Sequence[PlotSpec] = DEFAULT_PLOTS,
+        resume: bool = False,
     ):
         self.folder = Path(folder)
+        self.resume = resume
+        self.parts: dict[str, Any] = {}
+        self._lock = None
         self.config = dict(config)
         self.targets = [float(t) for t in targets]
         self.overwrite = overwrite
@@ -1059,19 +1075,88 @@ class RunWriter:
                 self.finish()
         elif self.status == RUNNING:
             interrupted = issubclass(exc_type, (KeyboardInterrupt, SystemExit))
-            self._close(INTERRUPTED if interrupted else FAILED, error=f"{exc_type.__name__}: {exc}")
+            try:
+                self._close(
+                    INTERRUPTED if interrupted else FAILED, error=f"{exc_type.__name__}: {exc}"
+                )
+            except OSError:  # the disk that failed the run may fail the summary too
+                pass
+        self._release()
         return False
 
     def open(self) -> None:
-        """Creates the folder (refusing one that holds a run) and writes the config."""
-        check_folder(self.folder, self.overwrite)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._started = datetime.datetime.now(datetime.timezone.utc)
-        self._start_clock = time.perf_counter()
-        _write_json(self.folder / CONFIG_FILE, self.config)
-        self._metrics = open(self.folder / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
-        self.files = [CONFIG_FILE, METRICS_FILE, SUMMARY_FILE]
-        self._write_summary(RUNNING)
+        """Takes the folder's lock, creates the folder (refusing one that holds a run,
+        unless resuming or overwriting) and writes the config."""
+        if self.resume:
+            check_lock(self.folder)
+        else:
+            check_folder(self.folder, self.overwrite)
+        with _writing(self.folder):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._lock = _take_lock(self.folder)
+        try:
+            self._started = datetime.datetime.now(datetime.timezone.utc)
+            self._start_clock = time.perf_counter()
+            if self.resume:
+                self.records = read_records(self.folder)
+                self.parts = _read_parts(self.folder)
+                previous = read_summary(self.folder) or {}
+                self.files = [f for f in previous.get("files", []) if f != CSV_FILE]
+            with _writing(self.folder / CONFIG_FILE):
+                _write_json(self.folder / CONFIG_FILE, self.config)
+            with _writing(self.folder / METRICS_FILE):
+                self._metrics = open(self.folder / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+            self.files = list(dict.fromkeys([CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, *self.files]))
+            self._write_summary(RUNNING)
+        except BaseException:
+            self._release()
+            raise
+
+    def save_part(self, key: str, payload: Any, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Marks a part of the run finished (a cell of a protocol, an algorithm's grid):
+        ``payload`` is what the caller needs to skip it on resume, ``entries`` the records
+        it wrote. Appended to ``parts.jsonl`` and flushed, after those records."""
+        line = json.dumps(
+            {"key": key, "payload": payload, "entries": list(entries)}, default=_json_default
+        )
+        with _writing(self.folder / PARTS_FILE):
+            with open(self.folder / PARTS_FILE, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        self.parts[key] = {"payload": payload, "entries": list(entries)}
+        if PARTS_FILE not in self.files:
+            self.files.append(PARTS_FILE)
+
+    def keep_finished_parts(self) -> dict[str, Any]:
+        """On resume of a run made of parts: cuts the records back to those of the
+        finished parts (the rest run again) and returns ``{key: payload}``."""
+        self.reset_records([e for part in self.parts.values() for e in part["entries"]])
+        return {key: part["payload"] for key, part in self.parts.items()}
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            _release_lock(self._lock)
+            self._lock = None
+
+    def reset_records(
+        self, records: Sequence[Mapping[str, Any]], series: str | None = None
+    ) -> None:
+        """Replaces every record on disk by ``records`` (given ``series``, or each with its
+        own ``"series"``): on resume, the records the checkpoint (or the finished part of
+        a sweep) holds, so each evaluation is in ``metrics.jsonl`` exactly once. Written
+        to a temporary file and renamed (atomic)."""
+        self.records = [
+            dict(r) if series is None else {"series": str(series), **r} for r in records
+        ]
+        path = self.folder / METRICS_FILE
+        if self._metrics is not None:
+            self._metrics.close()
+        tmp = path.with_name(path.name + ".tmp")
+        with _writing(path):
+            with open(tmp, "w", encoding="utf-8") as f:
+                for entry in self.records:
+                    f.write(json.dumps(entry, default=_json_default) + "\n")
+            os.replace(tmp, path)
+            self._metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     # -- during the run --------------------------------------------------------------
     def record(self, series: str, record: Mapping[str, Any]) -> Record:
@@ -1079,12 +1164,30 @@ class RunWriter:
         if self._metrics is None:
             raise RuntimeError("RunWriter.record called before open() (use `with RunWriter`).")
         entry = {"series": str(series), **record}
+        line = json.dumps(entry, default=_json_default) + "\n"
+        with _writing(self.folder / METRICS_FILE):
+            end = self._metrics.tell()
+            try:
+                self._metrics.write(line)
+                # flush, not fsync: a killed process loses nothing the OS already has, and
+                # an fsync per evaluation would dominate short rounds.
+                self._metrics.flush()
+            except OSError:
+                self._cut(end)  # no torn last line: the file ends with a whole record
+                raise
         self.records.append(entry)
-        self._metrics.write(json.dumps(entry, default=_json_default) + "\n")
-        # flush, not fsync: a killed process loses nothing the OS already has, and an
-        # fsync per evaluation would dominate short rounds.
-        self._metrics.flush()
         return entry
+
+    def _cut(self, size: int) -> None:
+        try:
+            self._metrics.close()
+        except OSError:
+            pass  # the buffered bytes that failed are dropped with the file object
+        self._metrics = None
+        try:
+            os.truncate(self.folder / METRICS_FILE, size)
+        except OSError:
+            pass
 
     def describe(self, series: str, /, **info: Any) -> None:
         """Attaches facts about a series (algorithm, η_l, compile/run seconds) to the
@@ -1105,8 +1208,16 @@ class RunWriter:
 
     # -- the end ---------------------------------------------------------------------
     def finish(self, plots: Sequence[PlotSpec] | None = None) -> dict[str, Any]:
-        """Writes the final summary, the CSV and the plots; returns the summary."""
-        self._write_csv()
+        """Writes the final summary, the CSV and the plots; returns the summary.
+
+        The run has finished when this is called: a CSV or plot that cannot be written (a
+        full disk) is reported on stderr and left out, never turned into a failed run.
+        """
+        try:
+            self._write_csv()
+        except OSError as err:
+            print(f"could not write {CSV_FILE}: {err}; the records are in {METRICS_FILE}.",
+                  file=sys.stderr)  # fmt: skip
         for spec in self.plots if plots is None else plots:
             try:
                 if plot_curves(self.records, spec, self.folder / spec.filename) is not None:
@@ -1114,6 +1225,8 @@ class RunWriter:
             except ImportError:  # matplotlib is an optional extra ("plots")
                 print("matplotlib is not installed: no plots written.", file=sys.stderr)
                 break
+            except OSError as err:
+                print(f"could not write {spec.filename}: {err}", file=sys.stderr)
         return self._close(FINISHED)
 
     def close(self, status: str, error: str | None = None) -> dict[str, Any]:
@@ -1124,7 +1237,10 @@ class RunWriter:
     def _close(self, status: str, error: str | None = None) -> dict[str, Any]:
         self.status = status
         if self._metrics is not None:
-            self._metrics.close()
+            try:
+                self._metrics.close()
+            except OSError:
+                pass  # a write that failed already said so
             self._metrics = None
         return self._write_summary(status, error)
 
@@ -1161,7 +1277,8 @@ class RunWriter:
 
     def _write_summary(self, status: str, error: str | None = None) -> dict[str, Any]:
         summary = self.summary(status, error)
-        _write_json(self.folder / SUMMARY_FILE, summary)
+        with _writing(self.folder / SUMMARY_FILE):
+            _write_json(self.folder / SUMMARY_FILE, summary)
         return summary
 
     def _write_csv(self) -> None:
@@ -1191,6 +1308,7 @@ def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bo
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"output folder {folder} exists and is not a folder.")
+    check_lock(folder)
     if not any((folder / name).exists() for name in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)):
         return
     summary = read_summary(folder)
@@ -1201,8 +1319,9 @@ def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bo
         else:
             num = len(read_records(folder))
             what = f"an unfinished run (status {status!r}, {num} records kept)"
+        resume = "" if status == FINISHED else " --resume to continue it,"
         raise FileExistsError(
-            f"output folder {folder} already holds {what}; pass --overwrite "
+            f"output folder {folder} already holds {what}; pass{resume} --overwrite "
             "(overwrite=True) to replace it, or choose another output folder."
         )
     if dry_run:
@@ -1214,3 +1333,126 @@ def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bo
         # delete anything elsewhere.
         if path.parent == folder and path.is_file():
             path.unlink()
+    checkpoints = folder / "checkpoints"  # scaffold_jax.experiments.CHECKPOINTS
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        shutil.rmtree(checkpoints)
+
+
+# ----------------------------------------------------------------------------- the lock
+LOCK_FILE = ".lock"
+
+
+class RunFolderError(OSError):
+    """A run folder could not be written (a full disk, a read-only folder, ...)."""
+
+
+class _writing:
+    """Turns an OSError while writing ``path`` into a one-line :class:`RunFolderError`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if (
+            exc_type is not None
+            and issubclass(exc_type, OSError)
+            and exc_type is not RunFolderError
+        ):
+            reason = exc.strerror or str(exc)
+            raise RunFolderError(
+                exc.errno,
+                f"cannot write {self.path}: {reason}. Every record finished before is in "
+                f"{METRICS_FILE}; free space or choose a writable --out, then --resume.",
+            ) from exc
+        return False
+
+
+def _read_parts(folder: Path) -> dict[str, Any]:
+    parts = {}
+    try:
+        lines = (folder / PARTS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return parts
+    for line in lines:
+        try:
+            part = json.loads(line)
+        except ValueError:
+            break  # a line cut short by a kill: that part runs again
+        parts[part["key"]] = {"payload": part["payload"], "entries": part["entries"]}
+    return parts
+
+
+def _lock_info(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / LOCK_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # half-written or unreadable: treat as another live holder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def check_lock(folder: str | os.PathLike) -> None:
+    """Refuses a folder held by a live run; clears a stale lock (its process is gone),
+    marking the summary it left at ``"running"`` as ``"interrupted"``.
+
+    Raises:
+      FileExistsError: another live process (or one on another host, which cannot be
+        checked) holds the folder.
+    """
+    folder = Path(folder)
+    info = _lock_info(folder)
+    if info is None:
+        return
+    pid, host = info.get("pid"), info.get("host")
+    here = host == platform.node()
+    if here and isinstance(pid, int) and pid == os.getpid():
+        return  # our own (an earlier writer of this process that did not close)
+    if here and isinstance(pid, int) and not _alive(pid):
+        summary = read_summary(folder)
+        if summary is not None and summary.get("status") == RUNNING:
+            summary["status"] = INTERRUPTED
+            summary["error"] = (
+                f"the process (pid {pid} on {host}) stopped without closing the run, e.g. "
+                "killed with SIGKILL; resume it with --resume"
+            )
+            _write_json(folder / SUMMARY_FILE, summary)
+        (folder / LOCK_FILE).unlink(missing_ok=True)
+        return
+    where = f"pid {pid} on host {host}, since {info.get('started')}" if info else "unknown"
+    raise FileExistsError(
+        f"output folder {folder} is in use by a running scaffold-jax ({where}); wait for it "
+        f"to finish or stop it (kill -INT {pid}), or choose another output folder. If that "
+        f"process is gone (another host), delete {folder / LOCK_FILE}."
+    )
+
+
+def _take_lock(folder: Path) -> Path:
+    path = folder / LOCK_FILE
+    info = {"pid": os.getpid(), "host": platform.node(), "started": _now()}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        check_lock(folder)  # stale: cleared; live: raises
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info))
+    return path
+
+
+def _release_lock(path: Path) -> None:
+    info = _lock_info(path.parent)
+    if info and info.get("pid") == os.getpid():
+        path.unlink(missing_ok=True)

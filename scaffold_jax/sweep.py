@@ -83,15 +83,22 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax.engine import Simulation, check_count, initial_state
+from scaffold_jax.engine import (
+    MAX_SEED,
+    SEED_WHY,
+    Simulation,
+    available_memory_bytes,
+    check_count,
+    initial_state,
+)
 from scaffold_jax.loop import drive
+from scaffold_jax.tree import tree_bytes
 from scaffold_jax.types import HParams, PyTree, SimState, check_hparams
 
 #: Per sampled client, the number of params-sized float32 buffers the round keeps live.
 WORK_BUFFERS_PER_CLIENT = 8
 #: Fraction of the free memory a sweep may use when no budget is given.
 DEFAULT_MEMORY_FRACTION = 0.5
-_FALLBACK_AVAILABLE_BYTES = 2 << 30
 _ATTRIBUTE = "_sweep_program"  # where Sweep.of keeps a simulation's Sweep
 
 
@@ -162,8 +169,15 @@ def _check_seeds(seeds, num_configs: int) -> np.ndarray:
         raise ValueError(
             f"seeds must be one integer per config, shape [{num_configs}]; got shape {seeds.shape}."
         )
-    if not np.issubdtype(seeds.dtype, np.integer) or np.any(seeds < 0):
+    # Seeds beyond int64 come as an object array of Python ints.
+    integers = np.issubdtype(seeds.dtype, np.integer) or (
+        seeds.dtype == object and all(isinstance(s, (int, np.integer)) for s in seeds.tolist())
+    )
+    if not integers or any(int(s) < 0 for s in seeds.tolist()):
         raise ValueError(f"seeds must be non-negative integers; got {seeds.tolist()}.")
+    big = [int(s) for s in seeds.tolist() if int(s) > MAX_SEED]
+    if big:
+        raise ValueError(f"seed = {big[0]} is invalid: it must be <= {MAX_SEED}{SEED_WHY}.")
     return seeds.astype(np.int64)
 
 
@@ -180,43 +194,10 @@ def config_bytes(simulation: Simulation, data) -> int:
     batches, _ = jax.eval_shape(
         lambda: data.client_batches(jnp.int32(0), jr.key(0), simulation.plan)
     )
-    params_bytes = _tree_bytes(jax.eval_shape(lambda: simulation.problem.params), min_width=4)
-    batch_bytes = _tree_bytes(batches, min_width=4)
+    params_bytes = tree_bytes(jax.eval_shape(lambda: simulation.problem.params), min_width=4)
+    batch_bytes = tree_bytes(batches, min_width=4)
     working = simulation.clients_per_round * (WORK_BUFFERS_PER_CLIENT * params_bytes + batch_bytes)
-    return 2 * _tree_bytes(state) + working
-
-
-def _tree_bytes(tree: PyTree, min_width: int = 1) -> int:
-    return sum(
-        math.prod(leaf.shape) * max(jnp.dtype(leaf.dtype).itemsize, min_width)
-        for leaf in jax.tree.leaves(tree)
-        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-    )
-
-
-def available_memory_bytes(device: jax.Device | None = None) -> int:
-    """Free memory where the sweep runs: ``bytes_limit − bytes_in_use`` on an accelerator,
-    ``MemAvailable`` of ``/proc/meminfo`` on CPU, 2 GiB when neither can be read."""
-    device = jax.devices()[0] if device is None else device
-    if device.platform != "cpu":
-        try:
-            stats = device.memory_stats() or {}
-            if "bytes_limit" in stats:
-                return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        except Exception:  # backends without memory stats raise their own errors
-            pass
-    return _meminfo_available() or _FALLBACK_AVAILABLE_BYTES
-
-
-def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return 2 * tree_bytes(state) + working
 
 
 def choose_chunk_size(
@@ -415,10 +396,7 @@ class Sweep:
             newly = ~finite & ~carry.diverged
             diverged = carry.diverged | ~finite
             diverged_round = jnp.where(newly, state.round, carry.diverged_round)
-            metrics = {
-                k: jnp.where(diverged, -1 if k == "client_ids" else jnp.nan, v)
-                for k, v in metrics.items()
-            }
+            metrics = {k: jnp.where(diverged, _frozen(k, v), v) for k, v in metrics.items()}
             return SweepCarry(state, diverged, diverged_round), metrics
 
         in_group = SweepCarry(SimState(server=0, clients=0, round=None), 0, 0)
@@ -656,6 +634,14 @@ class _Chunk:
                 "metrics": {k: v[:, a, b] for k, v in metrics.items() if k != "client_ids"},
             }
         return out
+
+
+def _frozen(name: str, value: jax.Array) -> Any:
+    """A diverged config's round metric: client ids −1, flags (``server_finite``) False,
+    numbers NaN."""
+    if name == "client_ids":
+        return -1
+    return False if value.dtype == jnp.bool_ else jnp.nan
 
 
 def _layout(seeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -6,6 +6,8 @@ Every leaf of a client table has a leading ``[N, ...]`` client axis.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -27,6 +29,16 @@ def set_rows(table: PyTree, ids: jax.Array, rows: PyTree) -> PyTree:
     """
     return jax.tree.map(
         lambda a, r: a.at[ids].set(r.astype(a.dtype), unique_indices=True), table, rows
+    )
+
+
+def tree_bytes(tree: PyTree, min_width: int = 1) -> int:
+    """Bytes of a pytree of arrays or ``ShapeDtypeStruct`` s, every element counted at
+    least ``min_width`` bytes wide (4: as float32 once converted); PRNG keys left out."""
+    return sum(
+        math.prod(leaf.shape) * max(jnp.dtype(leaf.dtype).itemsize, min_width)
+        for leaf in jax.tree.leaves(tree)
+        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
     )
 
 

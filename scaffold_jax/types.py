@@ -53,10 +53,16 @@ class HParams(Mapping):
 
     Args:
       values: ``{name: value}``; values are converted to float32 arrays.
+
+    Raises:
+      ValueError: a concrete value that is finite but beyond float32's range (1e39), which
+        the conversion would silently turn into inf.
     """
 
     def __init__(self, values: Mapping[str, Any] | None = None, /, **named: Any):
         values = {**dict(values or {}), **named}
+        for k, v in values.items():
+            _check_float32_range(str(k), v)
         self._values = {str(k): jnp.asarray(v, jnp.float32) for k, v in values.items()}
 
     def __getitem__(self, name: str) -> Array:
@@ -135,11 +141,36 @@ def format_hparams(values: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={show(v)}" for k, v in values.items())
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_float32_range(name: str, value: Any) -> None:
+    """ValueError when a concrete value is finite as given but inf once float32 (the
+    conversion :class:`HParams` makes); the message shows the value as given."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        return  # already an array of its own dtype (or traced): nothing is converted here
+    try:
+        wide = np.asarray(value, np.float64)
+    except (TypeError, ValueError, OverflowError):
+        return  # not numbers: jnp.asarray names the problem
+    with np.errstate(invalid="ignore"):
+        over = np.isfinite(wide) & (np.abs(wide) > _FLOAT32_MAX)
+    if np.any(over):
+        shown = ", ".join(f"{v:.7g}" for v in wide.ravel().tolist())
+        shown = shown if wide.ndim == 0 else f"[{shown}]"
+        raise ValueError(
+            f"{name}={shown} is invalid: hyper-parameters are float32, where it would become "
+            f"inf; every value must be finite and at most {_FLOAT32_MAX:.8g} in magnitude."
+        )
+
+
 def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> None:
     """Raises ValueError for values outside their range (concrete values only).
 
     Without ``declared`` the step sizes must be finite and > 0 and any other value finite
-    and >= 0; with it, each declared value's own range applies.
+    and >= 0; with it, each declared value's own range applies. (A value finite as given
+    but beyond float32's range, 1e39, is refused where :class:`HParams` converts it, with
+    the value as given.)
     """
     if not isinstance(hp, HParams):
         raise TypeError(

@@ -5,7 +5,8 @@ from them and :func:`test_the_doc_lists_exactly_these_cases` fails when the two 
 Regenerate the page with ``python tests/test_bad_inputs.py``.
 
 In an expected message, ``{tmp}`` stands for the test's temporary directory and ``…`` for
-any text (used only where the message quotes a third-party error, e.g. tensorstore's).
+any text (used only where the message quotes a third-party error, e.g. tensorstore's, or
+names the machine, e.g. its platform).
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import scaffold_jax as sj
-from scaffold_jax import checkpoint
+from scaffold_jax import checkpoint, cli, engine, paper
+from scaffold_jax import sweep as sweeps
 from scaffold_jax.data import partition, sources
+from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.loop import DivergenceError
 
 DOC = Path(__file__).parent.parent / "docs" / "bad_inputs.md"
@@ -91,14 +95,14 @@ def write(path: Path, payload: bytes) -> Path:
     return path
 
 
-def idx_folder(ctx, labels_test: np.ndarray) -> Path:
+def idx_folder(ctx, labels_test: np.ndarray, type_code: int = 0x08) -> Path:
     folder = ctx.tmp / "fmnist"
     folder.mkdir()
     images = np.zeros((3, 2, 2), np.uint8)
     write(folder / "train-images-idx3-ubyte", idx_bytes(images))
     write(folder / "train-labels-idx1-ubyte", idx_bytes(np.array([0, 1, 2], np.uint8)))
     write(folder / "t10k-images-idx3-ubyte.gz", gzip.compress(idx_bytes(images)))
-    write(folder / "t10k-labels-idx1-ubyte.gz", gzip.compress(idx_bytes(labels_test)))
+    write(folder / "t10k-labels-idx1-ubyte.gz", gzip.compress(idx_bytes(labels_test, type_code)))
     return folder
 
 
@@ -121,6 +125,28 @@ def with_label(ctx, index: int, label: int, field: str = "examples"):
     y[index] = label
     examples["y"] = jnp.asarray(y)
     return dataclasses.replace(data, **{field: examples})
+
+
+def with_values(field: str, index: tuple, value, dtype=None, sizes=(2, 9, 5)):
+    """Clients whose ``field`` holds ``value`` at ``index`` of client 1 (as ``dtype``)."""
+    data = clients(sizes=sizes)
+    array = data[1][field].astype(dtype or data[1][field].dtype)
+    array[index] = value
+    data[1][field] = array
+    return data
+
+
+def with_memory(num_bytes: int, call: Callable[[], object]) -> object:
+    """``call()`` on a machine with ``num_bytes`` of memory available."""
+    with mock.patch.object(engine, "available_memory_bytes", lambda device=None: num_bytes):
+        return call()
+
+
+def sweep_args(*argv: str):
+    return cli.build_parser().parse_args(["sweep", *argv])
+
+
+EMPTY_TEST = {"x": np.zeros((0, 5), np.float32), "y": np.zeros(0, np.int32)}
 
 
 # --------------------------------------------------------------------------- the cases
@@ -429,6 +455,125 @@ CASES = [
          "checkpoint.restore_latest", FileNotFoundError,
          "no checkpoint to restore: {tmp}/nowhere is not a directory.",
          lambda ctx: checkpoint.restore_latest(ctx.tmp / "nowhere", ctx.state_at_2)),
+    # ----- seeds beyond 32 bits (jax.random.key(2**32) == jax.random.key(0))
+    Case("seed-beyond-32-bits", "a seed >= 2**32", "Simulation.run", ValueError,
+         "seed = 4294967296 is invalid: it must be <= 4294967295 (jax.random.key keeps only "
+         "the low 32 bits: a larger seed repeats a smaller one).",
+         lambda ctx: run(ctx, seed=2**32)),
+    Case("config-seed-beyond-32-bits", "a config seed >= 2**63", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  seed = 9223372036854775808 is invalid: it must be an integer >= 0 "
+         "and <= 4294967295 (jax.random.key keeps only the low 32 bits: a larger seed repeats "
+         "a smaller one).",
+         lambda ctx: RunConfig(seed=2**63).validate()),
+    Case("sweep-seed-beyond-32-bits", "a sweep seed >= 2**32", "sweep.grid", ValueError,
+         "seed = 4294967296 is invalid: it must be <= 4294967295 (jax.random.key keeps only "
+         "the low 32 bits: a larger seed repeats a smaller one).",
+         lambda ctx: sweeps.grid(client_lr=0.1, seeds=[0, 2**32])),
+    Case("protocol-seed-beyond-32-bits", "a protocol seed >= 2**32", "paper.fig3_protocol",
+         ConfigError,
+         "invalid fig3 protocol:\n  seed = 4294967296 is invalid: it must be an integer >= 0 "
+         "and <= 4294967295 (jax.random.key keeps only the low 32 bits: a larger seed repeats "
+         "a smaller one).",
+         lambda ctx: paper.fig3_protocol(quick=True, seed=2**32)),
+    # ----- values the move to the device would change silently
+    Case("idx-float-labels", "an IDX label file of float32 values", "sources.load_idx_folder",
+         ValueError,
+         "{tmp}/fmnist/t10k-labels-idx1-ubyte.gz: labels must be integer class indices, got "
+         "float32 values (label 1.5 at index 1); store them as integers (IDX type code 0x08, "
+         "unsigned bytes).",
+         lambda ctx: sources.load_idx_folder(
+             idx_folder(ctx, np.array([0, 1.5, 2], np.float32), type_code=0x0D),
+             "fashion_mnist", num_classes=10)),
+    Case("labels-beyond-int32", "an int64 label >= 2**31", "from_client_arrays", ValueError,
+         "the field ['y'] holds 2147483648 at client 1's example 4, outside int32 (the device "
+         "stores int64 as int32, where it would wrap); use values in [-2147483648, 2147483647] "
+         "(e.g. remap labels to 0..C-1).",
+         lambda ctx: sj.from_client_arrays(with_values("y", (4,), 2**31, np.int64))),
+    Case("partition-float-indices", "a partition of float indices", "from_partition",
+         ValueError,
+         "client 0's partition indices are float64 values (e.g. 0.0); indices must be "
+         "integers: give each client an integer array of example indices.",
+         lambda ctx: sj.from_partition({"x": np.zeros((3, 2))}, [np.array([0.0, 1.7]),
+                                                                 np.array([2])])),
+    Case("check-partition-float-indices", "a partition of float indices",
+         "partition.check_partition", ValueError,
+         "client 1's partition indices are float64 values (e.g. 2.5); indices must be "
+         "integers.",
+         lambda ctx: partition.check_partition([np.array([0, 1]), np.array([2.5])], 3)),
+    Case("nan-features", "a NaN feature", "from_client_arrays", ValueError,
+         "the field ['x'] holds a non-finite value: nan at client 1's example 3. Features must "
+         "be finite (a NaN or Inf makes every run diverge); drop or repair those examples "
+         "first (e.g. np.nan_to_num).",
+         lambda ctx: sj.from_client_arrays(with_values("x", (3, 2), np.nan))),
+    Case("inf-test-features", "an Inf feature in the test set", "from_client_arrays",
+         ValueError,
+         "the field ['x'] holds a non-finite value: inf at test example 1. Features must be "
+         "finite (a NaN or Inf makes every run diverge); drop or repair those examples first "
+         "(e.g. np.nan_to_num).",
+         lambda ctx: sj.from_client_arrays(clients(), test=with_values("x", (1, 0), np.inf)[1])),
+    Case("features-beyond-float32", "a float64 feature beyond float32's range",
+         "from_partition", ValueError,
+         "the field ['x'] holds a value beyond float32's range (the device stores float64 as "
+         "float32): 1e+39 at client 0's example 1, example 2 of the examples passed. Features "
+         "must be finite in float32 (a NaN or Inf makes every run diverge); drop or repair "
+         "those examples first (e.g. np.nan_to_num).",
+         lambda ctx: sj.from_partition({"x": np.array([0.0, 1.0, 1e39])}, [np.array([0, 2]),
+                                                                          np.array([1])])),
+    # ----- empty test sets ("integer modulo by zero" in the evaluation)
+    Case("empty-test-set", "a test set with 0 examples", "from_client_arrays", ValueError,
+         "the test set is empty (0 examples): give it at least one example, or pass "
+         "test=None to build the data without one.",
+         lambda ctx: sj.from_client_arrays(clients(), test=EMPTY_TEST)),
+    Case("empty-test-set-in-dataset", "a dataset whose test set has 0 rows", "Simulation.run",
+         ValueError,
+         "the test set is empty (0 examples): give it at least one example, or build the data "
+         "with test=None to run without a held-out evaluation.",
+         lambda ctx: run(ctx, data=dataclasses.replace(
+             ctx.data, test={k: jnp.asarray(v) for k, v in EMPTY_TEST.items()}))),
+    # ----- sizes
+    Case("client-table-too-large", "a client table larger than the memory (N = 10**12)",
+         "Simulation.run", ValueError,
+         "the client table of N = 1000000000000 clients needs 72000000000000 bytes (65.5 TiB), "
+         "more than the 1073741824 bytes (1.0 GiB) available on …; one round's batches add 96 "
+         "bytes. Use fewer clients N or a smaller model, or split the table over more devices "
+         "with a ClientMesh layout (scaffold_jax.layout).",
+         lambda ctx: with_memory(2**30, lambda: run(
+             ctx, data=dataclasses.replace(ctx.data, num_clients=10**12)))),
+    # ----- step sizes beyond float32 (finite in Python, inf once float32)
+    Case("client-lr-beyond-float32", "η_l = 1e39", "hparams", ValueError,
+         "client_lr=1e+39 is invalid: hyper-parameters are float32, where it would become inf; "
+         "every value must be finite and at most 3.4028235e+38 in magnitude.",
+         lambda ctx: sj.hparams(client_lr=1e39)),
+    Case("config-client-lr-beyond-float32", "--client-lr 1e39", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  client_lr = 1e+39 is invalid: it must be finite and > 0, and at "
+         "most 3.4028235e+38 (the largest float32; the step sizes and hyper-parameters are "
+         "float32, where a larger value becomes inf).",
+         lambda ctx: RunConfig(client_lr=1e39).validate()),
+    # ----- configs and the command line
+    Case("data-dir-missing", "a --data-dir that does not exist", "sources.load",
+         FileNotFoundError,
+         "data_dir {tmp}/nowhere does not exist; pass the folder that holds the IDX files of "
+         "fashion_mnist, or leave data_dir unset to search $SCAFFOLD_JAX_DATA_DIR, the system "
+         "folders and the cache.",
+         lambda ctx: sources.load("fashion_mnist", data_dir=ctx.tmp / "nowhere")),
+    Case("out-empty", "--out \"\"", "RunConfig.validate", ConfigError,
+         "invalid config:\n  out = '' is invalid: it must be a folder path (an empty one would "
+         "write into the working folder); give a folder, or leave out unset for "
+         "results/<algorithm>-<dataset>.",
+         lambda ctx: RunConfig(out="").validate()),
+    Case("scaffold-option-list", "scaffold_option = [2] (a list)", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  scaffold_option = [2] is invalid: it must be one of 'I', 'II'.",
+         lambda ctx: RunConfig.from_dict({"scaffold_option": [2]}).validate()),
+    Case("hparams-not-a-table", "hparams = 0.5 (not a table)", "RunConfig.from_dict",
+         ConfigError,
+         "hparams = 0.5 is invalid: it must be a table of names and values.",
+         lambda ctx: RunConfig.from_dict({"hparams": 0.5})),
+    Case("sweep-target", "sweep --target 5", "scaffold-jax sweep", ConfigError,
+         "--target = 5 is invalid: it must be a test accuracy in (0, 1], e.g. --target 0.7.",
+         lambda ctx: cli._sweep_command(sweep_args("--target", "5"))),
 ]
 # fmt: on
 
@@ -489,6 +634,45 @@ def test_bad_input_is_refused_with_its_message(case, ctx):
     assert message_pattern(case.message, ctx.tmp).fullmatch(message), message
 
 
+def test_the_diverged_round_does_not_depend_on_eval_every():
+    """Least squares with η_l far above 2/β: the state grows ~|1 − η_l β| per round. Its
+    update norm (a square root of a sum of squares) overflows rounds before the state does,
+    so the round must come from the state (the engine's per-round ``server_finite``)."""
+
+    def loss_fn(params, batch):
+        return 0.5 * (batch["x"] @ params["w"] - batch["y"]) ** 2
+
+    rng = np.random.default_rng(0)
+    data = sj.from_client_arrays(
+        [{"x": rng.normal(size=(n, 5)).astype(np.float32),
+          "y": rng.normal(size=n).astype(np.float32)} for n in (4, 6, 5, 8)]
+    )  # fmt: skip
+    problem = sj.Problem(params={"w": jnp.zeros(5, jnp.float32)}, loss_fn=loss_fn)
+    sim = sj.Simulation(sj.fedavg(loss_fn), problem, sj.BatchPlan.full(1), 4)
+    errors = {}
+    for every in (1, 4):
+        with pytest.raises(DivergenceError) as info:
+            sim.run(data, sj.hparams(100.0), num_rounds=40, eval_every=every)
+        errors[every] = info.value
+    rounds = {every: err.diverged_round for every, err in errors.items()}
+    assert rounds[1] == rounds[4] > 1, rounds
+    metrics = errors[4].result.round_metrics
+    first_inf_norm = int(np.flatnonzero(~np.isfinite(metrics["update_norm"]))[0]) + 1
+    assert first_inf_norm < rounds[4]  # the trap: the norm is inf while the state is finite
+    assert (
+        metrics["server_finite"][: rounds[4] - 1].all()
+        and not metrics["server_finite"][rounds[4] - 1]
+    )
+    d = rounds[4]
+    assert f"the first non-finite update came from round {d})" in str(errors[1])
+    last = -(-d // 4) * 4  # the check after the block of 4 rounds that holds round d
+    explained = (
+        f"Lower client_lr or server_lr. (The state is checked after each block of rounds, "
+        f"{last - 3}..{last} here; round {d} is the first whose new server state held NaN/Inf.)"
+    )
+    assert str(errors[4]).endswith(explained if d != last else "Lower client_lr or server_lr.")
+
+
 def test_cases_are_many_and_distinct():
     assert len(CASES) >= 25
     assert len({c.id for c in CASES}) == len(CASES)
@@ -509,7 +693,7 @@ def render_doc() -> str:
         "the call raises exactly this error with exactly this message. This page is generated",
         "from those cases (`python tests/test_bad_inputs.py`) and a test fails when the two",
         "disagree. In a message, `{tmp}` stands for the directory involved and `…` for text",
-        "quoted from a third-party error (flax, tensorstore, zlib).",
+        "quoted from a third-party error (flax, tensorstore, zlib) or naming the machine.",
         "",
         "| # | Bad input | Refused by | Error | Message |",
         "|---|---|---|---|---|",

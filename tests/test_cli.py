@@ -229,6 +229,59 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
     assert "already holds a finished run" in capsys.readouterr().err
 
 
+@needs_fashion
+def test_sweep_json_is_strict_json_when_a_config_diverges(tmp_path):
+    """A diverged config's losses are NaN: sweep.json writes them as null, so a strict
+    parser (one that refuses NaN / Infinity tokens) reads the file."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.replace("rounds = 10", "rounds = 4"))
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--config", str(config), "--lr-grid", "0.1", "1e38", "--target", "0.3",
+            "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    text = (out / "sweep.json").read_text()
+
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    record = json.loads(text, parse_constant=refuse)
+    res = record["results"]["scaffold"]
+    assert res["diverged_round"][0] == -1 and res["diverged_round"][1] >= 1
+    assert None in [r.get("test_loss") for r in res["records"][1]]  # NaN written as null
+    assert all(isinstance(r["test_loss"], float) for r in res["records"][0])
+
+
+@pytest.mark.parametrize("terminated", ["run_terminated", "sigterm_exit"])
+def test_sigterm_prints_one_line_and_exits_143(monkeypatch, capsys, terminated):
+    from scaffold_jax import cli
+    from scaffold_jax.loop import RunTerminated
+
+    def stopped(args):
+        if terminated == "run_terminated":
+            raise RunTerminated("SIGTERM received: stopped after round 4 (no checkpoint_dir, "
+                                "nothing saved).", result=None)  # fmt: skip
+        raise SystemExit(143)  # SIGTERM outside a running loop (sigterm_exits)
+
+    monkeypatch.setattr(cli, "_run_command", stopped)
+    assert main(["run", "--quiet"]) == 143
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "scaffold-jax: terminated (SIGTERM); finished records are kept"
+    )
+    if terminated == "run_terminated":
+        assert err[0].endswith("(SIGTERM received: stopped after round 4 (no checkpoint_dir, "
+                               "nothing saved)).")  # fmt: skip
+
+
+def test_other_exits_pass_through_main(monkeypatch):
+    from scaffold_jax import cli
+
+    monkeypatch.setattr(cli, "_run_command", lambda args: sys.exit(3))
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--quiet"])
+    assert exit_.value.code == 3
+
+
 # ----------------------------------------------------------------------------- diagnose
 @needs_fashion
 def test_diagnose_prints_the_papers_constants(tmp_path, capsys):
@@ -240,3 +293,47 @@ def test_diagnose_prints_the_papers_constants(tmp_path, capsys):
         assert name in out
     beta = float(out.split("β (smoothness)")[1].split()[0])
     assert 0 < beta < 1000
+
+
+# ----------------------------------------------------------------------------- resume
+def test_a_killed_protocol_resumes_keeping_its_finished_cells(tmp_path):
+    """fig3 (small): killed after two finished cells, --resume keeps them and runs the
+    rest; records (each once), cells and table equal an uninterrupted run's."""
+    import signal
+    import time
+
+    argv = ["reproduce", "fig3", "--quick", "--rounds", "30", "--lr-grid", "0.1", "0.3",
+            "--quiet"]  # fmt: skip
+
+    def start(out, *extra):
+        return subprocess.Popen(
+            [sys.executable, "-m", "scaffold_jax.cli", *argv, "--out", str(out), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    full = start(tmp_path / "full")
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    out = tmp_path / "killed"
+    proc = start(out)
+    deadline = time.monotonic() + 200
+    parts = out / results.PARTS_FILE
+    while not parts.exists() or len(parts.read_text().splitlines()) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    resumed = start(out, "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+
+    def comparable(folder):
+        records = [
+            {k: v for k, v in r.items() if k != "seconds"} for r in results.read_records(folder)
+        ]
+        summary = results.read_summary(folder)
+        cells = [
+            {k: v for k, v in c.items() if not k.endswith("_seconds")} for c in summary["cells"]
+        ]
+        return records, cells, (folder / "fig3.md").read_text().split("Wall time")[0]
+
+    assert comparable(out) == comparable(tmp_path / "full")
+    assert results.read_summary(out)["status"] == "finished"

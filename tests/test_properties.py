@@ -230,3 +230,66 @@ def test_client_batches_hold_only_the_clients_own_examples(sizes, plan, seed):
         assert np.all(mine[:, 0] == client)  # the owner's id: never a neighbour's row
         assert np.all(np.isfinite(mine))
         assert np.all(mine[:, 1] < sizes[client])
+
+
+# ----------------------------------------------------------------------- config validation
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**31, max_value=2**80)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([1e39, -1e39, 1e308, 5e-324, -0.0, 2**32, 2**63, 2**64, 10**400, -(10**400)])
+    | st.text(max_size=8)
+    | st.sampled_from(["", " ", "scaffold", "fedprox", "I", "II", "bfloat16", "full", "mlp"])
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.text(max_size=6) | st.sampled_from(["prox_mu", "x"]), children, max_size=3
+        )
+    ),
+    max_leaves=6,
+)
+# Scalars and flat lists drawn often (most fields take one of those), nesting less often.
+JSON_FIELD_VALUES = st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=3), JSON_VALUES)
+
+
+def _config_keys():
+    from scaffold_jax.experiments import RunConfig, declared_hparams, declared_options
+
+    return sorted({*RunConfig.field_names(), *declared_hparams(), *declared_options()})
+
+
+def _validate(values):
+    from scaffold_jax.experiments import ConfigError, RunConfig
+
+    plugins = values.get("plugins")
+    if isinstance(plugins, list) and any(isinstance(p, (str, list, dict)) for p in plugins):
+        del values["plugins"]  # names would be imported: only non-names are drawn
+    try:
+        RunConfig.from_dict(values).validate()
+    except ConfigError:
+        pass
+
+
+@pytest.mark.parametrize("key", _config_keys())
+@settings(max_examples=60, deadline=None)
+@given(
+    value=JSON_FIELD_VALUES,
+    algorithm=st.sampled_from(["scaffold", "fedavg", "fedprox", "sgd"]),
+)
+def test_every_config_field_refuses_any_json_value_with_a_config_error(key, value, algorithm):
+    """Any JSON value for any field (or declared name): the config is valid or refused with
+    a ConfigError, never another exception (a TypeError or OverflowError from inside the
+    checks)."""
+    _validate({"algorithm": algorithm, key: value} if key != "algorithm" else {key: value})
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=st.dictionaries(st.sampled_from(_config_keys()), JSON_FIELD_VALUES, max_size=5))
+def test_config_validation_raises_only_config_errors(values):
+    """Several fields at once (their cross-checks: partition, plan, sampling)."""
+    _validate(values)

@@ -528,3 +528,57 @@ def test_plotting_never_imports_pyplot_or_sets_the_backend(tmp_path):
     out = tmp_path / "a.png"
     subprocess.run([sys.executable, "-c", script, str(out)], check=True, timeout=120)
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------- full disks
+class _FullAfter:
+    """A file object that fails with ENOSPC after ``n`` writes (a disk filling up)."""
+
+    def __init__(self, f, n):
+        self.f, self.n = f, n
+
+    def write(self, text):
+        self.n -= 1
+        if self.n < 0:
+            self.f.write(text[: len(text) // 2])  # part of the line reaches the file
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+        return self.f.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_a_full_disk_stops_the_writer_with_one_line_and_keeps_whole_records(tmp_path):
+    import errno
+
+    from scaffold_jax.results import RunFolderError, RunWriter
+
+    with pytest.raises(RunFolderError) as info:
+        with RunWriter(tmp_path, {"algorithm": "sgd"}, targets=[0.5]) as writer:
+            writer._metrics = _FullAfter(writer._metrics, 2)
+            for r in range(5):
+                writer.record("sgd", {"round": r, "test_accuracy": 0.1 * r})
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC and "\n" not in message
+    assert f"cannot write {tmp_path / 'metrics.jsonl'}: No space left on device" in message
+    # The two finished records are intact and the file ends with a whole line.
+    assert [r["round"] for r in results.read_records(tmp_path)] == [0, 1]
+    assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n")
+    summary = results.read_summary(tmp_path)
+    assert summary["status"] == "failed" and "No space left on device" in summary["error"]
+    assert not (tmp_path / results.LOCK_FILE).exists()
+
+
+def test_a_plot_that_cannot_be_written_never_fails_a_finished_run(tmp_path, monkeypatch, capsys):
+    from scaffold_jax.results import RunWriter
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results, "plot_curves", full)
+    with RunWriter(tmp_path, {"algorithm": "sgd"}, targets=[0.5]) as writer:
+        writer.record("sgd", {"round": 0, "test_accuracy": 0.1, "test_loss": 1.0})
+        summary = writer.finish()
+    assert summary["status"] == "finished" == results.read_summary(tmp_path)["status"]
+    assert "could not write accuracy.png" in capsys.readouterr().err

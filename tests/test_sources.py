@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -340,6 +341,26 @@ def test_stale_cache_is_ignored(tmp_path):
     np.savez(path, format=0, name="mnist", **fields)  # format 0: an older layout
     with pytest.raises(FileNotFoundError, match=r"npz cache .*mnist.npz \(stale, ignored\)"):
         sources.load("mnist", cache_dir=tmp_path, tfds_data_dir=tmp_path / "tfds")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_an_unreadable_cache_is_rebuilt_with_a_warning(tmp_path, damage):
+    path = sources.cache_path("mnist", tmp_path)
+    with _mock_tfds(num_examples=5)[1]:
+        first = sources.load_tfds("mnist", cache_dir=tmp_path, download=True)
+    good = path.read_bytes()
+    path.write_bytes(b"not a zip file" if damage == "garbage" else good[: len(good) // 2])
+    with pytest.warns(UserWarning, match=rf"unreadable dataset cache {re.escape(str(path))}"):
+        assert sources._load_cache(path, "mnist") is None  # treated as absent
+    mocked = _mock_tfds(num_examples=5)[1]
+    with mocked, pytest.warns(UserWarning, match="it is rebuilt from the source") as caught:
+        again = sources.load_tfds("mnist", cache_dir=tmp_path, download=True)
+    ours = [w for w in caught if "dataset cache" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]  # warned once, naming the file
+    assert again.source == "tfds:mnist"  # rebuilt from TFDS...
+    np.testing.assert_array_equal(again.train["x"], first.train["x"])
+    cached = sources._load_cache(path, "mnist")  # ...and rewritten: readable again
+    assert cached is not None and str(path) in cached.source
 
 
 def test_a_failed_download_says_not_found_with_every_way_to_get_the_data(tmp_path, monkeypatch):

@@ -236,7 +236,7 @@ def test_chunk_shape(seeds, per_seed, cap, expected):
 
 
 def test_available_memory_is_read(tmp_path):
-    from scaffold_jax.sweep import _meminfo_available
+    from scaffold_jax.engine import _meminfo_available
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  2048 kB\nMemAvailable:  1024 kB\n")

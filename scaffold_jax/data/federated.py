@@ -123,6 +123,15 @@ def from_partition(
             f"clients {empty} have no data (0 examples); use fewer clients or a partition "
             "that gives every client at least one example."
         )
+    for i, ix in enumerate(client_indices):
+        ix = np.asarray(ix)
+        if not np.issubdtype(ix.dtype, np.integer):
+            # np.int64(...) would silently truncate 2.7 to 2 (and read a mask as 0 / 1).
+            raise ValueError(
+                f"client {i}'s partition indices are {ix.dtype} values (e.g. "
+                f"{ix.flat[0].item()!r}); indices must be integers: give each client an "
+                "integer array of example indices."
+            )
     order = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in client_indices])
     num_examples = int(np.shape(jax.tree.leaves(examples)[0])[0])
     if order.min() < 0 or order.max() >= num_examples:
@@ -135,12 +144,30 @@ def from_partition(
             f"the partition assigns {order.size - np.unique(order).size} examples to more than "
             "one client; every example may belong to one client only."
         )
-    return _build(jax.tree.map(lambda a: np.asarray(a)[order], examples), counts, test)
+    return _build(jax.tree.map(lambda a: np.asarray(a)[order], examples), counts, test, order)
 
 
-def _build(examples: Examples, counts: np.ndarray, test: Examples | None) -> FederatedData:
+def _build(
+    examples: Examples, counts: np.ndarray, test: Examples | None, order: np.ndarray | None = None
+) -> FederatedData:
+    """``order``: row r of ``examples`` is example ``order[r]`` of the caller's pool (a
+    partition), for the messages."""
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+
+    def client_row(row: int) -> str:
+        client = int(np.searchsorted(offsets, row, side="right")) - 1
+        pool = "" if order is None else f", example {int(order[row])} of the examples passed"
+        return f"client {client}'s example {row - int(offsets[client])}{pool}"
+
+    _check_values(examples, client_row)
     if test is not None:
+        leaves = jax.tree.leaves(test)
+        if leaves and np.ndim(leaves[0]) and np.shape(leaves[0])[0] == 0:
+            raise ValueError(
+                "the test set is empty (0 examples): give it at least one example, or pass "
+                "test=None to build the data without one."
+            )
+        _check_values(test, lambda row: f"test example {row}")
         test = jax.tree.map(jnp.asarray, test)
     return FederatedData(
         examples=jax.tree.map(jnp.asarray, examples),
@@ -150,3 +177,53 @@ def _build(examples: Examples, counts: np.ndarray, test: Examples | None) -> Fed
         num_clients=len(counts),
         max_count=int(counts.max()),
     )
+
+
+def _check_values(examples: Examples, where) -> None:
+    """Refuses values that the move to the device would change silently, or that make every
+    run diverge: NaN/Inf floats, floats beyond float32 (inf there), integers beyond the
+    device's int32 (they would wrap). One pass per leaf (min and max); ``where(row)`` names
+    the example of a bad row."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(examples):
+        if not getattr(leaf, "is_fully_addressable", True) or not np.ndim(leaf):
+            continue
+        a = np.asarray(leaf)
+        if a.size == 0:
+            continue
+        field = jax.tree_util.keystr(path) or "the examples"
+        target = jax.dtypes.canonicalize_dtype(a.dtype)  # what jnp.asarray will make of it
+        if np.issubdtype(a.dtype, np.floating):
+            limit = float(np.finfo(target).max) if np.issubdtype(target, np.floating) else np.inf
+            lo, hi = a.min(), a.max()  # NaN propagates through both
+            if np.isfinite(lo) and np.isfinite(hi) and -limit <= lo and hi <= limit:
+                continue
+            with np.errstate(invalid="ignore"):
+                bad = ~np.isfinite(a) | (np.abs(a) > limit)
+            row, value = _first(bad, a)
+            if np.isfinite(value):
+                kind = f"a value beyond {target}'s range (the device stores {a.dtype} as {target})"
+            else:
+                kind = "a non-finite value"
+            finite_in = "" if target == a.dtype else f"in {target} "
+            raise ValueError(
+                f"the field {field} holds {kind}: {value!r} at {where(row)}. Features must be "
+                f"finite {finite_in}(a NaN or Inf makes every run diverge); drop or repair "
+                "those examples first (e.g. np.nan_to_num)."
+            )
+        elif np.issubdtype(a.dtype, np.integer) and target != a.dtype:
+            info = np.iinfo(target)
+            lo, hi = int(a.min()), int(a.max())
+            if info.min <= lo and hi <= info.max:
+                continue
+            row, value = _first((a < info.min) | (a > info.max), a)
+            raise ValueError(
+                f"the field {field} holds {value!r} at {where(row)}, outside {target} (the "
+                f"device stores {a.dtype} as {target}, where it would wrap); use values in "
+                f"[{info.min}, {info.max}] (e.g. remap labels to 0..C-1)."
+            )
+
+
+def _first(bad: np.ndarray, a: np.ndarray) -> tuple[int, Any]:
+    """The example (leading index) of the first True in ``bad`` and its value."""
+    flat = int(np.flatnonzero(bad.reshape(-1))[0])
+    return flat // max(1, a[0].size), a.reshape(-1)[flat].item()

@@ -345,6 +345,13 @@ def check_partition(client_indices: Sequence[np.ndarray], num_examples: int) -> 
     sizes = [len(ix) for ix in client_indices]
     if not sizes or min(sizes) == 0:
         raise ValueError("the partition has no clients or an empty client.")
+    for i, ix in enumerate(client_indices):
+        ix = np.asarray(ix)
+        if not np.issubdtype(ix.dtype, np.integer):  # np.int64(...) would truncate 2.7 to 2
+            raise ValueError(
+                f"client {i}'s partition indices are {ix.dtype} values (e.g. "
+                f"{ix.flat[0].item()!r}); indices must be integers."
+            )
     flat = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in client_indices])
     if flat.size and (flat.min() < 0 or flat.max() >= num_examples):
         raise ValueError(f"the partition holds indices outside [0, {num_examples}).")

@@ -39,6 +39,8 @@ import gzip
 import logging
 import math
 import os
+import warnings
+import zipfile
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -316,6 +318,15 @@ def load_idx_folder(
 
 
 def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
+    if not np.issubdtype(y.dtype, np.integer):
+        # Converting them to int32 would silently truncate 1.7 to 1.
+        odd = np.flatnonzero(np.asarray(y, np.float64) != np.round(y)) if y.size else []
+        i = int(odd[0]) if len(odd) else 0
+        example = f" (label {y[i].item()!r} at index {i})" if y.size else ""
+        raise ValueError(
+            f"{where}: labels must be integer class indices, got {y.dtype} values{example}; "
+            "store them as integers (IDX type code 0x08, unsigned bytes)."
+        )
     if y.size == 0:
         return
     bad = (y < 0) | (y >= num_classes)
@@ -349,16 +360,26 @@ def cache_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def _load_cache(path: Path, name: str) -> Dataset | None:
-    """The cached dataset, or None when the file is absent or stale (older format)."""
+    """The cached dataset, or None when the file is absent, stale (older format) or
+    unreadable (corrupt or truncated: a warning names it, and the caller rebuilds it)."""
     if not path.is_file():
         return None
-    with np.load(path, allow_pickle=False) as z:
-        if int(z["format"]) != _CACHE_FORMAT or str(z["name"]) != name:
-            logger.warning("ignoring stale cache %s (format or name mismatch)", path)
-            return None
-        train = {"x": z["train_x"], "y": z["train_y"]}
-        test = {"x": z["test_x"], "y": z["test_y"]}
-        return Dataset(name, f"{path} (cache of {z['origin']})", train, test, int(z["num_classes"]))
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if int(z["format"]) != _CACHE_FORMAT or str(z["name"]) != name:
+                logger.warning("ignoring stale cache %s (format or name mismatch)", path)
+                return None
+            train = {"x": z["train_x"], "y": z["train_y"]}
+            test = {"x": z["test_x"], "y": z["test_y"]}
+            origin, num_classes = str(z["origin"]), int(z["num_classes"])
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, zlib.error) as err:
+        warnings.warn(
+            f"ignoring the unreadable dataset cache {path} ({type(err).__name__}: {err}); it "
+            "is rebuilt from the source.",
+            stacklevel=2,
+        )
+        return None
+    return Dataset(name, f"{path} (cache of {origin})", train, test, num_classes)
 
 
 def _write_cache(path: Path, ds: Dataset) -> None:
@@ -563,6 +584,14 @@ def load(
     name = canonical_name(name)
     spec = DATASETS[name]
     looked: list[str] = []
+    if data_dir is not None and not Path(data_dir).expanduser().is_dir():
+        # Given explicitly, it must exist: a typo must not silently load another copy.
+        what = "is not a folder" if Path(data_dir).expanduser().exists() else "does not exist"
+        raise FileNotFoundError(
+            f"data_dir {os.fspath(data_dir)} {what}; pass the folder that holds the IDX files "
+            f"of {name}, or leave data_dir unset to search ${ENV_DATA_DIR}, the system folders "
+            "and the cache."
+        )
 
     env_dir = os.environ.get(ENV_DATA_DIR) or None
     folders: list[tuple[str, Path | None]] = []  # in search order; None: not configured

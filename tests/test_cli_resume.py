@@ -1,0 +1,334 @@
+"""`scaffold-jax run` never loses work: checkpoints in the run folder, `--resume` after
+SIGKILL / SIGINT / SIGTERM continues bit for bit with every evaluation round recorded
+exactly once, wrong resumes are refused, and a live run's folder is locked.
+
+The runs are real `scaffold-jax run` processes (a small Fashion-MNIST subset, evaluation
+and a checkpoint every round, so that a kill can land anywhere: while compiling, mid-block,
+while a checkpoint is written, right after a record is flushed).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from scaffold_jax import checkpoint, experiments, results
+from scaffold_jax.cli import main
+
+FASHION = "/usr/share/datasets/fashion-mnist"
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist (CI installs it)"
+)
+ROUNDS = 12
+TINY = f"""
+algorithm = "scaffold"
+dataset = "fashion_mnist"
+max_train_examples = 2000
+max_test_examples = 500
+num_clients = 10
+clients_per_round = 5
+local_epochs = 1
+client_lr = 0.1
+rounds = {ROUNDS}
+eval_every = 1
+targets = [0.5, 0.7]
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The config file and a persistent compilation cache shared by the processes."""
+    root = tmp_path_factory.mktemp("cli_resume")
+    (root / "tiny.toml").write_text(TINY)
+    cache = root / "jax_cache"
+    environment = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    return root, environment
+
+
+def _argv(root, out, *extra):
+    config = str(root / "tiny.toml")
+    return [sys.executable, "-m", "scaffold_jax.cli", "run", "--config", config,
+            "--out", str(out), "--quiet", *extra]  # fmt: skip
+
+
+def _run(root, environment, out, *extra):
+    return subprocess.run(
+        _argv(root, out, *extra), env=environment, capture_output=True, text=True, timeout=300
+    )
+
+
+def _lines(out) -> int:
+    path = Path(out) / results.METRICS_FILE
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _final_state(out):
+    config = experiments.RunConfig.from_dict(json.loads((Path(out) / "config.json").read_text()))
+    built = experiments.build(config)
+    like = built.simulation.state_like(built.data.num_clients)
+    restored = checkpoint.restore_latest(Path(out) / experiments.CHECKPOINTS, like)
+    assert restored.round == ROUNDS
+    return [np.asarray(a) for a in jax.tree.leaves(restored.state)]
+
+
+def _comparable(out):
+    records = [{k: v for k, v in r.items() if k != "seconds"} for r in results.read_records(out)]
+    summary = results.read_summary(out)
+    keys = ("status", "rounds_to_target", "best_test_accuracy", "dataset", "targets")
+    return records, {k: summary.get(k) for k in keys}
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+    root, environment = env
+    out = root / "reference"
+    proc = _run(root, environment, out)
+    assert proc.returncode == 0, proc.stderr
+    return {"out": out, "state": _final_state(out), "compare": _comparable(out)}
+
+
+def _resume_matches(root, environment, out, reference) -> bool:
+    proc = _run(root, environment, out, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    records, summary = _comparable(out)
+    assert [r["round"] for r in records] == list(range(ROUNDS + 1))  # each exactly once
+    assert (records, summary) == reference["compare"]
+    for mine, theirs in zip(_final_state(out), reference["state"], strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    assert not (Path(out) / results.LOCK_FILE).exists()
+    return True
+
+
+def _kill_after(root, environment, out, records: int, delay: float, sig=signal.SIGKILL):
+    """Starts a run, waits for ``records`` records (0: for ``delay`` seconds from the
+    start), then ``delay`` seconds more, and sends ``sig``."""
+    proc = subprocess.Popen(
+        _argv(root, out), env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while records and _lines(out) < records and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(delay)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+KILL_POINTS = [(0, 0.3), (2, 0.0), (5, 0.02)]  # (records written, then seconds)
+MORE_KILL_POINTS = [(0, 1.0), (0, 2.0), (1, 0.0), (3, 0.001), (4, 0.05), (6, 0.0), (7, 0.01),
+                    (8, 0.1), (10, 0.0), (11, 0.003), (12, 0.0), (13, 0.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("records", "delay"), KILL_POINTS)
+def test_sigkill_then_resume_is_the_uninterrupted_run(env, reference, records, delay, tmp_path):
+    root, environment = env
+    code, _ = _kill_after(root, environment, tmp_path / "run", records, delay)
+    assert code == -signal.SIGKILL  # it died mid-run
+    assert _resume_matches(root, environment, tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("records", "delay"), MORE_KILL_POINTS)
+def test_sigkill_at_many_points_then_resume(env, reference, records, delay, tmp_path):
+    root, environment = env
+    code, _ = _kill_after(root, environment, tmp_path / "run", records, delay)
+    # After the last record the run still writes its final checkpoint, CSV and plots.
+    assert code == -signal.SIGKILL or records == ROUNDS + 1
+    assert _resume_matches(root, environment, tmp_path / "run", reference)
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_sigint_and_sigterm_stop_cleanly_and_resume(env, reference, sig, status, tmp_path):
+    root, environment = env
+    out = tmp_path / "run"
+    code, _ = _kill_after(root, environment, out, 4, 0.0, sig=sig)
+    assert code == status
+    summary = results.read_summary(out)
+    assert summary["status"] == "interrupted"
+    assert not (out / results.LOCK_FILE).exists()  # released on the way out
+    assert _resume_matches(root, environment, out, reference)
+
+
+def test_a_stale_lock_after_sigkill_says_interrupted_and_blocks_nothing(env, tmp_path):
+    root, environment = env
+    out = tmp_path / "run"
+    code, _ = _kill_after(root, environment, out, 3, 0.0)
+    assert code == -signal.SIGKILL
+    assert (out / results.LOCK_FILE).exists()  # left behind by the killed process
+    assert results.read_summary(out)["status"] == "running"
+    # Any later command recognises it (the process is gone) and says what happened.
+    proc = _run(root, environment, out)
+    assert proc.returncode == 1 and "--resume to continue it" in proc.stderr
+    summary = results.read_summary(out)
+    assert summary["status"] == "interrupted" and "SIGKILL" in summary["error"]
+    assert not (out / results.LOCK_FILE).exists()
+
+
+def test_a_live_run_folder_is_locked_even_against_overwrite(env, tmp_path, capsys):
+    root, _ = env
+    out = tmp_path / "run"
+    out.mkdir()
+    # A lock held by a live process of this host (this test's parent: always alive).
+    lock = {"pid": os.getppid(), "host": __import__("platform").node(), "started": "now"}
+    (out / results.LOCK_FILE).write_text(json.dumps(lock))
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        code = main(["run", "--config", str(root / "tiny.toml"), "--out", str(out), *extra])
+        assert code in (1, 2)
+        err = capsys.readouterr().err
+        assert "is in use by a running scaffold-jax" in err
+    assert json.loads((out / results.LOCK_FILE).read_text()) == lock  # untouched
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (["--similarity", "10"], "similarity"),
+        (["--max-train-examples", "1500"], "max_train_examples"),
+        (["--set", "scaffold_option=I"], "options"),
+        (["--client-lr", "0.2"], "client_lr"),
+        (["--seed", "1"], "seed"),
+    ],
+)
+def test_a_resume_with_other_settings_is_refused_naming_the_field(
+    env, reference, change, field, tmp_path, capsys
+):
+    root, _ = env
+    out = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(reference["out"], out)
+    code = main(["run", "--config", str(root / "tiny.toml"), "--out", str(out), "--resume",
+                 "--quiet", *change])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "holds another run" in err and f"{field}:" in err
+
+
+def test_another_runs_checkpoint_copied_in_is_refused(env, reference, tmp_path, capsys):
+    """The config matches, but the newest checkpoint belongs to a run on other data."""
+    root, environment = env
+    other = tmp_path / "other"
+    assert _run(root, environment, other, "--set", "similarity=50", "--rounds", "2").returncode == 0
+    out = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(reference["out"], out)
+    ckpts = out / experiments.CHECKPOINTS
+    shutil.rmtree(ckpts)
+    shutil.copytree(other / experiments.CHECKPOINTS, ckpts)
+    code = main(["run", "--config", str(root / "tiny.toml"), "--out", str(out), "--resume",
+                 "--quiet"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "belongs to a different run" in err and "data_fingerprint" in err
+    assert "partition" in err
+
+
+def test_more_rounds_and_another_cadence_are_allowed(env, reference, tmp_path):
+    root, environment = env
+    out = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(reference["out"], out)
+    proc = _run(
+        root, environment, out, "--resume", "--rounds", str(ROUNDS + 4), "--eval-every", "2"
+    )
+    assert proc.returncode == 0, proc.stderr
+    rounds = [r["round"] for r in results.read_records(out)]
+    assert rounds == [*range(ROUNDS + 1), ROUNDS + 2, ROUNDS + 4]
+    assert results.read_summary(out)["status"] == "finished"
+
+
+def test_a_full_disk_is_one_clear_line_and_the_run_resumes_afterwards(
+    env, reference, tmp_path, monkeypatch, capsys
+):
+    root, environment = env
+    out = tmp_path / "run"
+    original = results.RunWriter.open
+
+    def open_on_a_filling_disk(self):
+        original(self)
+        metrics = self._metrics
+
+        class Full:  # ENOSPC once 5 records are written
+            written = 0
+
+            def write(self, text):
+                Full.written += 1
+                if Full.written > 5:
+                    raise OSError(28, "No space left on device")
+                return metrics.write(text)
+
+            def __getattr__(self, name):
+                return getattr(metrics, name)
+
+        self._metrics = Full()
+
+    monkeypatch.setattr(results.RunWriter, "open", open_on_a_filling_disk)
+    code = main(["run", "--config", str(root / "tiny.toml"), "--out", str(out), "--quiet"])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "No space left on device" in err and "--resume" in err
+    assert [r["round"] for r in results.read_records(out)] == [0, 1, 2, 3, 4]
+    summary = results.read_summary(out)
+    assert summary["status"] == "failed" and "No space left" in summary["error"]
+    monkeypatch.undo()  # space freed
+    assert _resume_matches(root, environment, out, reference)
+
+
+def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path):
+    """Two algorithms: killed during the second grid, --resume keeps the first grid's
+    records and results and reruns the second; the records and the summary are those of
+    an uninterrupted sweep."""
+    root, environment = env
+    argv = ["sweep", "--algorithms", "fedavg", "scaffold", "--lr-grid", "0.1", "0.3",
+            "--seeds", "0", "1", "--rounds", "6", "--eval-every", "1",
+            "--target", "0.5"]  # fmt: skip
+
+    def start(out, *extra):
+        return subprocess.Popen(
+            [sys.executable, "-m", "scaffold_jax.cli", *argv, "--config", str(root / "tiny.toml"),
+             "--out", str(out), "--quiet", *extra],
+            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    full = start(tmp_path / "full")
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    out = tmp_path / "killed"
+    proc = start(out)
+    deadline = time.monotonic() + 120
+    while not (out / results.PARTS_FILE).exists():  # the first grid is done ...
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    while _lines(out) < 4 * 7 + 4:  # ... and the second has written its round 0
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    resumed = start(out, "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+
+    def comparable(folder):
+        records = [
+            {k: v for k, v in r.items() if k != "seconds"} for r in results.read_records(folder)
+        ]
+        sweep = json.loads((folder / "sweep.json").read_text())
+        return records, sweep["summary"]
+
+    records, summary = comparable(out)
+    assert len(records) == 2 * 4 * 7  # 2 algorithms x 4 configs x rounds 0..6, once each
+    assert (records, summary) == comparable(tmp_path / "full")
+    assert results.read_summary(out)["status"] == "finished"

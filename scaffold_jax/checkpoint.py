@@ -237,6 +237,7 @@ class Checkpointer:
         payload = {
             "round": step,
             "key_impl": key_impl,
+            "key_shape": list(key_data.shape),  # [2] for one key; [G, 2] for a sweep's G
             "key_sha256": _sha256(key_data),
             "leaves": leaf_meta,
             "extra": extra,
@@ -336,7 +337,9 @@ class Checkpointer:
             if int(np.prod(m["shape"])) > 0
         }
         try:
-            target["key"] = np.zeros((_key_size(payload["key_impl"]),), np.uint32)
+            # One key unless the checkpoint says otherwise (its metadata names the shape).
+            key_shape = payload.get("key_shape", [_key_size(payload["key_impl"])])
+            target["key"] = np.zeros(key_shape, np.uint32)
             arrays = self._manager.restore(
                 step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target))
             ).arrays

@@ -88,22 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run the --out folder holds, from its newest checkpoint, bit for "
         "bit (only --rounds, --eval-every and --targets may change)",
     )
-    run.add_argument(
-        "--checkpoint-every",
-        type=int,
-        metavar="N",
-        help="checkpoint every N rounds [default: every evaluation]",
-    )
-    run.add_argument(
-        "--checkpoint-minutes",
-        type=float,
-        default=5.0,
-        metavar="M",
-        help="and at least every M minutes (at the end of a block) [5]",
-    )
-    run.add_argument(
-        "--no-checkpoint", action="store_true", help="write no checkpoints (no --resume)"
-    )
+    _checkpoint_flags(run)
 
     rep = commands.add_parser(
         "reproduce",
@@ -182,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument(
         "--resume",
         action="store_true",
-        help="continue the sweep the --out folder holds: algorithms whose grid finished are "
-        "kept, the others run again (their records are cut back first)",
+        help="continue the sweep the --out folder holds: finished grids are kept, the others "
+        "continue from their newest checkpoint",
     )
+    _checkpoint_flags(sw)
     _common(sw, out=False)
 
     diag = commands.add_parser(
@@ -259,6 +245,40 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(_flag(field.name), help=help_text, **kwargs)
 
 
+def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="checkpoint every N rounds [default: every evaluation]",
+    )
+    parser.add_argument(
+        "--checkpoint-minutes",
+        type=float,
+        default=5.0,
+        metavar="M",
+        help="and at least every M minutes (at the end of a block) [5]",
+    )
+    parser.add_argument(
+        "--no-checkpoint", action="store_true", help="write no checkpoints (no --resume)"
+    )
+
+
+def _checked_checkpoint_flags(args: argparse.Namespace) -> None:
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
+    if args.resume and args.no_checkpoint:
+        raise ConfigError("--resume needs checkpoints: drop --no-checkpoint.")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ConfigError(
+            f"--checkpoint-every {args.checkpoint_every} is invalid: it must be >= 1."
+        )
+    if not args.checkpoint_minutes > 0:
+        raise ConfigError(
+            f"--checkpoint-minutes {args.checkpoint_minutes} is invalid: it must be > 0."
+        )
+
+
 def _common(parser: argparse.ArgumentParser, out: bool = True) -> None:
     """--out (unless the command has it already), --overwrite and --quiet."""
     if out:
@@ -308,18 +328,7 @@ def _config(args: argparse.Namespace, validate: bool = True) -> RunConfig:
 def _run_command(args: argparse.Namespace) -> int:
     from scaffold_jax import experiments
 
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
-    if args.resume and args.no_checkpoint:
-        raise ConfigError("--resume needs checkpoints: drop --no-checkpoint.")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise ConfigError(
-            f"--checkpoint-every {args.checkpoint_every} is invalid: it must be >= 1."
-        )
-    if not args.checkpoint_minutes > 0:
-        raise ConfigError(
-            f"--checkpoint-minutes {args.checkpoint_minutes} is invalid: it must be > 0."
-        )
+    _checked_checkpoint_flags(args)
     experiments.run(
         _config(args),
         overwrite=args.overwrite,
@@ -394,9 +403,8 @@ def _sweep_command(args: argparse.Namespace) -> int:
     out = Path(config.out or f"results/sweep-{config.dataset}")
     dataset, sweep_results = None, {}
     to_save = {**config.to_dict(), "algorithms": names, "grid": axes, "seeds": list(args.seeds)}
+    _checked_checkpoint_flags(args)
     resume = args.resume and (out / results.CONFIG_FILE).is_file()
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
     if resume:
         experiments.check_resumable(out, to_save)
     else:
@@ -447,6 +455,10 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 config.eval_every,
                 targets=(args.target,),
                 callback=sink,
+                checkpoint_dir=None if args.no_checkpoint else out / "checkpoints" / name,
+                checkpoint_every=args.checkpoint_every,
+                checkpoint_seconds=60.0 * args.checkpoint_minutes,
+                resume=resume,
             )
             writer.save_part(name, _part(sweep_results[name]), entries)
             if not args.quiet:

@@ -907,6 +907,12 @@ def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
     }
 
 
+def _has_checkpoint(directory: Path) -> bool:
+    from scaffold_jax import checkpoint  # orbax is an optional extra
+
+    return checkpoint.latest_round(directory) is not None
+
+
 def check_resumable(folder: Path, config: dict[str, Any]) -> None:
     """Refuses ``--resume`` of a folder that holds a run of another configuration."""
     saved = json.loads((folder / results.CONFIG_FILE).read_text())
@@ -999,7 +1005,8 @@ def run(
     series = config.algorithm
     progress = Progress(config.rounds, desc=series, enabled=not quiet)
     directory = folder / CHECKPOINTS
-    restore = resume and checkpoint and directory.is_dir() and any(directory.iterdir())
+    # Only a complete checkpoint counts (a save killed half-way leaves a temporary folder).
+    restore = resume and checkpoint and directory.is_dir() and _has_checkpoint(directory)
     with results.RunWriter(
         folder, to_save, config.targets, overwrite=overwrite, resume=resume
     ) as writer:

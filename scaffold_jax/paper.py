@@ -139,6 +139,19 @@ def _prepare(folder: Path, config: dict, overwrite: bool, resume: bool) -> bool:
     return False
 
 
+def _kept(finished, key, panel, cells, writer, progress) -> bool:
+    """On resume: re-adds a cell that finished before the interruption (its chosen series
+    to ``panel``, the cell to ``cells`` and the summary); False for a cell still to run."""
+    if key not in finished:
+        return False
+    cell = finished[key]
+    panel.append(cell["series"])
+    cells.append(cell)
+    writer.describe(cell["series"], chosen=True, **cell)
+    progress.step(f"{key}: kept from the interrupted run")
+    return True
+
+
 def _display(method: str) -> str:
     return ALGORITHMS[method].display_name if method in ALGORITHMS else method
 
@@ -225,14 +238,8 @@ def reproduce_fig3(
             plan = BatchPlan.full(1 if local_steps is None else local_steps)
             sim = Simulation(alg, first.problem, plan, clients_per_round=2)
             for G, qp in problems.items():
-                label = f"{_label(method, local_steps)} · G={G:g}"
-                key = label
-                if key in finished:  # resumed: this cell finished before the interruption
-                    cell = finished[key]
-                    chosen_series[f"G = {G:g}"].append(cell["series"])
-                    cells.append(cell)
-                    writer.describe(cell["series"], chosen=True, **cell)
-                    progress.step(f"{label}: kept from the interrupted run")
+                label = key = f"{_label(method, local_steps)} · G={G:g}"
+                if _kept(finished, key, chosen_series[f"G = {G:g}"], cells, writer, progress):
                     continue
                 entries = []
                 runs, timing = run_grid(
@@ -653,12 +660,7 @@ def reproduce_table(
                 if len({r.sampled for r in protocol.rows}) > 1:
                     label += f" S={_percent(row.sampled)}"
                 label += f" s={similarity:g}%"
-                if label in finished:  # resumed: this cell finished before the interruption
-                    cell = finished[label]
-                    panels[f"s = {similarity:g}%"].append(cell["series"])
-                    cells.append(cell)
-                    writer.describe(cell["series"], chosen=True, **cell)
-                    progress.step(f"{label}: kept from the interrupted run")
+                if _kept(finished, label, panels[f"s = {similarity:g}%"], cells, writer, progress):
                     continue
                 entries = []
                 runs, timing = run_grid(

@@ -74,8 +74,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -469,6 +472,10 @@ class Sweep:
         memory_budget_bytes: int | None = None,
         keep_client_states: bool = False,
         callback: Callable[[dict[str, Any]], None] | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_seconds: float | None = None,
+        resume: bool = False,
     ) -> SweepResult:
         """Runs every config (``grid[j]``, ``seeds[j]``) for ``num_rounds`` rounds.
 
@@ -493,7 +500,15 @@ class Sweep:
             memory; see the module docstring).
           keep_client_states: also return the final client tables (host memory C × table).
           callback: a record sink called with every record as it is made (each carries
-            its ``config``), e.g. a :class:`~scaffold_jax.results.RunWriter`'s.
+            its ``config`` and ``config_index``), e.g. a run writer's.
+          checkpoint_dir: checkpoint every chunk into ``<checkpoint_dir>/chunk-<i>``
+            (the loop's checkpoints: every ``checkpoint_every`` rounds, default every
+            evaluation, and after ``checkpoint_seconds`` of wall time), so that
+            ``resume=True`` continues the sweep: a finished chunk is read back, an
+            unfinished one continues from its newest checkpoint bit for bit, and its
+            restored records are handed to ``callback`` again (so a sink that dropped the
+            unfinished records has each exactly once). After a resume, the per-round
+            metrics of rounds run before the checkpoint are not kept: NaN (client ids −1).
 
         Raises:
           ValueError: invalid rounds, hyper-parameters, seeds or data.
@@ -538,6 +553,7 @@ class Sweep:
             targets=tuple(float(t) for t in targets),
         )
         outputs: list[Any] = [None] * num_configs
+        done: list[Any] = []
         for g0 in range(0, num_seeds, g):
             for m0 in range(0, group_size, m):
                 # Out-of-range slots repeat the last seed / config: every chunk has the same
@@ -547,12 +563,17 @@ class Sweep:
                 rows, cols = np.minimum(rows, num_seeds - 1), np.minimum(cols, group_size - 1)
                 valid &= real[np.ix_(rows, cols)]
                 index = slots[np.ix_(rows, cols)]
-                chunk = _Chunk(self, data, grid, index, valid, result, keep_client_states)
                 keys = jnp.stack([jr.key(int(s)) for s in group_seeds[rows]])
-                carry = self.init(data, *index.shape)
-                chunk_out = drive(
-                    chunk, carry, keys, num_rounds, eval_every, chunk.finish, callback=callback
+                chunk = _Chunk(
+                    self, data, grid, index, valid, result, keep_client_states, num_rounds, keys
                 )
+                carry = self.init(data, *index.shape)
+                chunk_out = _drive_chunk(
+                    self, chunk, carry, keys, num_rounds, eval_every, callback,
+                    None if checkpoint_dir is None else Path(checkpoint_dir) / f"chunk-{len(done)}",
+                    checkpoint_every, checkpoint_seconds, resume,
+                )  # fmt: skip
+                done.append(chunk_out)
                 for j, out in chunk_out.items():
                     outputs[j] = out
 
@@ -569,13 +590,56 @@ class Sweep:
         return result
 
 
+def _drive_chunk(
+    sweep, chunk, carry, keys, num_rounds, eval_every, callback, directory, every, seconds, resume
+):
+    if directory is None:
+        return drive(chunk, carry, keys, num_rounds, eval_every, chunk.finish, callback=callback)
+    from scaffold_jax.checkpoint import Checkpointer  # orbax is an optional extra
+
+    identity = json.loads(json.dumps({
+        "algorithm": sweep.simulation.algorithm.name,
+        "configs": [chunk.result.configs[j] for _, _, j in chunk.slots],
+        "plan": repr(sweep.simulation.plan),
+        "clients_per_round": sweep.simulation.clients_per_round,
+        "weighting": sweep.simulation.weighting,
+    }))  # fmt: skip
+    with Checkpointer(directory, max_to_keep=2) as checkpointer:
+        restore = resume and checkpointer.latest_round() is not None
+
+        def on_restore(records):
+            for entry in records:
+                chunk.result.records[entry["config_index"]].append(entry)
+                if callback is not None:
+                    callback(entry)
+
+        return drive(
+            chunk,
+            None if restore else carry,
+            keys,
+            num_rounds,
+            eval_every,
+            chunk.finish,
+            callback=callback,
+            checkpointer=checkpointer,
+            checkpoint_every=eval_every if every is None else every,
+            identity=identity,
+            resume_into=jax.eval_shape(lambda: carry) if restore else None,
+            on_restore=on_restore,
+            checkpoint_seconds=seconds,
+        )
+
+
 class _Chunk:
     """The loop's :class:`~scaffold_jax.loop.Task` for one ``[g, m]`` chunk of a sweep
     (``index``: config ids; ``valid``: the slots whose results are kept). Its divergence
     policy is ``freeze``, inside the compiled round; :meth:`check` never stops."""
 
-    def __init__(self, sweep: Sweep, data, grid, index, valid, result, keep_clients):
+    def __init__(
+        self, sweep: Sweep, data, grid, index, valid, result, keep_clients, num_rounds, keys
+    ):
         self.sweep, self.data, self.result, self.keep_clients = sweep, data, result, keep_clients
+        self.num_rounds, self.keys = num_rounds, keys
         self.hparams = jax.tree.map(lambda a: a[jnp.asarray(index)], grid)
         self.slots = [(a, b, int(index[a, b])) for a, b in zip(*np.nonzero(valid), strict=True)]
 
@@ -606,6 +670,7 @@ class _Chunk:
             entry["seconds"] = seconds
             entry["status"] = "diverged" if diverged else "ok"
             entry["config"] = self.result.configs[j]
+            entry["config_index"] = j
             self.result.records[j].append(entry)
             out.append(entry)
         return out
@@ -618,6 +683,14 @@ class _Chunk:
         self.result.run_seconds += outcome.run_seconds
         carry = outcome.state
         segments = outcome.metrics
+        ran = sum(len(s["client_ids"]) for s in segments)
+        if ran < self.num_rounds:  # resumed: the rounds before the checkpoint are not kept
+            like = jax.eval_shape(
+                lambda: self.sweep.run_rounds_fn(
+                    self.hparams, carry, self.data, self.keys, self.num_rounds - ran
+                )
+            )[1]
+            segments = [{k: _missing(v) for k, v in like.items()}, *segments]
         metrics = {k: np.concatenate([s[k] for s in segments]) for k in segments[0]}
         server = jax.device_get(carry.state.server)
         clients = jax.device_get(carry.state.clients) if self.keep_clients else None
@@ -642,6 +715,15 @@ def _frozen(name: str, value: jax.Array) -> Any:
     if name == "client_ids":
         return -1
     return False if value.dtype == jnp.bool_ else jnp.nan
+
+
+def _missing(like) -> np.ndarray:
+    """Per-round metrics not kept (rounds run before a resume): −1 ids, NaN, False."""
+    if np.issubdtype(like.dtype, np.integer):
+        return np.full(like.shape, -1, like.dtype)
+    if like.dtype == bool:
+        return np.zeros(like.shape, bool)
+    return np.full(like.shape, np.nan, like.dtype)
 
 
 def _layout(seeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

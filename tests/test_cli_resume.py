@@ -200,6 +200,7 @@ def test_a_live_run_folder_is_locked_even_against_overwrite(env, tmp_path, capsy
         (["--set", "scaffold_option=I"], "options"),
         (["--client-lr", "0.2"], "client_lr"),
         (["--seed", "1"], "seed"),
+        (["--data-dir", "{copy}"], "data_dir"),  # the same files, another folder
     ],
 )
 def test_a_resume_with_other_settings_is_refused_naming_the_field(
@@ -208,6 +209,11 @@ def test_a_resume_with_other_settings_is_refused_naming_the_field(
     root, _ = env
     out = tmp_path / "run"
     import shutil
+
+    if "{copy}" in change:
+        copy = tmp_path / "fashion-copy"
+        shutil.copytree(FASHION, copy)
+        change = [c.format(copy=copy) for c in change]
 
     shutil.copytree(reference["out"], out)
     code = main(["run", "--config", str(root / "tiny.toml"), "--out", str(out), "--resume",
@@ -289,10 +295,11 @@ def test_a_full_disk_is_one_clear_line_and_the_run_resumes_afterwards(
     assert _resume_matches(root, environment, out, reference)
 
 
-def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path):
-    """Two algorithms: killed during the second grid, --resume keeps the first grid's
-    records and results and reruns the second; the records and the summary are those of
-    an uninterrupted sweep."""
+@pytest.mark.parametrize("records", [10, 4 * 7 + 4])  # mid first grid; mid second grid
+def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, records):
+    """Two algorithms: killed mid-grid, --resume keeps a finished grid and continues the
+    unfinished one from its checkpoint; the records (each once) and the summary are those
+    of an uninterrupted sweep."""
     root, environment = env
     argv = ["sweep", "--algorithms", "fedavg", "scaffold", "--lr-grid", "0.1", "0.3",
             "--seeds", "0", "1", "--rounds", "6", "--eval-every", "1",
@@ -310,10 +317,7 @@ def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path):
     out = tmp_path / "killed"
     proc = start(out)
     deadline = time.monotonic() + 120
-    while not (out / results.PARTS_FILE).exists():  # the first grid is done ...
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.005)
-    while _lines(out) < 4 * 7 + 4:  # ... and the second has written its round 0
+    while _lines(out) < records:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)

@@ -411,8 +411,8 @@ def _sweep_command(args: argparse.Namespace) -> int:
         results.check_folder(out, args.overwrite, dry_run=True)
     # Every record goes to metrics.jsonl as it is made (one series per config), so a sweep
     # killed half-way keeps what it finished; each algorithm's grid, once finished, is a
-    # part of the run (parts.jsonl): a resumed sweep keeps those and runs the others
-    # again. sweep.json and the tables come at the end.
+    # part of the run (parts.jsonl): a resumed sweep keeps those and continues the others
+    # from their chunk checkpoints. sweep.json and the tables come at the end.
     writer = results.RunWriter(
         out, to_save, (args.target,), args.overwrite, plots=(), resume=resume
     )

@@ -6,7 +6,7 @@ one XLA program.
 """
 
 from scaffold_jax import algorithms, checkpoint, data, diagnostics, layout, loop, models, sweep
-from scaffold_jax.algorithms import fedavg, fedprox, scaffold, sgd
+from scaffold_jax.algorithms import fedavg, feddyn, fednova, fedprox, scaffold, sgd
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
 from scaffold_jax.engine import Simulation, init_state
 from scaffold_jax.layout import ClientMesh, SingleDevice
@@ -45,6 +45,8 @@ __all__ = [
     "data",
     "diagnostics",
     "fedavg",
+    "feddyn",
+    "fednova",
     "fedprox",
     "from_client_arrays",
     "from_partition",

@@ -496,10 +496,10 @@ class RunConfig:
         out)."""
         spec = ALGORITHMS[self.algorithm]
         given = {k: v for k, v in self.hparams.items() if k in spec.hparams}
+        steps = {"client_lr": self.client_lr, "server_lr": self.server_lr}
         algorithm = spec.build(lambda params, batch: 0.0)
-        return resolve_hparams(
-            algorithm, {"client_lr": self.client_lr, "server_lr": self.server_lr, **given}
-        )
+        # resolve_hparams drops a default step size the algorithm does not declare.
+        return resolve_hparams(algorithm, {**steps, **given})
 
     def resolved_options(self) -> dict[str, Any]:
         """The algorithm's factory options (``{config key: value}``, parsed, defaults

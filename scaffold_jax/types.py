@@ -194,6 +194,9 @@ def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> 
 def resolve_hparams(algorithm: Algorithm, given: HParams | Mapping[str, Any]) -> HParams:
     """``given`` completed with ``algorithm``'s declared defaults, in declaration order.
 
+    A step size the algorithm does not declare is ignored when it holds its default
+    (``server_lr = 1`` for an algorithm without a server step size).
+
     Raises:
       TypeError: ``given`` is not a mapping of hyper-parameters.
       ValueError: a name the algorithm does not declare, a declared one without a default
@@ -207,6 +210,18 @@ def resolve_hparams(algorithm: Algorithm, given: HParams | Mapping[str, Any]) ->
             )
         given = HParams(given)
     declared = algorithm.hparams
+    # A step size the algorithm does not declare (FedDyn has no η_g) is dropped when it
+    # holds its default, which `hparams()` and `sweep.grid` always fill in.
+    given = HParams(
+        {
+            k: v
+            for k, v in given.items()
+            if k in declared
+            or k not in STEP_SIZES
+            or isinstance(v, jax.core.Tracer)
+            or not np.all(np.asarray(v, np.float32) == np.float32(STEP_SIZES[k].default or 0))
+        }
+    )
     unknown = [k for k in given if k not in declared]
     if unknown:
         raise ValueError(

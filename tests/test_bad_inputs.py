@@ -232,8 +232,9 @@ CASES = [
     # ----- algorithms
     Case("algorithm-name", "unknown algorithm", "algorithms.make", ValueError,
          "algorithm 'fedsgd' is unknown (did you mean 'sgd'?); use one of scaffold, fedavg, "
-         "fedprox, sgd (an entry defined outside scaffold_jax is registered when its module is "
-         "imported: pass --plugin MODULE_OR_FILE.py (config key 'plugins')).",
+         "feddyn, fednova, fedprox, sgd… (an entry defined outside scaffold_jax is registered "
+         "when its module is imported: pass --plugin MODULE_OR_FILE.py (config key "
+         "'plugins')).",
          lambda ctx: sj.algorithms.make("fedsgd", ctx.problem.loss_fn)),
     Case("scaffold-option", "unknown SCAFFOLD option", "scaffold", ValueError,
          "SCAFFOLD option 3 is unknown; use 1 (or 'I': control = gradient at x) or 2 (or "

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from scaffold_jax.algorithms.fedavg import fedavg
+from scaffold_jax.algorithms.feddyn import feddyn
+from scaffold_jax.algorithms.fednova import fednova
 from scaffold_jax.algorithms.fedprox import fedprox
 from scaffold_jax.algorithms.scaffold import (
     ScaffoldClientState,
@@ -131,6 +133,8 @@ register(
     },
 )
 register("fedavg", fedavg, "FedAvg")
+register("feddyn", feddyn, "FedDyn")
+register("fednova", fednova, "FedNova")
 register("fedprox", fedprox, "FedProx")
 register("sgd", sgd, "SGD", default_plan="full")
 
@@ -142,6 +146,8 @@ __all__ = [
     "ScaffoldServerState",
     "client_controls",
     "fedavg",
+    "feddyn",
+    "fednova",
     "fedprox",
     "make",
     "register",

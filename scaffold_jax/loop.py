@@ -44,7 +44,6 @@ import jax.random as jr
 import numpy as np
 
 from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation, check_count
-from scaffold_jax.tree import all_finite
 from scaffold_jax.types import HParams, PyTree, SimState, format_hparams
 
 Record = dict[str, Any]
@@ -507,7 +506,6 @@ class _SingleRun:
 
     def __init__(self, simulation: Simulation, data, hparams: HParams):
         self.simulation, self.data, self.hparams = simulation, data, hparams
-        self._all_finite = jax.jit(all_finite)
 
     def compile_block(self, state, key, num_rounds):
         sim, data, hp = self.simulation, self.data, self.hparams
@@ -528,14 +526,16 @@ class _SingleRun:
         return [entry]
 
     def check(self, state, metrics, first, last):
-        if bool(self._all_finite(state.server)):
+        # The engine reports, per round, whether the round's new server state is finite:
+        # the block's last entry is the state now, so no second pass over it is needed.
+        finite = np.asarray(metrics["server_finite"], bool)
+        if finite[-1]:
             return
-        # The round counted is the first whose NEW SERVER STATE is non-finite (the engine's
-        # per-round `server_finite`), whatever the length of the block checked: the update
-        # norm squares the update, so it overflows rounds before the state does.
-        finite = metrics.get("server_finite")
-        bad = np.flatnonzero(~np.asarray(finite, bool)) if finite is not None else []
-        diverged_round = first + int(bad[0]) + 1 if len(bad) else last
+        # The round counted is the first whose NEW SERVER STATE is non-finite, whatever the
+        # length of the block checked (the update norm squares the update, so it overflows
+        # rounds before the state does).
+        bad = np.flatnonzero(~finite)
+        diverged_round = first + int(bad[0]) + 1
         where = (
             ""
             if diverged_round == last

@@ -70,6 +70,18 @@ def quadratic_clients(num_clients=4, dim=3, seed=0):
     return data, problem, x_star
 
 
+def reference_grad(loss_fn, params, batch, mask):
+    """The reference loops' gradient: of the masked mean loss, at float64 host params (cast
+    to float32 for the model), returned as float64 numpy. Shared by the per-client
+    reference loops of the algorithm tests (nothing vmapped, no engine code)."""
+
+    def mean_loss(p):
+        return jnp.sum(loss_fn(p, batch) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    p32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    return jax.tree.map(lambda g: np.asarray(g, np.float64), jax.grad(mean_loss)(p32))
+
+
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)

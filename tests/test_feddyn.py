@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from conftest import assert_trees_close, reference_grad
 
 import scaffold_jax as sj
 from scaffold_jax import results
@@ -112,12 +112,7 @@ def reference_run(problem, data, plan, num_sampled, lr, alpha, rounds, seed, wei
     root = jr.key(seed)
 
     def grad_at(params, batch, mask):
-        def mean_loss(p):
-            losses = problem.loss_fn(p, batch)
-            return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-        p32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-        return jax.tree.map(lambda v: np.asarray(v, np.float64), jax.grad(mean_loss)(p32))
+        return reference_grad(problem.loss_fn, params, batch, mask)
 
     all_ids = []
     for r in range(rounds):

@@ -12,7 +12,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close
+from conftest import assert_trees_close, reference_grad
 
 import scaffold_jax as sj
 from scaffold_jax import results
@@ -65,11 +65,7 @@ def reference_fednova(problem, data, plan, num_sampled, hp, rounds, seed, weight
     root = jr.key(seed)
 
     def grad_at(params, batch, mask):
-        def mean_loss(p):
-            return jnp.sum(problem.loss_fn(p, batch) * mask) / jnp.sum(mask)
-
-        p32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-        return jax.tree.map(lambda g: np.asarray(g, np.float64), jax.grad(mean_loss)(p32))
+        return reference_grad(problem.loss_fn, params, batch, mask)
 
     all_ids, all_taus = [], []
     for r in range(rounds):

@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_classification_clients, quadratic_clients
+from conftest import (
+    assert_trees_close,
+    make_classification_clients,
+    quadratic_clients,
+    reference_grad,
+)
 
 import scaffold_jax as sj
 from scaffold_jax.engine import sample_clients
@@ -34,12 +39,7 @@ def reference_run(
     root = jr.key(seed)
 
     def grad_at(params, batch, mask):
-        def mean_loss(p):
-            losses = problem.loss_fn(p, batch)
-            return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-        p32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-        return jax.tree.map(lambda g: np.asarray(g, np.float64), jax.grad(mean_loss)(p32))
+        return reference_grad(problem.loss_fn, params, batch, mask)
 
     all_ids = []
     for r in range(rounds):

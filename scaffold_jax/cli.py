@@ -52,6 +52,7 @@ import numpy as np
 from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
+from scaffold_jax.types import HParam
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
 
@@ -213,13 +214,19 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     defaults = RunConfig()
     declared = {**experiments.declared_hparams(), **experiments.declared_options()}
     for name, spec in declared.items():
-        kwargs = {"default": argparse.SUPPRESS, "dest": f"declared:{name}"}
-        if getattr(spec, "choices", None):
-            kwargs["choices"] = None  # validated with the config, naming the field
-        kind = float if hasattr(spec, "allow_zero") else str
-        default = spec.default
-        help_text = f"{spec.help} [default: {default}]" if default is not None else spec.help
-        parser.add_argument(_flag(name), type=kind, metavar="X", help=help_text, **kwargs)
+        # Choices are checked with the config (naming the field), not by argparse.
+        choices = getattr(spec, "choices", None)
+        help_text = spec.help + (f" ({' | '.join(map(str, choices))})" if choices else "")
+        if spec.default is not None:
+            help_text += f" [default: {spec.default}]"
+        parser.add_argument(
+            _flag(name),
+            type=float if isinstance(spec, HParam) else str,
+            metavar="X",
+            help=help_text,
+            default=argparse.SUPPRESS,
+            dest=f"declared:{name}",
+        )
     for field in dataclasses.fields(RunConfig):
         meta = field.metadata
         kind = meta["kind"]

@@ -14,7 +14,8 @@ W3     10,000 × 50, 10 classes              1,000 K = 10, B = 10 (fixed)      l
 
 (1,128 examples per client is EMNIST-balanced's 112,800 training images over 100 clients.)
 
-Every workload runs for SCAFFOLD (option II and I), FedAvg, FedProx and SGD. For each,
+Every workload runs for SCAFFOLD (option II and I), FedAvg, FedProx, SGD, FedDyn, FedNova,
+Mime and MimeLite. For each,
 three programs do the same gradient work, and are timed in ONE process, interleaved, so
 that their ratios survive a noisy shared machine:
 
@@ -26,7 +27,9 @@ that their ratios survive a noisy shared machine:
   clients of a K-step ``lax.scan`` of ``x ← x − η ∇ mean loss`` with the same flax loss,
   no sampling, no masks, no client table; the only "aggregation" is ``x ← mean_S y``, which
   keeps XLA from hoisting the round out of the loop. SGD's bare program is one gradient
-  over the K·B examples per client; SCAFFOLD option I's adds that gradient to the K steps.
+  over the K·B examples per client; SCAFFOLD option I's adds that gradient to the K steps;
+  MimeLite's starts with one gradient over the client's n_i examples (its full-data pass),
+  Mime's also takes two gradients per step (at y and at x, on the same batch).
   ``bare`` takes the gradient of the same model with flax's ``nn.Dense`` kernels
   (``[in, out]``, :func:`flax_layout_problem`), all S clients in one vmap;
   ``bare_tuned`` does the same work with the package's models (kernels ``[out, in]``,
@@ -58,7 +61,9 @@ from scaffold_jax.engine import client_keys, round_key_and_ids
 from scaffold_jax.tree import take_rows
 
 IMAGE_SHAPE = (28, 28)
-ALGORITHMS = ("scaffold", "scaffold-I", "fedavg", "fedprox", "sgd")
+ALGORITHMS = (
+    "scaffold", "scaffold-I", "fedavg", "fedprox", "sgd", "feddyn", "fednova", "mime", "mimelite",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +207,15 @@ def make_hparams(name: str) -> sj.HParams:
 
 
 def gradient_kind(name: str) -> str:
-    """The per-client gradient work of an algorithm: "steps", "steps+grad" or "grad"."""
-    return {"sgd": "grad", "scaffold-I": "steps+grad"}.get(name, "steps")
+    """The per-client gradient work of an algorithm: "steps" (K minibatch gradients),
+    "grad" (one over the drawn data), "steps+grad" (both), "full+steps" (one over the
+    client's whole data, then K: MimeLite), "full+2steps" (Mime: two gradients a step)."""
+    return {
+        "sgd": "grad",
+        "scaffold-I": "steps+grad",
+        "mimelite": "full+steps",
+        "mime": "full+2steps",
+    }.get(name, "steps")
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -225,7 +237,14 @@ def examples_per_client_round(w: Workload, name: str) -> int:
     """Examples whose gradient one client computes in a round (real ones, not padding)."""
     k, b = w.steps_and_batch
     drawn = w.plan.num_epochs * w.per_client if w.plan.kind in ("fraction", "epochs") else k * b
-    return {"steps": drawn, "grad": drawn, "steps+grad": 2 * drawn}[gradient_kind(name)]
+    full = w.per_client
+    return {
+        "steps": drawn,
+        "grad": drawn,
+        "steps+grad": 2 * drawn,
+        "full+steps": full + drawn,
+        "full+2steps": full + 2 * drawn,
+    }[gradient_kind(name)]
 
 
 def flops_per_round(w: Workload, name: str) -> int:
@@ -293,10 +312,16 @@ def bare_program(
 
     def client(p, cx, cy):  # cx [K, B, ...]
         out = p
-        if kind in ("steps", "steps+grad"):
+        if kind.startswith("full"):  # the client's whole data once (the first n_i drawn)
+            n = min(w.per_client, k * b)
+            g_full = grad(p, cx.reshape(-1, *cx.shape[2:])[:n], cy.reshape(-1)[:n])
+            p = jax.tree.map(lambda a, gg: a - 0.0 * gg, p, g_full)  # keeps it computed
+        if kind in ("steps", "steps+grad", "full+steps", "full+2steps"):
 
             def step(q, batch):
                 g = grad(q, *batch)
+                if kind == "full+2steps":  # Mime: the same batch's gradient at x
+                    g = jax.tree.map(jnp.subtract, g, grad(p, *batch))
                 return jax.tree.map(lambda a, gg: a - lr * gg, q, g), None
 
             out, _ = jax.lax.scan(step, p, (cx, cy))
@@ -342,18 +367,33 @@ def loop_program(sim, data, hp):
 
     sample = jax.jit(lambda key, r: round_key_and_ids(key, r, data.num_clients, w_s))
     key = jr.key(0)
+    full_pass = alg.pre_round
+
+    @jax.jit
+    def pre_client(server, row, client_id):
+        batches, mask = data.client_batches(client_id, key, sj.BatchPlan.full(1))
+        return full_pass.client(server, row, jax.tree.map(lambda a: a[0], batches), mask[0])
+
+    @jax.jit
+    def pre_server(server, messages):
+        return full_pass.server(server, jax.tree.map(lambda m: jnp.mean(m, axis=0), messages))
 
     def one_round(state):
         round_key, ids = sample(key, state.round)
         keys = client_keys(round_key, ids)
+        server = state.server
+        if full_pass is not None:  # Mime: every sampled client's full-batch gradient first
+            messages = [pre_client(server, take_rows(state.clients, ids[s]), ids[s])[1]
+                        for s in range(w_s)]  # fmt: skip
+            server = pre_server(server, jax.tree.map(lambda *xs: jnp.stack(xs), *messages))
         rows_out, outs = [], []
         for s in range(w_s):
             row = take_rows(state.clients, ids[s])
-            new_row, out = client(hp, state.server, row, ids[s], keys[s])
+            new_row, out = client(hp, server, row, ids[s], keys[s])
             rows_out.append(new_row)
             outs.append(out)
         outputs = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
-        server = server_step(hp, state.server, outputs)
+        server = server_step(hp, server, outputs)
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *rows_out)
         clients = jax.tree.map(lambda a, v: a.at[ids].set(v), state.clients, stacked)
         return sj.SimState(server, clients, state.round + 1)

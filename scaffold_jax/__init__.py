@@ -1,12 +1,23 @@
-"""scaffold_jax: SCAFFOLD, FedAvg, FedProx and large-batch SGD as a vectorized JAX simulator.
+"""scaffold_jax: SCAFFOLD and its baselines as a vectorized JAX federated-learning simulator.
 
-Client state is stacked along a leading client axis, the local steps are a ``lax.scan``
-vmapped across the sampled clients, and a whole round (many rounds, in fact) compiles into
-one XLA program.
+SCAFFOLD (Karimireddy et al. 2020), FedAvg, FedProx, large-batch SGD, FedDyn, FedNova,
+Mime and MimeLite, with server (FedOpt) and local optimizers. Client state is stacked
+along a leading client axis, the local steps are a ``lax.scan`` vmapped across the sampled
+clients, and a whole round (many rounds, in fact) compiles into one XLA program.
 """
 
-from scaffold_jax import algorithms, checkpoint, data, diagnostics, layout, loop, models, sweep
-from scaffold_jax.algorithms import fedavg, feddyn, fednova, fedprox, scaffold, sgd
+from scaffold_jax import (
+    algorithms,
+    checkpoint,
+    data,
+    diagnostics,
+    layout,
+    loop,
+    models,
+    optimizers,
+    sweep,
+)
+from scaffold_jax.algorithms import fedavg, feddyn, fednova, fedprox, mime, mimelite, scaffold, sgd
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
 from scaffold_jax.engine import Simulation, init_state
 from scaffold_jax.layout import ClientMesh, SingleDevice
@@ -54,7 +65,10 @@ __all__ = [
     "init_state",
     "layout",
     "loop",
+    "mime",
+    "mimelite",
     "models",
+    "optimizers",
     "scaffold",
     "sgd",
     "sweep",

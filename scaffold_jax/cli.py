@@ -219,6 +219,8 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
         help_text = spec.help + (f" ({' | '.join(map(str, choices))})" if choices else "")
         if spec.default is not None:
             help_text += f" [default: {spec.default}]"
+        # An on/off option is a bare flag (``--warm-controls``); it still takes a value.
+        switch = {"nargs": "?", "const": "true"} if getattr(spec, "is_switch", False) else {}
         parser.add_argument(
             _flag(name),
             type=float if isinstance(spec, HParam) else str,
@@ -226,6 +228,7 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
             help=help_text,
             default=argparse.SUPPRESS,
             dest=f"declared:{name}",
+            **switch,
         )
     for field in dataclasses.fields(RunConfig):
         meta = field.metadata

@@ -6,9 +6,14 @@ A round is one pure function ``round(hparams, state, data, key) -> (state, metri
    replacement; client i's key is ``fold_in(clients_key, i)`` (``clients_key`` split from
    the round key), so what a client does depends on its id, never on its position in the
    sampled set or on how the client axis is laid out.
-2. gather the sampled rows of the client table, draw each client's batches, run
+2. gather the sampled rows of the client table; if the algorithm has a ``pre_round`` pass
+   (Mime), every sampled client first sends a message computed on its whole local data
+   at x and the server takes their mean; then draw each client's batches and run
    ``vmap(client_update)`` over the S clients;
 3. aggregate with the algorithm's pure ``server_update``; scatter the new rows back.
+
+An algorithm's ``warm_start`` pass (SCAFFOLD's warm controls) runs once over all N
+clients when the initial state is built (:meth:`Simulation.warm_start_fn`).
 
 Many rounds run as one ``lax.scan`` inside one ``jit`` whose state argument is donated,
 so the ``[N, ...]`` client table is updated in place. Nothing per client or per step
@@ -49,6 +54,18 @@ from scaffold_jax.types import (
 )
 
 WEIGHTINGS = ("uniform", "num_examples")
+
+#: The plan of a full-data pass (:class:`~scaffold_jax.types.FullDataPass`): every example
+#: of the client once, as one batch.
+FULL_DATA = BatchPlan.full(1)
+
+
+def over_clients(fn: Callable, args: PyTree, chunk: int | None):
+    """``fn`` over the leading client axis of ``args``: one ``vmap``, or ``lax.map`` in
+    chunks of ``chunk`` clients (None: all at once)."""
+    if chunk is None:
+        return jax.vmap(fn)(*args)
+    return jax.lax.map(lambda a: fn(*a), args, batch_size=chunk)
 
 
 def check_count(
@@ -366,30 +383,23 @@ class Simulation:
             # for with a copy of the whole table.
             clients = set_rows(clients, ids, rows)
         rows_in = layout.constrain(rows, "sampled")
+        chunk = self.resolve_client_chunk(data)
+        weights, total_weight = self.weights(data, ids)
+        server_in = state.server
+        if self.algorithm.pre_round is not None:
+            rows_in, server_in = self.full_data_pass(
+                self.algorithm.pre_round, state.server, rows_in, work_ids, weights, data, chunk
+            )
 
         def client_work(client_id, client_key, row):
             # Batches are drawn inside each client's work so that a chunk gathers only its
             # own clients' examples (the working set stays chunk-sized).
             batches, mask = data.client_batches(client_id, client_key, self.plan)
-            return self.algorithm.client_update(
-                hparams, state.server, row, batches, mask, client_key
-            )
+            return self.algorithm.client_update(hparams, server_in, row, batches, mask, client_key)
 
-        chunk = self.resolve_client_chunk(data)
-        if chunk is None:
-            new_rows, outputs = jax.vmap(client_work)(work_ids, keys, rows_in)
-        else:
-            new_rows, outputs = jax.lax.map(
-                lambda args: client_work(*args), (work_ids, keys, rows_in), batch_size=chunk
-            )
-        if self.weighting == "num_examples":
-            weights = data.counts[ids].astype(jnp.float32)
-            total_weight = jnp.sum(data.counts.astype(jnp.float32))
-        else:
-            weights = jnp.ones((num_sampled,), jnp.float32)
-            total_weight = jnp.asarray(num_clients, jnp.float32)
+        new_rows, outputs = over_clients(client_work, (work_ids, keys, rows_in), chunk)
         outputs = outputs._replace(weight=weights)
-        server = self.algorithm.server_update(hparams, state.server, outputs, total_weight)
+        server = self.algorithm.server_update(hparams, server_in, outputs, total_weight)
         new_rows = layout.constrain(new_rows, "replicated")
         metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
         metrics["client_ids"] = ids
@@ -409,6 +419,44 @@ class Simulation:
         clients = set_rows(clients, ids, new_rows)
         new_state = SimState(server=server, clients=clients, round=state.round + 1)
         return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
+
+    def weights(self, data, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The aggregation weights of clients ``ids`` and the total weight of all N:
+        ``(1, N)`` uniform, ``(n_i, Σ n_j)`` with ``weighting="num_examples"``."""
+        if self.weighting == "num_examples":
+            return (
+                data.counts[ids].astype(jnp.float32),
+                jnp.sum(data.counts.astype(jnp.float32)),
+            )
+        return jnp.ones(ids.shape, jnp.float32), jnp.asarray(data.num_clients, jnp.float32)
+
+    def full_data_pass(self, full_pass, server, rows, ids, weights, data, chunk):
+        """Runs a :class:`~scaffold_jax.types.FullDataPass` for clients ``ids`` (rows
+        ``rows``): each on ALL its examples as one batch; returns the new rows and the
+        server state the pass's server function makes from the weighted mean message."""
+
+        def one(client_id, row):
+            batches, mask = data.client_batches(client_id, jr.key(0), FULL_DATA)
+            batch = jax.tree.map(lambda a: a[0], batches)
+            return full_pass.client(server, row, batch, mask[0])
+
+        rows, messages = over_clients(one, (ids, rows), chunk)
+        return rows, full_pass.server(server, weighted_mean(messages, weights))
+
+    def warm_start_fn(self, state: SimState, data) -> SimState:
+        """The state after the algorithm's ``warm_start`` pass over ALL N clients (the
+        state itself when it has none). Clients run in chunks of S (or the round's CPU
+        chunk), so the pass holds no more examples at once than a round does."""
+        warm = self.algorithm.warm_start
+        if warm is None:
+            return state
+        ids = jnp.arange(data.num_clients, dtype=jnp.int32)
+        weights, _ = self.weights(data, ids)
+        chunk = self.resolve_client_chunk(data) or min(self.clients_per_round, data.num_clients)
+        clients, server = self.full_data_pass(
+            warm, state.server, state.clients, ids, weights, data, chunk
+        )
+        return state._replace(server=server, clients=clients)
 
     def resolve_client_chunk(self, data, configs: int = 1) -> int | None:
         """How many sampled clients one vmapped chunk of the round runs (None: all S).
@@ -490,7 +538,12 @@ class Simulation:
         """Checks the set-up against ``data`` and returns the initial :class:`SimState`,
         placed in this simulation's layout."""
         self.check(data)
-        return init_state(self.algorithm, self.problem.params, data.num_clients, self.layout)
+        state = init_state(self.algorithm, self.problem.params, data.num_clients, self.layout)
+        if self.algorithm.warm_start is None:
+            return state
+        shardings = self.layout.state_shardings(jax.eval_shape(lambda s: s, state))
+        warm = jax.jit(self.warm_start_fn, donate_argnums=(0,), out_shardings=shardings)
+        return warm(state, data)
 
     def state_like(self, num_clients: int) -> SimState:
         """The state's shapes, dtypes and (in a client mesh) shardings for ``num_clients``:

@@ -330,12 +330,20 @@ class RunConfig:
                     )
                 elif not self._check_declared(check, name, value, everywhere[name]):
                     pass  # out of range: said already
-                elif value != _default(everywhere[name]):
+                elif _parsed(everywhere[name], value) != _parsed(
+                    everywhere[name], _default(everywhere[name])
+                ):
+                    why = spec.refuses.get(name)
+                    takes = ", ".join(k for k in declared_here if k not in STEP_SIZES) or "none"
                     errors.append(
                         f"{name} = {value!r} does not apply to algorithm = "
-                        f"{self.algorithm!r}, which takes "
-                        f"{', '.join(k for k in declared_here if k not in STEP_SIZES) or 'none'}"
-                        "; remove it or choose an algorithm that declares it."
+                        f"{self.algorithm!r}"
+                        + (
+                            f": {why}."
+                            if why
+                            else f", which takes {takes}; remove it or choose an algorithm "
+                            "that declares it."
+                        )
                     )
 
     @staticmethod
@@ -346,7 +354,12 @@ class RunConfig:
             return check.number(
                 name, value, low=0.0, strict=not declared.allow_zero, what=low_ok, float32=True
             )
-        if declared.choices is not None and declared.parse(value) not in declared.choices:
+        try:
+            parsed = declared.parse(value)
+        except ValueError as err:
+            check.errors.append(f"{name} = {value!r} is invalid: {err}")
+            return False
+        if declared.choices is not None and parsed not in declared.choices:
             return check.choice(name, value, declared.choices)
         return True
 
@@ -527,6 +540,14 @@ def _is_number(value: Any) -> bool:
 
 def _default(declared: Any) -> Any:
     return declared.default
+
+
+def _parsed(declared: Any, value: Any) -> Any:
+    """A declared option's value in its canonical form (a hyper-parameter's as it is)."""
+    try:
+        return declared.parse(value) if hasattr(declared, "parse") else value
+    except ValueError:
+        return value
 
 
 def _load_plugins(specs: Sequence[str]) -> None:

@@ -1,8 +1,10 @@
 """The local solver shared by every local-update algorithm.
 
-K masked SGD steps as one ``lax.scan``, with a gradient-correction hook through which
-SCAFFOLD (``g + (c − c_i)``) and FedProx (``g + μ (y − x)``) plug in. Written for ONE client;
-the engine vmaps it across the sampled clients.
+K masked steps as one ``lax.scan``, with a gradient-correction hook through which
+SCAFFOLD (``g + (c − c_i)``), FedProx (``g + μ (y − x)``), FedDyn and Mime
+(``g − ∇f_i(x; ζ) + c``) plug in, and an optional optax transformation of the corrected
+gradient (a local optimizer, or Mime's frozen base optimizer). Written for ONE client; the
+engine vmaps it across the sampled clients.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import optax
 from scaffold_jax.tree import masked_mean
 from scaffold_jax.types import Array, Batch, PyTree
 
-# params y -> the offset added to the gradient at y (the step uses g + correction(y)).
-Correction = Callable[[PyTree], PyTree]
+# (params y, the step's batch, its mask) -> the offset added to the gradient at y (the step
+# uses g + correction(y, batch, mask)); FedProx reads only y, Mime the batch too.
+Correction = Callable[[PyTree, Batch, Array], PyTree]
 
 
 class LocalResult(NamedTuple):
@@ -53,11 +56,14 @@ def local_sgd(
     client_lr: Array,
     correction: Correction | None = None,
     offset: PyTree | None = None,
+    optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[PyTree, LocalResult]:
-    """Runs K masked SGD steps ``y ← y − η_l · (∇f_i(y; batch) + offset + correction(y))``.
+    """Runs K masked steps ``y ← y − η_l · T(∇f_i(y; batch) + offset + correction(y, ...))``.
 
-    Plain SGD by design: momentum or weight decay wrapped around the correction is a
-    known cause of broken SCAFFOLD reproductions (PAPER.md).
+    ``T`` is the identity (plain SGD) unless an ``optimizer`` is given. Plain SGD is what
+    SCAFFOLD's correction is defined for: momentum or weight decay wrapped around the
+    correction is a known cause of broken SCAFFOLD reproductions (PAPER.md), so only
+    FedAvg, FedProx and Mime pass one.
 
     Args:
       loss_fn: per-example loss ``loss_fn(params, batch) -> [B]``.
@@ -65,27 +71,35 @@ def local_sgd(
       batches: pytree of ``[K, B, ...]`` arrays.
       mask: ``[K, B]`` float32, 1 for real examples.
       client_lr: η_l (float32 scalar).
-      correction: optional ``y -> offset``, added to every gradient (FedProx's
-        ``μ (y − x)``). An additive offset rather than a map ``(y, g) -> g'``: the step
-        stays one fused ``y − η_l (g + offset)``.
+      correction: optional ``(y, batch, mask) -> offset``, added to every gradient
+        (FedProx's ``μ (y − x)``, Mime's ``c − ∇f_i(x; batch)``). An additive offset rather
+        than a map ``(y, g) -> g'``: the step stays one fused ``y − η_l (g + offset)``.
       offset: optional constant pytree added to every gradient (SCAFFOLD's ``c − c_i``).
+      optimizer: optional optax transformation WITHOUT a learning rate applied to the
+        corrected gradient; its state starts from ``optimizer.init(params)`` (fresh every
+        round) and advances only on the steps taken (an empty step leaves it as it was).
 
     Returns:
       The final params y and a :class:`LocalResult`.
     """
 
-    def step(y, inputs):
+    def step(carry, inputs):
+        y, opt_state = carry
         batch, batch_mask = inputs
         loss, grad = batch_grad(loss_fn, y, batch, batch_mask)
         if offset is not None:
             grad = optax.tree.add(grad, offset)
         if correction is not None:
-            grad = optax.tree.add(grad, correction(y))
+            grad = optax.tree.add(grad, correction(y, batch, batch_mask))
         active = jnp.sum(batch_mask) > 0
+        if optimizer is not None:
+            grad, new_state = optimizer.update(grad, opt_state, y)
+            opt_state = optax.tree.where(active, new_state, opt_state)
         y_next = optax.tree.add_scale(y, -client_lr, grad)
-        return optax.tree.where(active, y_next, y), (loss, active)
+        return (optax.tree.where(active, y_next, y), opt_state), (loss, active)
 
-    y, (losses, active) = jax.lax.scan(step, params, (batches, mask))
+    opt_state = () if optimizer is None else optimizer.init(params)
+    (y, _), (losses, active) = jax.lax.scan(step, (params, opt_state), (batches, mask))
     num_steps = jnp.sum(active.astype(jnp.int32))
     mean_loss = masked_mean(losses, active.astype(losses.dtype))
     return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss)

@@ -460,12 +460,14 @@ def run_identity(simulation: Simulation, data, hparams: HParams, seed: int) -> d
 
 
 def _upgrade_identity(saved: dict[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint identity written before hyper-parameters were declared per algorithm.
+    """A checkpoint identity written by an earlier version, in today's terms.
 
-    Those always held ``client_lr``, ``server_lr`` and ``prox_mu``, with ``prox_mu = 0``
-    for every algorithm that ignored it. A name the current algorithm does not declare is
-    dropped when it held that ignored 0, so such checkpoints resume; any other value
-    stays and makes the comparison fail with its name.
+    Identities written before hyper-parameters were declared per algorithm always held
+    ``client_lr``, ``server_lr`` and ``prox_mu``, with ``prox_mu = 0`` for every algorithm
+    that ignored it. A name the current algorithm does not declare is dropped when it held
+    that ignored 0, so such checkpoints resume; any other value stays and makes the
+    comparison fail with its name. Options added since are filled in with the value every
+    earlier run had (:data:`_ADDED_OPTIONS`).
     """
     saved = dict(saved)
     hp, now = dict(saved.get("hparams") or {}), current.get("hparams") or {}
@@ -473,7 +475,18 @@ def _upgrade_identity(saved: dict[str, Any], current: Mapping[str, Any]) -> dict
         if name == "prox_mu" and hp[name] == 0.0:
             del hp[name]
     saved["hparams"] = hp
+    # Factory options added since (the server and local optimizers, warm controls) are
+    # absent from older identities; their value that reproduces the older runs is taken.
+    options, now = saved.get("algorithm_options"), current.get("algorithm_options")
+    if isinstance(options, dict) and isinstance(now, Mapping):
+        missing = {k: v for k, v in _ADDED_OPTIONS.items() if k in now and k not in options}
+        saved["algorithm_options"] = {**options, **missing}
     return saved
+
+
+#: Factory options added after checkpoints were first written, with the value every run
+#: had before they existed.
+_ADDED_OPTIONS = {"server_optimizer": "sgd", "local_optimizer": "sgd", "warm_controls": False}
 
 
 def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], where: str) -> None:

@@ -72,6 +72,9 @@ class Fig3Protocol:
     * η_l tuned per (algorithm, K, G) over ``lr_grid`` for the fewest rounds to the
       target; η_g = 1. SGD takes one full-gradient step per round (K does not apply).
     * SCAFFOLD's controls start at zero (PAPER.md: "all may start at 0").
+      ``warm_controls=True`` adds rows of SCAFFOLD with warm-started controls
+      (``c_i = ∇f_i(x0)``, ALGORITHMS.md): with them SCAFFOLD's rounds no longer depend on
+      G, and at δ close to 1 (``--set delta=0.99``) K = 10 is faster than K = 2 again.
     """
 
     gradient_dissimilarities: tuple[float, ...] = (1.0, 10.0, 100.0)
@@ -86,6 +89,7 @@ class Fig3Protocol:
     start_distance: float = 10.0
     seed: int = 0
     methods: tuple[str, ...] = ("sgd", "fedavg", "scaffold")
+    warm_controls: bool = False
 
     def validate(self) -> Fig3Protocol:
         errors: list[str] = []
@@ -156,8 +160,8 @@ def _display(method: str) -> str:
     return ALGORITHMS[method].display_name if method in ALGORITHMS else method
 
 
-def _label(method: str, local_steps: int | None) -> str:
-    name = _display(method)
+def _label(method: str, local_steps: int | None, warm: bool = False) -> str:
+    name = _display(method) + (" (warm c)" if warm else "")
     return name if local_steps is None else f"{name} K={local_steps}"
 
 
@@ -199,8 +203,12 @@ def reproduce_fig3(
     }
     first = problems[protocol.gradient_dissimilarities[0]]
     settings = [
-        (m, None) if m == "sgd" else (m, k) for m in protocol.methods for k in protocol.local_steps
+        (m, None, False) if m == "sgd" else (m, k, False)
+        for m in protocol.methods
+        for k in protocol.local_steps
     ]
+    if protocol.warm_controls:
+        settings += [("scaffold", k, True) for k in protocol.local_steps]
     settings = list(dict.fromkeys(settings))
     cells, chosen_series = [], {f"G = {G:g}": [] for G in protocol.gradient_dissimilarities}
     plots = (
@@ -230,15 +238,15 @@ def reproduce_fig3(
                 for G, qp in problems.items()
             },
         )  # fmt: skip
-        for method, local_steps in settings:
+        for method, local_steps, warm in settings:
             # All G share the Hessians and the start point (figure3_problem draws them from
             # the same seed), so one simulation (one compiled program) serves every G;
             # its params are the G-independent start x0.
-            alg = make(method, first.problem.loss_fn)
+            alg = make(method, first.problem.loss_fn, **({"warm_controls": True} if warm else {}))
             plan = BatchPlan.full(1 if local_steps is None else local_steps)
             sim = Simulation(alg, first.problem, plan, clients_per_round=2)
             for G, qp in problems.items():
-                label = key = f"{_label(method, local_steps)} · G={G:g}"
+                label = key = f"{_label(method, local_steps, warm)} · G={G:g}"
                 if _kept(finished, key, chosen_series[f"G = {G:g}"], cells, writer, progress):
                     continue
                 entries = []
@@ -274,6 +282,7 @@ def reproduce_fig3(
                 cell = {
                     "method": method,
                     "local_steps": local_steps,
+                    "warm_controls": warm,
                     "G": G,
                     "rounds": rounds,
                     "client_lr": chosen.client_lr,
@@ -306,7 +315,7 @@ def fig3_table(cells: Sequence[Mapping[str, Any]], protocol: Fig3Protocol) -> st
     table_cells = [
         results.Cell(
             row=(
-                _display(c["method"]),
+                _display(c["method"]) + (" (warm c)" if c.get("warm_controls") else ""),
                 "—" if c["local_steps"] is None else c["local_steps"],
             ),
             column=f"G = {c['G']:g}",
@@ -359,6 +368,11 @@ _LR_GRIDS = {
     "scaffold": (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
     "fedavg": (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
     "fedprox": (0.01, 0.03, 0.1, 0.3, 1.0),
+    "feddyn": (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
+    "fednova": (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
+    # Mime's default base optimizer, optax.trace(0.9), scales steps by up to 1/(1 − 0.9).
+    "mime": (0.003, 0.01, 0.03, 0.1, 0.3),
+    "mimelite": (0.003, 0.01, 0.03, 0.1, 0.3),
 }
 
 
@@ -377,6 +391,11 @@ class TableProtocol:
     paper's for EMNIST; 0.7 / 0.65 on Fashion-MNIST, the same fraction of what the
     model reaches), the η_l grids (``lr_grids``), MLP hidden sizes (256, 256), one seed,
     evaluation every round (``eval_every``; rounds to target are exact multiples of it).
+
+    ``extra_methods`` adds rows for other registered algorithms (``--set
+    extra_methods='["feddyn","mime"]'``), one per (epochs, sampled) of the SCAFFOLD rows,
+    each with its declared defaults (FedDyn α = 0.01, Mime's momentum 0.9) and its
+    ``lr_grids`` entry.
     """
 
     name: str
@@ -400,6 +419,20 @@ class TableProtocol:
     max_test_examples: int | None = None
     data_dir: str | None = None
     download: bool = False
+    extra_methods: tuple[str, ...] = ()
+
+    @property
+    def all_rows(self) -> tuple[Row, ...]:
+        """:attr:`rows` followed by the rows of :attr:`extra_methods`."""
+        shapes = [(r.epochs, r.sampled) for r in self.rows if r.method == "scaffold"]
+        shapes = list(dict.fromkeys(shapes)) or [(1, 0.2)]
+        extra = [Row(m, e, s) for m in self.extra_methods for e, s in shapes]
+        return tuple(dict.fromkeys([*self.rows, *extra]))
+
+    def lr_grid(self, method: str) -> tuple[float, ...]:
+        """The η_l grid of ``method``: its :attr:`lr_grids` entry, else the default one
+        (so ``extra_methods`` work with a protocol whose grids name only its own rows)."""
+        return tuple(self.lr_grids.get(method) or _LR_GRIDS.get(method, ()))
 
     def validate(self) -> TableProtocol:
         errors: list[str] = []
@@ -422,10 +455,10 @@ class TableProtocol:
                 errors.append(
                     f"similarities = {self.similarities!r} is invalid: each must be in [0, 100]."
                 )
-        for row in self.rows:
+        for row in self.all_rows:
             if row.method not in ALGORITHMS:
                 errors.append(f"rows: method {row.method!r} is unknown.")
-            elif not self.lr_grids.get(row.method):
+            elif not self.lr_grid(row.method):
                 errors.append(f"lr_grids has no step sizes for method {row.method!r}.")
             if not 0 < row.sampled <= 1:
                 errors.append(f"rows: sampled = {row.sampled!r} must be in (0, 1].")
@@ -625,7 +658,7 @@ def reproduce_table(
     cells: list[dict[str, Any]] = []
     simulations: dict[tuple, Simulation] = {}
     progress = CellProgress(
-        len(protocol.rows) * len(protocol.similarities), protocol.name, enabled=not quiet
+        len(protocol.all_rows) * len(protocol.similarities), protocol.name, enabled=not quiet
     )
     with results.RunWriter(
         folder, config, [target] if target else (), overwrite=overwrite, plots=plots,
@@ -644,7 +677,7 @@ def reproduce_table(
                 dataset.train["y"], protocol.num_clients, similarity, protocol.seed
             )
             data = from_partition(dataset.train, parts, test=dataset.test)
-            for row in protocol.rows:
+            for row in protocol.all_rows:
                 clients = max(1, round(row.sampled * protocol.num_clients))
                 if row.method == "sgd":
                     plan = BatchPlan.full(1)
@@ -657,7 +690,7 @@ def reproduce_table(
                     simulations[key] = Simulation(alg, problem, plan, clients)
                 sim = simulations[key]
                 label = f"{_display(row.method)} E={row.epochs}"
-                if len({r.sampled for r in protocol.rows}) > 1:
+                if len({r.sampled for r in protocol.all_rows}) > 1:
                     label += f" S={_percent(row.sampled)}"
                 label += f" s={similarity:g}%"
                 if _kept(finished, label, panels[f"s = {similarity:g}%"], cells, writer, progress):
@@ -666,7 +699,7 @@ def reproduce_table(
                 runs, timing = run_grid(
                     sim,
                     data,
-                    protocol.lr_grids[row.method],
+                    protocol.lr_grid(row.method),
                     protocol.num_rounds,
                     protocol.eval_every,
                     protocol.seed,
@@ -735,7 +768,7 @@ def format_table(
 ) -> str:
     """The table in the paper's layout, as markdown, with its dataset, target, chosen η_l
     and wall time."""
-    vary_sampling = len({r.sampled for r in protocol.rows}) > 1
+    vary_sampling = len({r.sampled for r in protocol.all_rows}) > 1
     header = ("method", "sampled" if vary_sampling else "epochs")
 
     def row_of(c):
@@ -753,7 +786,7 @@ def format_table(
         )
         for c in cells
     ]
-    methods = list(dict.fromkeys(r.method for r in protocol.rows))
+    methods = list(dict.fromkeys(r.method for r in protocol.all_rows))
     if target is None:
         what = f"best test accuracy within {protocol.num_rounds} rounds"
         body = results.value_table(table_cells, header, fmt=".3f")
@@ -767,11 +800,11 @@ def format_table(
         else f"MLP with hidden layers {'-'.join(str(h) for h in protocol.hidden_sizes)}"
     )
     grids = "; ".join(
-        f"{_display(m)}: {', '.join(f'{v:g}' for v in protocol.lr_grids[m])}" for m in methods
+        f"{_display(m)}: {', '.join(f'{v:g}' for v in protocol.lr_grid(m))}" for m in methods
     )
-    sampled = ", ".join(_percent(v) for v in sorted({r.sampled for r in protocol.rows})[::-1])
+    sampled = ", ".join(_percent(v) for v in sorted({r.sampled for r in protocol.all_rows})[::-1])
     epochs = ", ".join(
-        str(e) for e in sorted({r.epochs for r in protocol.rows if r.method != "sgd"})
+        str(e) for e in sorted({r.epochs for r in protocol.all_rows if r.method != "sgd"})
     )
     settings = []
     if any(m != "sgd" for m in methods):
@@ -798,6 +831,16 @@ def format_table(
             "",
             body,
             "",
+            *(
+                []
+                if target is None
+                else [
+                    f"Best test accuracy within {protocol.num_rounds} rounds (the chosen η_l):",
+                    "",
+                    results.value_table(table_cells, header, fmt=".3f"),
+                    "",
+                ]
+            ),
             f"Chosen η_l (grids — {grids}):",
             "",
             results.value_table(table_cells, header, fmt="g", field="client_lr"),

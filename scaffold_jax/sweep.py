@@ -414,13 +414,15 @@ class Sweep:
 
     # -------------------------------------------------------------- the host-side API
     def init(self, data, num_seeds: int, group_size: int) -> SweepCarry:
-        """G × M copies of the initial state (every config starts from the same params),
-        built by one jitted program: the ``[G, M, N, ...]`` table is allocated once."""
+        """G × M copies of the initial state (every config starts from the same params,
+        after the algorithm's warm-start pass if it has one, which no hyper-parameter
+        affects), built by one jitted program: the ``[G, M, N, ...]`` table is allocated
+        once."""
         sim = self.simulation
         shape = (num_seeds, group_size)
 
-        def build(params):
-            state = initial_state(sim.algorithm, params, data.num_clients)
+        def build(params, data):
+            state = sim.warm_start_fn(initial_state(sim.algorithm, params, data.num_clients), data)
             return SweepCarry(
                 state=SimState(
                     server=jax.tree.map(
@@ -435,7 +437,7 @@ class Sweep:
                 diverged_round=jnp.full(shape, -1, jnp.int32),
             )
 
-        return jax.jit(build)(sim.problem.params)
+        return jax.jit(build)(sim.problem.params, data)
 
     def resolve_grid(self, grid: HParams, num_configs: int) -> HParams:
         """``grid`` with every declared hyper-parameter as a float32 ``[C]`` leaf (scalars

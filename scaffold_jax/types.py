@@ -261,6 +261,26 @@ class ClientOutput(NamedTuple):
     metrics: dict[str, Array]
 
 
+class FullDataPass(NamedTuple):
+    """A pass over clients' WHOLE local data at the server model, outside the local steps.
+
+    Mime sends every sampled client's full-batch gradient at x before the local steps of
+    the same round; SCAFFOLD's warm start sets every client's control to its full-batch
+    gradient at x⁰ before round 1. The engine gives each client of the pass all its
+    examples as one batch (``[n_max, ...]`` with a mask ``[n_max]``, whatever the batch
+    plan), averages the messages with the round's weights (uniform, or n_i), and hands the
+    mean to the server.
+
+    Attributes:
+      client: ``client(server_state, client_state, batch, mask) -> (client_state,
+        message)`` for ONE client; ``message`` is a pytree of float32 arrays.
+      server: ``server(server_state, mean_message) -> server_state``.
+    """
+
+    client: Callable[..., tuple[PyTree, PyTree]]
+    server: Callable[[PyTree, PyTree], PyTree]
+
+
 class Algorithm(NamedTuple):
     """A federated algorithm as three pure functions written for ONE client.
 
@@ -279,6 +299,11 @@ class Algorithm(NamedTuple):
       hparams: the hyper-parameters it reads from ``hparams``, ``{name: HParam}`` (default:
         the step sizes, :data:`STEP_SIZES`). Sweeps, configs, the command line and the
         run identity cover exactly these.
+      pre_round: a :class:`FullDataPass` the sampled clients make every round BEFORE their
+        local work (Mime); its server function's result is the server state the clients
+        and ``server_update`` see. None: no such pass.
+      warm_start: a :class:`FullDataPass` ALL N clients make once, before round 1, from the
+        initial state (SCAFFOLD's warm-started controls). None: none.
     """
 
     name: str
@@ -287,6 +312,8 @@ class Algorithm(NamedTuple):
     server_update: Callable[..., PyTree]
     server_params: Callable[[PyTree], PyTree]
     hparams: Mapping[str, HParam] = STEP_SIZES
+    pre_round: FullDataPass | None = None
+    warm_start: FullDataPass | None = None
 
 
 class SimState(NamedTuple):

@@ -232,8 +232,8 @@ CASES = [
     # ----- algorithms
     Case("algorithm-name", "unknown algorithm", "algorithms.make", ValueError,
          "algorithm 'fedsgd' is unknown (did you mean 'sgd'?); use one of scaffold, fedavg, "
-         "feddyn, fednova, fedprox, sgd… (an entry defined outside scaffold_jax is registered "
-         "when its module is imported: pass --plugin MODULE_OR_FILE.py (config key "
+         "feddyn, fednova, fedprox, mime, mimelite, sgd… (an entry defined outside scaffold_jax "
+         "is registered when its module is imported: pass --plugin MODULE_OR_FILE.py (config key "
          "'plugins')).",
          lambda ctx: sj.algorithms.make("fedsgd", ctx.problem.loss_fn)),
     Case("scaffold-option", "unknown SCAFFOLD option", "scaffold", ValueError,
@@ -572,6 +572,20 @@ CASES = [
          ConfigError,
          "hparams = 0.5 is invalid: it must be a table of names and values.",
          lambda ctx: RunConfig.from_dict({"hparams": 0.5})),
+    Case("optimizer-name", "an unknown server optimizer", "RunConfig.validate", ConfigError,
+         "invalid config:\n  server_optimizer = 'adamw' is invalid: optimizer 'adamw' is "
+         "unknown (did you mean 'adam'?); use one of sgd, momentum, adagrad, adam, fedadam, "
+         "yogi…",
+         lambda ctx: RunConfig(options={"server_optimizer": "adamw"}).validate()),
+    Case("optimizer-parameter", "an optimizer parameter it does not take", "optimizers.parse",
+         ValueError,
+         "optimizer 'momentum:beta=0.9': momentum has no parameter 'beta'; it takes momentum.",
+         lambda ctx: sj.optimizers.parse("momentum:beta=0.9")),
+    Case("scaffold-local-optimizer", "SCAFFOLD with a local optimizer", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  local_optimizer = 'momentum' does not apply to algorithm = "
+         "'scaffold': SCAFFOLD's correction c - c_i is defined for plain SGD local steps…",
+         lambda ctx: RunConfig(options={"local_optimizer": "momentum"}).validate()),
     Case("sweep-target", "sweep --target 5", "scaffold-jax sweep", ConfigError,
          "--target = 5 is invalid: it must be a test accuracy in (0, 1], e.g. --target 0.7.",
          lambda ctx: cli._sweep_command(sweep_args("--target", "5"))),

@@ -120,7 +120,7 @@ def test_the_partition_is_resolved_from_its_fields(fields, partition):
             {"dataset": "imagenet"},
             r"dataset = 'imagenet' is invalid: it must be one of .*fashion_mnist",
         ),
-        ({"model": "cnn"}, r"model = 'cnn' is invalid: it must be one of 'logreg', 'mlp'"),
+        ({"model": "vit"}, r"model = 'vit' is invalid: it must be one of 'logreg', 'mlp'"),
         ({"hidden_sizes": [0]}, r"hidden_sizes = \[0\] is invalid"),
         ({"scaffold_option": 3}, r"scaffold_option = 3 is invalid: it must be one of 'I', 'II'"),
         ({"seed": -1}, r"seed = -1 is invalid: it must be an integer >= 0"),

@@ -21,10 +21,12 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from scaffold_jax import optimizers
 from scaffold_jax.algorithms.fedavg import fedavg
 from scaffold_jax.algorithms.feddyn import feddyn
 from scaffold_jax.algorithms.fednova import fednova
 from scaffold_jax.algorithms.fedprox import fedprox
+from scaffold_jax.algorithms.mime import DEFAULT_BASE, mime, mimelite
 from scaffold_jax.algorithms.scaffold import (
     ScaffoldClientState,
     ScaffoldServerState,
@@ -56,8 +58,17 @@ class Option(NamedTuple):
     normalize: Callable[[Any], Any] | None = None
 
     def parse(self, value: Any) -> Any:
-        """``value`` in its canonical form (unchanged without ``normalize``)."""
+        """``value`` in its canonical form (unchanged without ``normalize``).
+
+        Raises:
+          ValueError: ``normalize`` refuses the value (the message says why).
+        """
         return value if self.normalize is None else self.normalize(value)
+
+    @property
+    def is_switch(self) -> bool:
+        """Whether it is an on/off option (the command line gives it as a bare flag)."""
+        return self.choices == (False, True)
 
 
 class AlgorithmSpec(NamedTuple):
@@ -70,12 +81,16 @@ class AlgorithmSpec(NamedTuple):
         (the paper's batches of 0.2 of the client's data) or ``"full"`` (one full-batch
         gradient, large-batch SGD).
       options: ``{config field: Option}``, the factory options a config may set.
+      refuses: ``{config field: why}`` for options of other algorithms this one does not
+        take for a reason worth telling (SCAFFOLD and a local optimizer); a config that
+        sets one gets the reason.
     """
 
     factory: Callable[..., Algorithm]
     display_name: str
     default_plan: str = "fraction"
     options: Mapping[str, Option] = {}
+    refuses: Mapping[str, str] = {}
 
     @property
     def hparams(self) -> Mapping[str, HParam]:
@@ -99,12 +114,40 @@ def register(
     default_plan: str = "fraction",
     options: Mapping[str, Option] | None = None,
     replace: bool = False,
+    refuses: Mapping[str, str] | None = None,
 ) -> AlgorithmSpec:
     """Registers an algorithm factory under ``name`` (see :class:`AlgorithmSpec`)."""
     if default_plan not in ("fraction", "full"):
         raise ValueError(f"default_plan={default_plan!r} is unknown; use 'fraction' or 'full'.")
-    spec = AlgorithmSpec(factory, display_name or name, default_plan, dict(options or {}))
+    spec = AlgorithmSpec(
+        factory, display_name or name, default_plan, dict(options or {}), dict(refuses or {})
+    )
     return ALGORITHMS.register(name, spec, replace=replace)
+
+
+def optimizer_option(argument: str, default: str, what: str) -> Option:
+    """A factory option naming an optimizer of :mod:`scaffold_jax.optimizers` by spec
+    (``"adam:b2=0.99"``), stored in its canonical spelling."""
+    return Option(
+        argument,
+        default,
+        f"{what}: NAME or NAME:PARAM=VALUE,... with NAME one of {optimizers.describe()}",
+        normalize=optimizers.canonical,
+    )
+
+
+#: FedOpt (Reddi et al. 2021): every built-in algorithm takes a server optimizer.
+SERVER_OPTIMIZER = {
+    "server_optimizer": optimizer_option(
+        "server_optimizer", "sgd", "server optimizer on the pseudo-gradient -mean(dy)"
+    )
+}
+#: A local optimizer, state fresh every round (FedAvg and FedProx).
+LOCAL_OPTIMIZER = {
+    "local_optimizer": optimizer_option(
+        "local_optimizer", "sgd", "local (client) optimizer, state fresh every round"
+    )
+}
 
 
 def make(name: str, loss_fn, **kwargs):
@@ -117,6 +160,7 @@ register(
     scaffold,
     "SCAFFOLD",
     options={
+        **SERVER_OPTIMIZER,
         "scaffold_option": Option(
             "option",
             "II",
@@ -130,13 +174,61 @@ register(
             "storage dtype of SCAFFOLD's client controls",
             ("float32", "bfloat16"),
         ),
+        "warm_controls": Option(
+            "warm_controls",
+            False,
+            "SCAFFOLD: start every c_i at its full-batch gradient at x0 (one pass over all "
+            "data) instead of 0",
+            (False, True),
+            lambda v: _switch("warm_controls", v),
+        ),
+    },
+    refuses={
+        "local_optimizer": "SCAFFOLD's correction c - c_i is defined for plain SGD local "
+        "steps; momentum or Adam around the corrected gradient changes what the controls "
+        "estimate (a known cause of failed SCAFFOLD reproductions). Use plain SGD, or "
+        "fedavg / fedprox with a local optimizer",
     },
 )
-register("fedavg", fedavg, "FedAvg")
-register("feddyn", feddyn, "FedDyn")
-register("fednova", fednova, "FedNova")
-register("fedprox", fedprox, "FedProx")
-register("sgd", sgd, "SGD", default_plan="full")
+register("fedavg", fedavg, "FedAvg", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})
+register("feddyn", feddyn, "FedDyn", options=SERVER_OPTIMIZER)
+register(
+    "fednova",
+    fednova,
+    "FedNova",
+    options=SERVER_OPTIMIZER,
+    refuses={
+        "local_optimizer": "FedNova's normalisation here is that of vanilla local SGD (the "
+        "paper's a_i = tau_i); with momentum its weights differ"
+    },
+)
+register("fedprox", fedprox, "FedProx", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})
+_BASE = {
+    **SERVER_OPTIMIZER,
+    "base_optimizer": optimizer_option(
+        "base_optimizer", optimizers.canonical(DEFAULT_BASE), "Mime's base optimizer B"
+    ),
+}
+_MIME_REFUSES = {
+    "local_optimizer": "Mime's local steps already apply the base optimizer, frozen; set it "
+    "with base_optimizer"
+}
+register("mime", mime, "Mime", options=_BASE, refuses=_MIME_REFUSES)
+register("mimelite", mimelite, "MimeLite", options=_BASE, refuses=_MIME_REFUSES)
+register("sgd", sgd, "SGD", default_plan="full", options=SERVER_OPTIMIZER)
+
+
+def _switch(name: str, value: Any) -> Any:
+    """An on/off option's value as a bool (``true``/``false``, ``1``/``0``, ``yes``/``no``
+    as text); other values are returned as they are, for the choices check to refuse."""
+    if isinstance(value, str):
+        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+            value.strip().lower(), value
+        )
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    return value
+
 
 __all__ = [
     "ALGORITHMS",
@@ -150,6 +242,8 @@ __all__ = [
     "fednova",
     "fedprox",
     "make",
+    "mime",
+    "mimelite",
     "register",
     "scaffold",
     "sgd",

@@ -5,6 +5,8 @@ The server step applies ``x ← x + η_g Δx`` or, with an optax transformation,
 ``optax.trace(0.9)`` gives FedAvgM, ``optax.scale_by_adam()`` FedAdam,
 ``optax.scale_by_yogi()`` FedYogi. The transformation must NOT include a learning rate;
 η_g stays in :class:`~scaffold_jax.types.HParams`, so it can be swept without recompiling.
+Factories take it as an optax transformation or by name (``"adam:eps=1e-3"``, see
+:mod:`scaffold_jax.optimizers`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from scaffold_jax import optimizers
 from scaffold_jax.local import Correction, local_sgd
 from scaffold_jax.tree import weighted_mean
 from scaffold_jax.types import ClientOutput, HParams, PyTree
@@ -30,6 +33,12 @@ class ServerState(NamedTuple):
 
     params: PyTree
     opt_state: PyTree
+
+
+def transformation(spec) -> optax.GradientTransformation | None:
+    """An optimizer argument of a factory (a transformation, a name or None) as a
+    transformation (None: plain SGD)."""
+    return optimizers.build(spec)
 
 
 def init_server_optimizer(server_optimizer, params: PyTree) -> PyTree:
@@ -60,16 +69,17 @@ def local_update(
     mask,
     correction: Correction | None = None,
     offset: PyTree | None = None,
+    optimizer: optax.GradientTransformation | None = None,
 ):
     """K corrected local steps from x (see :func:`~scaffold_jax.local.local_sgd` for
-    ``correction`` and ``offset``).
+    ``correction``, ``offset`` and ``optimizer``).
 
     Returns:
       ``(y, output, info)``: the final params, a :class:`ClientOutput` without controls
       (weight 1) and the solver's :class:`~scaffold_jax.local.LocalResult`.
     """
     y, info = local_sgd(
-        loss_fn, server_params, batches, mask, hparams.client_lr, correction, offset
+        loss_fn, server_params, batches, mask, hparams.client_lr, correction, offset, optimizer
     )
     delta = optax.tree.sub(y, server_params)
     output = ClientOutput(

@@ -5,7 +5,8 @@ Networks from Decentralized Data", AISTATS 2017. https://arxiv.org/abs/1602.0562
 
 With two step sizes (η_l local, η_g global) as in Karimireddy et al. 2020, and optionally an
 optax server optimizer on the pseudo-gradient −Δx (Reddi et al. 2021,
-https://arxiv.org/abs/2003.00295): FedAvgM, FedAdam, FedYogi.
+https://arxiv.org/abs/2003.00295): FedAvgM, FedAdam, FedYogi, and optionally a local
+optax optimizer (momentum, Adam) whose state starts fresh every round.
 """
 
 from __future__ import annotations
@@ -17,17 +18,26 @@ from scaffold_jax.algorithms.common import (
     server_params,
     stateless_init,
     stateless_server_update,
+    transformation,
 )
 from scaffold_jax.types import Algorithm, HParams
 
 
-def fedavg(loss_fn, server_optimizer: optax.GradientTransformation | None = None) -> Algorithm:
+def fedavg(
+    loss_fn,
+    server_optimizer: optax.GradientTransformation | str | None = None,
+    local_optimizer: optax.GradientTransformation | str | None = None,
+) -> Algorithm:
     """FedAvg: K local SGD steps per client, then ``x ← x + η_g · mean Δy_i``.
 
     Args:
       loss_fn: per-example loss ``loss_fn(params, batch) -> [B]``.
       server_optimizer: optional optax transformation WITHOUT a learning rate, applied to
-        ``−Δx`` (e.g. ``optax.trace(0.9)`` for FedAvgM); the step is scaled by η_g.
+        ``−Δx`` (e.g. ``optax.trace(0.9)`` for FedAvgM), or its name
+        (:mod:`scaffold_jax.optimizers`); the step is scaled by η_g.
+      local_optimizer: optional optax transformation WITHOUT a learning rate (or its name,
+        e.g. ``"momentum"``, ``"adam"``) applied to every local gradient, ``y ← y − η_l
+        T(g)``; its state starts fresh every round (nothing is kept on the client).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -36,9 +46,14 @@ def fedavg(loss_fn, server_optimizer: optax.GradientTransformation | None = None
       'fedavg'
     """
 
+    server_optimizer = transformation(server_optimizer)
+    local_optimizer = transformation(local_optimizer)
+
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
         del key  # the batches already carry the client's randomness
-        _, output, _ = local_update(loss_fn, hparams, server_state.params, batches, mask)
+        _, output, _ = local_update(
+            loss_fn, hparams, server_state.params, batches, mask, optimizer=local_optimizer
+        )
         return client_state, output
 
     return Algorithm(

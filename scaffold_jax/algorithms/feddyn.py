@@ -16,6 +16,10 @@ holds after every round; with ``weighting="num_examples"`` it keeps
 α is the declared hyper-parameter ``alpha`` (> 0, default 0.01). FedDyn declares no
 server step size: its server step is the formula above. With g_i ≡ 0 and h ≡ 0 its local
 step is FedProx's with μ = α.
+
+With a server optimizer (FedOpt, Reddi et al. 2021) the formula's step
+``Δx = Σ_S w_i y_i / Σ_S w_i − h / α − x`` is the pseudo-gradient's negative:
+``x ← x − η_g T(−Δx)``, and FedDyn then declares η_g (``server_lr``, default 1).
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaffold_jax.algorithms.common import local_update, server_params
+from scaffold_jax.algorithms.common import (
+    init_server_optimizer,
+    local_update,
+    server_model_step,
+    server_params,
+    transformation,
+)
 from scaffold_jax.tree import weighted_mean, weighted_sum
 from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, HParam, HParams, PyTree
 
@@ -37,10 +47,12 @@ HPARAMS = {
 
 
 class FedDynServerState(NamedTuple):
-    """Attributes: params (x), h (the server's correction, mean of the g_i)."""
+    """Attributes: params (x), h (the server's correction, mean of the g_i), opt_state
+    (the server optimizer's, ``()`` without one)."""
 
     params: PyTree
     h: PyTree
+    opt_state: PyTree = ()
 
 
 class FedDynClientState(NamedTuple):
@@ -49,23 +61,31 @@ class FedDynClientState(NamedTuple):
     g: PyTree
 
 
-def feddyn(loss_fn) -> Algorithm:
+def feddyn(
+    loss_fn, server_optimizer: optax.GradientTransformation | str | None = None
+) -> Algorithm:
     """FedDyn (Algorithm 1 of Acar et al. 2021).
 
     Args:
       loss_fn: per-example loss ``loss_fn(params, batch) -> [B]``.
+      server_optimizer: optional optax transformation WITHOUT a learning rate (or its
+        name) applied to the negated server step (see the module docstring); with one,
+        FedDyn declares ``server_lr``.
     """
+    server_optimizer = transformation(server_optimizer)
 
     def init(params: PyTree):
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         zeros = optax.tree.zeros_like(params)
-        return FedDynServerState(params=params, h=zeros), FedDynClientState(g=zeros)
+        opt_state = init_server_optimizer(server_optimizer, params)
+        return FedDynServerState(params, zeros, opt_state), FedDynClientState(g=zeros)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
         del key
         x, g_i = server_state.params, client_state.g
 
-        def dynamic(y):
+        def dynamic(y, batch, batch_mask):
+            del batch, batch_mask
             return optax.tree.scale(hparams.alpha, optax.tree.sub(y, x))
 
         # Every gradient gets −g_i + α (y − x). A client that drew no data takes no step:
@@ -86,9 +106,14 @@ def feddyn(loss_fn) -> Algorithm:
         alpha = hparams.alpha
         delta = weighted_sum(outputs.delta_params, outputs.weight)
         h = optax.tree.add_scale(state.h, -alpha / total_weight, delta)
-        mean_y = optax.tree.add(state.params, weighted_mean(outputs.delta_params, outputs.weight))
-        params = optax.tree.add_scale(mean_y, -1.0 / alpha, h)
-        return FedDynServerState(params=params, h=h)
+        mean_delta = weighted_mean(outputs.delta_params, outputs.weight)
+        step = optax.tree.add_scale(mean_delta, -1.0 / alpha, h)  # mean y − h/α − x
+        if server_optimizer is None:
+            return FedDynServerState(optax.tree.add(state.params, step), h, state.opt_state)
+        params, opt_state = server_model_step(
+            server_optimizer, hparams, state.params, state.opt_state, step
+        )
+        return FedDynServerState(params, h, opt_state)
 
     return Algorithm(
         name="feddyn",
@@ -96,5 +121,5 @@ def feddyn(loss_fn) -> Algorithm:
         client_update=client_update,
         server_update=server_update,
         server_params=server_params,
-        hparams=HPARAMS,
+        hparams=HPARAMS if server_optimizer is None else {**HPARAMS, **STEP_SIZES},
     )

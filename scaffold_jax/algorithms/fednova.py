@@ -39,6 +39,7 @@ from scaffold_jax.algorithms.common import (
     server_model_step,
     server_params,
     stateless_init,
+    transformation,
 )
 from scaffold_jax.tree import weighted_sum
 from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, HParams, PyTree
@@ -67,7 +68,9 @@ def normalized_delta(outputs: ClientOutput) -> PyTree:
     return weighted_sum(outputs.delta_params, tau_eff * p * inv_tau)
 
 
-def fednova(loss_fn, server_optimizer: optax.GradientTransformation | None = None) -> Algorithm:
+def fednova(
+    loss_fn, server_optimizer: optax.GradientTransformation | str | None = None
+) -> Algorithm:
     """FedNova: local SGD, then ``x ← x + η_g τ_eff Σ_{i∈S} p_i Δy_i / τ_i``.
 
     Args:
@@ -82,6 +85,7 @@ def fednova(loss_fn, server_optimizer: optax.GradientTransformation | None = Non
       >>> alg.name, list(alg.hparams)
       ('fednova', ['client_lr', 'server_lr'])
     """
+    server_optimizer = transformation(server_optimizer)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
         del key  # the batches already carry the client's randomness

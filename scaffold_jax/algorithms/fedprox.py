@@ -17,6 +17,7 @@ from scaffold_jax.algorithms.common import (
     server_params,
     stateless_init,
     stateless_server_update,
+    transformation,
 )
 from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams
 
@@ -26,22 +27,33 @@ HPARAMS = {
 }
 
 
-def fedprox(loss_fn, server_optimizer: optax.GradientTransformation | None = None) -> Algorithm:
+def fedprox(
+    loss_fn,
+    server_optimizer: optax.GradientTransformation | str | None = None,
+    local_optimizer: optax.GradientTransformation | str | None = None,
+) -> Algorithm:
     """FedProx: the local gradient is ``g + μ (y − x)``.
 
     Args:
       loss_fn: per-example loss ``loss_fn(params, batch) -> [B]``.
       server_optimizer: as in :func:`~scaffold_jax.algorithms.fedavg.fedavg`.
+      local_optimizer: as in :func:`~scaffold_jax.algorithms.fedavg.fedavg`; it transforms
+        the proximal gradient ``g + μ (y − x)``.
     """
+    server_optimizer = transformation(server_optimizer)
+    local_optimizer = transformation(local_optimizer)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
         del key
         x = server_state.params
 
-        def proximal(y):
+        def proximal(y, batch, batch_mask):
+            del batch, batch_mask
             return optax.tree.scale(hparams.prox_mu, optax.tree.sub(y, x))
 
-        _, output, _ = local_update(loss_fn, hparams, x, batches, mask, proximal)
+        _, output, _ = local_update(
+            loss_fn, hparams, x, batches, mask, proximal, optimizer=local_optimizer
+        )
         return client_state, output
 
     return Algorithm(

@@ -19,6 +19,14 @@ W = N) that is ``c ← c + (|S|/N) mean Δc_i``, and ``c = mean_i c_i`` holds af
 round. With ``weighting="num_examples"`` it keeps ``c = Σ_i n_i c_i / Σ_i n_i`` instead, the
 consistent counterpart of data-size weighted model averaging.
 
+Warm-started controls (``warm_controls=True``, an option; the paper starts every control
+at 0). Before round 1 every client sets ``c_i = ∇f_i(x⁰)`` on ALL its local data and the
+server ``c = Σ_i w_i c_i / Σ_i w_i`` over all N (the mean under uniform weights), so the
+invariant holds from the start; it costs one pass over all clients' data. With zero
+controls the first rounds of SCAFFOLD are FedAvg's and depend on the gradient
+dissimilarity G (each client drifts towards its own optimum until its control has been set
+by a visit); warm controls remove that transient.
+
 Storage of the c_i. With ``control_dtype=jnp.bfloat16`` the client table holds the
 bfloat16 values as their ``uint16`` bit patterns, not as bfloat16 arrays: XLA's CPU backend
 has no bfloat16 scatter and converted the whole ``[N, P]`` table to float32 and back to
@@ -42,10 +50,11 @@ from scaffold_jax.algorithms.common import (
     local_update,
     server_model_step,
     server_params,
+    transformation,
 )
 from scaffold_jax.local import batch_grad, flatten_steps
 from scaffold_jax.tree import weighted_mean, weighted_sum
-from scaffold_jax.types import Algorithm, ClientOutput, HParams, PyTree
+from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParams, PyTree
 
 
 class ScaffoldServerState(NamedTuple):
@@ -133,7 +142,8 @@ def scaffold(
     loss_fn,
     option: int | str = 2,
     control_dtype=jnp.float32,
-    server_optimizer: optax.GradientTransformation | None = None,
+    server_optimizer: optax.GradientTransformation | str | None = None,
+    warm_controls: bool = False,
 ) -> Algorithm:
     """SCAFFOLD (Algorithm 1 of Karimireddy et al. 2020).
 
@@ -146,6 +156,8 @@ def scaffold(
         mean of the stored table. bfloat16 values are stored as their ``uint16`` bit
         patterns (see the module docstring); read them with :func:`client_controls`.
       server_optimizer: optional optax transformation on −Δx, as for FedAvg.
+      warm_controls: start from ``c_i = ∇f_i(x⁰)`` and c = their mean (see the module
+        docstring) instead of zeros.
 
     Raises:
       ValueError: for an unknown option or control dtype.
@@ -156,6 +168,7 @@ def scaffold(
             "or 2 (or 'II': control from the local update, the paper's default)."
         )
     option = _OPTIONS[option]
+    server_optimizer = transformation(server_optimizer)
     control_dtype = jnp.dtype(control_dtype)
     if control_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(
@@ -195,6 +208,16 @@ def scaffold(
         output = output._replace(delta_control=delta_control)
         return ScaffoldClientState(control=stored), output
 
+    def warm_client(server_state, client_state, batch, mask):
+        del client_state
+        _, grad = batch_grad(loss_fn, server_state.params, batch, mask)
+        stored = _encode(grad, control_dtype)
+        # The server's c is the mean of the STORED (possibly rounded) controls.
+        return ScaffoldClientState(control=stored), _decode(stored)
+
+    def warm_server(server_state, mean_control):
+        return server_state._replace(control=mean_control)
+
     def server_update(hparams: HParams, state, outputs: ClientOutput, total_weight):
         delta_x = weighted_mean(outputs.delta_params, outputs.weight)
         params, opt_state = server_model_step(
@@ -210,4 +233,5 @@ def scaffold(
         client_update=client_update,
         server_update=server_update,
         server_params=server_params,
+        warm_start=FullDataPass(warm_client, warm_server) if warm_controls else None,
     )

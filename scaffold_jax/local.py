@@ -9,6 +9,7 @@ engine vmaps it across the sampled clients.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -19,9 +20,10 @@ import optax
 from scaffold_jax.tree import masked_mean
 from scaffold_jax.types import Array, Batch, PyTree
 
-# (params y, the step's batch, its mask) -> the offset added to the gradient at y (the step
-# uses g + correction(y, batch, mask)); FedProx reads only y, Mime the batch too.
-Correction = Callable[[PyTree, Batch, Array], PyTree]
+# (params y, the step's batch, its mask, the step's key) -> the offset added to the
+# gradient at y (the step uses g + correction(y, batch, mask, key)); FedProx reads only y,
+# Mime the batch and the key too (its gradient at x sees the same dropout as the one at y).
+Correction = Callable[[PyTree, Batch, Array, Array], PyTree]
 
 
 class LocalResult(NamedTuple):
@@ -37,15 +39,30 @@ class LocalResult(NamedTuple):
     mean_loss: Array
 
 
-def batch_loss(loss_fn, params: PyTree, batch: Batch, mask: Array) -> Array:
-    """Masked mean of the per-example losses: padded slots contribute nothing."""
+def takes_key(loss_fn) -> bool:
+    """Whether ``loss_fn`` has a ``key`` parameter: a stochastic loss (dropout) that the
+    local steps call as ``loss_fn(params, batch, key=k)`` with a fresh key every step, and
+    evaluation as ``loss_fn(params, batch)`` (deterministic)."""
+    try:
+        return "key" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no keyword to pass
+        return False
+
+
+def batch_loss(loss_fn, params: PyTree, batch: Batch, mask: Array, key=None) -> Array:
+    """Masked mean of the per-example losses: padded slots contribute nothing. ``key``
+    goes to a loss that takes one (:func:`takes_key`); others ignore it."""
+    if key is not None and takes_key(loss_fn):
+        return masked_mean(loss_fn(params, batch, key=key), mask)
     return masked_mean(loss_fn(params, batch), mask)
 
 
-def batch_grad(loss_fn, params: PyTree, batch: Batch, mask: Array) -> tuple[Array, PyTree]:
+def batch_grad(
+    loss_fn, params: PyTree, batch: Batch, mask: Array, key=None
+) -> tuple[Array, PyTree]:
     """``(loss, gradient)`` of the masked mean loss, with respect to the params as stored
     (the model decides their layout; see :class:`scaffold_jax.models.Dense`)."""
-    return jax.value_and_grad(lambda p: batch_loss(loss_fn, p, batch, mask))(params)
+    return jax.value_and_grad(lambda p: batch_loss(loss_fn, p, batch, mask, key))(params)
 
 
 def local_sgd(
@@ -57,6 +74,7 @@ def local_sgd(
     correction: Correction | None = None,
     offset: PyTree | None = None,
     optimizer: optax.GradientTransformation | None = None,
+    key: Array | None = None,
 ) -> tuple[PyTree, LocalResult]:
     """Runs K masked steps ``y ← y − η_l · T(∇f_i(y; batch) + offset + correction(y, ...))``.
 
@@ -78,6 +96,8 @@ def local_sgd(
       optimizer: optional optax transformation WITHOUT a learning rate applied to the
         corrected gradient; its state starts from ``optimizer.init(params)`` (fresh every
         round) and advances only on the steps taken (an empty step leaves it as it was).
+      key: the client's key for this round; step k's loss gets ``fold_in(key, k)`` when it
+        takes a key (:func:`takes_key`, e.g. dropout). None: no key is passed.
 
     Returns:
       The final params y and a :class:`LocalResult`.
@@ -85,12 +105,13 @@ def local_sgd(
 
     def step(carry, inputs):
         y, opt_state = carry
-        batch, batch_mask = inputs
-        loss, grad = batch_grad(loss_fn, y, batch, batch_mask)
+        batch, batch_mask, k = inputs
+        step_key = None if key is None else jax.random.fold_in(key, k)
+        loss, grad = batch_grad(loss_fn, y, batch, batch_mask, step_key)
         if offset is not None:
             grad = optax.tree.add(grad, offset)
         if correction is not None:
-            grad = optax.tree.add(grad, correction(y, batch, batch_mask))
+            grad = optax.tree.add(grad, correction(y, batch, batch_mask, step_key))
         active = jnp.sum(batch_mask) > 0
         if optimizer is not None:
             grad, new_state = optimizer.update(grad, opt_state, y)
@@ -99,7 +120,8 @@ def local_sgd(
         return (optax.tree.where(active, y_next, y), opt_state), (loss, active)
 
     opt_state = () if optimizer is None else optimizer.init(params)
-    (y, _), (losses, active) = jax.lax.scan(step, (params, opt_state), (batches, mask))
+    steps = jnp.arange(mask.shape[0], dtype=jnp.int32)
+    (y, _), (losses, active) = jax.lax.scan(step, (params, opt_state), (batches, mask, steps))
     num_steps = jnp.sum(active.astype(jnp.int32))
     mean_loss = masked_mean(losses, active.astype(losses.dtype))
     return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss)

@@ -100,7 +100,11 @@ class MLP(nn.Module):
 
 
 def classification_problem(
-    module: nn.Module, input_shape: Sequence[int], key, input_dtype=jnp.float32
+    module: nn.Module,
+    input_shape: Sequence[int],
+    key,
+    input_dtype=jnp.float32,
+    train_arg: str | None = None,
 ) -> Problem:
     """Wraps a flax classifier into a :class:`Problem` with cross-entropy loss.
 
@@ -110,15 +114,53 @@ def classification_problem(
       key: PRNG key for the initial params.
       input_dtype: dtype of the dummy batch the params are initialised from (an integer
         type for a model that embeds token ids).
-    """
-    params = module.init(key, jnp.zeros((1, *input_shape), input_dtype))["params"]
+      train_arg: the name of the module's boolean training-mode argument (e.g. ``"train"``
+        for ``__call__(self, x, train)`` with ``nn.Dropout(rate, deterministic=not
+        train)``), or None for a module without one. With it the loss takes a ``key``: the
+        local steps call it in training mode with a fresh ``"dropout"`` key every step
+        (:func:`scaffold_jax.local.takes_key`), evaluation without a key, in inference
+        mode.
 
-    def loss_fn(params, batch):
-        logits = module.apply({"params": params}, batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    Raises:
+      ValueError: the module keeps state besides its params (BatchNorm's
+        ``batch_stats``), which a :class:`Problem` cannot carry yet; the message names
+        the GroupNorm/LayerNorm alternative.
+    """
+    mode = {} if train_arg is None else {train_arg: False}
+    variables = module.init(key, jnp.zeros((1, *input_shape), input_dtype), **mode)
+    extra = sorted(k for k in variables if k != "params")
+    if extra:
+        raise ValueError(
+            f"{type(module).__name__} keeps state besides its params ({', '.join(extra)}: "
+            "BatchNorm's running statistics, for example), which a scaffold_jax Problem does "
+            "not carry: the engine averages and differentiates params only. Use GroupNorm or "
+            "LayerNorm instead (flax.linen.GroupNorm; the registered resnet18 does), which "
+            "need no running statistics and are the usual choice in federated learning "
+            "(Hsieh et al. 2020)."
+        )
+    params = variables["params"]
+
+    def logits_of(params, x, key=None):
+        if train_arg is None:
+            return module.apply({"params": params}, x)
+        if key is None:
+            return module.apply({"params": params}, x, **{train_arg: False})
+        return module.apply({"params": params}, x, **{train_arg: True}, rngs={"dropout": key})
+
+    if train_arg is None:
+
+        def loss_fn(params, batch):
+            logits = logits_of(params, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    else:
+
+        def loss_fn(params, batch, key=None):
+            logits = logits_of(params, batch["x"], key)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
     def accuracy_fn(params, batch):
-        logits = module.apply({"params": params}, batch["x"])
+        logits = logits_of(params, batch["x"])
         return (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
 
     return Problem(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -361,3 +362,64 @@ def test_batches_of_the_wrong_kind_are_refused_when_traced():
     floats = {"x": np.zeros((2, 5), np.float32), "y": np.zeros(2, np.int32)}
     with pytest.raises(ValueError, match=r"integer character ids \[B, T\], got .* float32"):
         lstm.loss_fn(lstm.params, floats)
+
+
+# ----------------------------------------------------------------------- dropout, BatchNorm
+class _DropoutNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.relu(nn.Dense(16)(x.reshape((x.shape[0], -1)).astype(jnp.float32)))
+        h = nn.Dropout(0.5, deterministic=not train)(h)
+        return nn.Dense(3)(h)
+
+
+def test_a_dropout_model_gets_a_fresh_key_every_local_step_and_none_in_evaluation():
+    import scaffold_jax as sj
+    from scaffold_jax.engine import client_keys, round_key_and_ids
+    from scaffold_jax.local import local_sgd, takes_key
+
+    problem = sj.models.classification_problem(_DropoutNet(), (4,), jr.key(0), train_arg="train")
+    assert takes_key(problem.loss_fn) and not takes_key(problem.accuracy_fn)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 4)).astype(np.float32)
+    batch = {"x": x, "y": rng.integers(0, 3, 6).astype(np.int32)}
+    # Evaluation (no key) is deterministic; a key switches dropout on.
+    a, b = problem.loss_fn(problem.params, batch), problem.loss_fn(problem.params, batch)
+    np.testing.assert_array_equal(a, b)
+    c = problem.loss_fn(problem.params, batch, key=jr.key(1))
+    d = problem.loss_fn(problem.params, batch, key=jr.key(2))
+    assert not np.allclose(a, c) and not np.allclose(c, d)
+    # The engine's local steps: step k of a client uses fold_in(client key, k).
+    data = sj.from_client_arrays([batch, batch])  # two clients with the same data
+    sim = sj.Simulation(sj.fedavg(problem.loss_fn), problem,
+                        sj.BatchPlan.full(3), clients_per_round=2, client_chunk=None)  # fmt: skip
+    hp = sim.resolve_hparams(sj.hparams(client_lr=0.1))
+    state, metrics = sim.round(hp, sim.init(data), data, jr.key(7))
+    round_key, ids = round_key_and_ids(jr.key(7), 0, 2, 2)
+    keys = client_keys(round_key, ids)
+    mask = jnp.ones((3, 6), jnp.float32)
+    batches = jax.tree.map(lambda v: jnp.broadcast_to(v, (3, *v.shape)), batch)
+    ys = [local_sgd(problem.loss_fn, problem.params, batches, mask, hp.client_lr, key=k)[0]
+          for k in keys]  # fmt: skip
+    mean = jax.tree.map(lambda p, *y: p + sum(v - p for v in y) / 2, problem.params, *ys)
+    for got, want in zip(jax.tree.leaves(state.server.params), jax.tree.leaves(mean),
+                         strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Same data, different clients: different dropout masks, different updates.
+    assert not np.allclose(jax.tree.leaves(ys[0])[0], jax.tree.leaves(ys[1])[0])
+
+
+class _BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x.reshape((x.shape[0], -1)))
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=True)(h))
+
+
+def test_a_batchnorm_model_is_refused_pointing_to_groupnorm():
+    import scaffold_jax as sj
+
+    with pytest.raises(
+        ValueError, match=r"keeps state besides its params \(batch_stats.*GroupNorm"
+    ):
+        sj.models.classification_problem(_BatchNormNet(), (4,), jr.key(0))

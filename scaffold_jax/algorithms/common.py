@@ -70,16 +70,25 @@ def local_update(
     correction: Correction | None = None,
     offset: PyTree | None = None,
     optimizer: optax.GradientTransformation | None = None,
+    key=None,
 ):
     """K corrected local steps from x (see :func:`~scaffold_jax.local.local_sgd` for
-    ``correction``, ``offset`` and ``optimizer``).
+    ``correction``, ``offset``, ``optimizer`` and ``key``).
 
     Returns:
       ``(y, output, info)``: the final params, a :class:`ClientOutput` without controls
       (weight 1) and the solver's :class:`~scaffold_jax.local.LocalResult`.
     """
     y, info = local_sgd(
-        loss_fn, server_params, batches, mask, hparams.client_lr, correction, offset, optimizer
+        loss_fn,
+        server_params,
+        batches,
+        mask,
+        hparams.client_lr,
+        correction,
+        offset,
+        optimizer,
+        key,
     )
     delta = optax.tree.sub(y, server_params)
     output = ClientOutput(

@@ -50,10 +50,12 @@ def fedavg(
     local_optimizer = transformation(local_optimizer)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
-        del key  # the batches already carry the client's randomness
+        # The batches already carry the client's randomness; the key is for a loss that
+        # takes one (dropout).
         _, output, _ = local_update(
-            loss_fn, hparams, server_state.params, batches, mask, optimizer=local_optimizer
-        )
+            loss_fn, hparams, server_state.params, batches, mask, optimizer=local_optimizer,
+            key=key,
+        )  # fmt: skip
         return client_state, output
 
     return Algorithm(

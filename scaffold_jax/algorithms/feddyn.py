@@ -81,11 +81,10 @@ def feddyn(
         return FedDynServerState(params, zeros, opt_state), FedDynClientState(g=zeros)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
-        del key
         x, g_i = server_state.params, client_state.g
 
-        def dynamic(y, batch, batch_mask):
-            del batch, batch_mask
+        def dynamic(y, batch, batch_mask, step_key):
+            del batch, batch_mask, step_key
             return optax.tree.scale(hparams.alpha, optax.tree.sub(y, x))
 
         # Every gradient gets −g_i + α (y − x). A client that drew no data takes no step:
@@ -98,6 +97,7 @@ def feddyn(
             mask,
             correction=dynamic,
             offset=optax.tree.scale(-1.0, g_i),
+            key=key,
         )
         g_plus = optax.tree.add_scale(g_i, -hparams.alpha, output.delta_params)
         return FedDynClientState(g=g_plus), output

@@ -88,8 +88,9 @@ def fednova(
     server_optimizer = transformation(server_optimizer)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
-        del key  # the batches already carry the client's randomness
-        _, output, info = local_update(loss_fn, hparams, server_state.params, batches, mask)
+        _, output, info = local_update(
+            loss_fn, hparams, server_state.params, batches, mask, key=key
+        )
         metrics = {**output.metrics, LOCAL_STEPS: info.num_steps.astype(jnp.float32)}
         return client_state, output._replace(metrics=metrics)
 

@@ -44,15 +44,14 @@ def fedprox(
     local_optimizer = transformation(local_optimizer)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
-        del key
         x = server_state.params
 
-        def proximal(y, batch, batch_mask):
-            del batch, batch_mask
+        def proximal(y, batch, batch_mask, step_key):
+            del batch, batch_mask, step_key
             return optax.tree.scale(hparams.prox_mu, optax.tree.sub(y, x))
 
         _, output, _ = local_update(
-            loss_fn, hparams, x, batches, mask, proximal, optimizer=local_optimizer
+            loss_fn, hparams, x, batches, mask, proximal, optimizer=local_optimizer, key=key
         )
         return client_state, output
 

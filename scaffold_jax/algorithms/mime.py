@@ -94,12 +94,11 @@ def _mime(loss_fn, name, corrected, base_optimizer, server_optimizer) -> Algorit
         return server_state._replace(control=mean_gradient)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
-        del key
         x, c = server_state.params, server_state.control
 
-        def svrg(y, batch, batch_mask):
-            del y
-            _, grad_x = batch_grad(loss_fn, x, batch, batch_mask)
+        def svrg(y, batch, batch_mask, step_key):
+            del y  # the same minibatch (and dropout key) at x as at y
+            _, grad_x = batch_grad(loss_fn, x, batch, batch_mask, step_key)
             return optax.tree.sub(c, grad_x)
 
         _, output, _ = local_update(
@@ -110,6 +109,7 @@ def _mime(loss_fn, name, corrected, base_optimizer, server_optimizer) -> Algorit
             mask,
             correction=svrg if corrected else None,
             optimizer=frozen(base, server_state.base_state),
+            key=key,
         )
         return client_state, output
 

@@ -186,13 +186,12 @@ def scaffold(
         return server, client
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
-        del key
         x, c = server_state.params, server_state.control
         c_i = _decode(client_state.control)
 
         # Every local gradient is corrected by the same c - c_i.
         offset = optax.tree.sub(c, c_i)
-        y, output, info = local_update(loss_fn, hparams, x, batches, mask, offset=offset)
+        y, output, info = local_update(loss_fn, hparams, x, batches, mask, offset=offset, key=key)
         if option == 2:
             steps = jnp.maximum(info.num_steps, 1).astype(jnp.float32)
             c_plus = optax.tree.add_scale(

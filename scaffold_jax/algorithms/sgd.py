@@ -29,9 +29,8 @@ def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = N
     server_optimizer = transformation(server_optimizer)
 
     def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
-        del key
         flat, flat_mask = flatten_steps(batches, mask)
-        loss, grad = batch_grad(loss_fn, server_state.params, flat, flat_mask)
+        loss, grad = batch_grad(loss_fn, server_state.params, flat, flat_mask, key)
         output = ClientOutput(
             delta_params=optax.tree.scale(-hparams.client_lr, grad),
             delta_control=(),

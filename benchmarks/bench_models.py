@@ -182,19 +182,10 @@ def measure(
     loop_state = sim.init(data)
     loop_state = loop(loop_state)  # compiles
     jax.block_until_ready(loop_state)
-    times = {"engine": [], "bare": [], "loop": []}
-    for _ in range(repeats):
-        t = time.perf_counter()
-        state = engine(state)
-        jax.block_until_ready(state)
-        times["engine"].append((time.perf_counter() - t) / w.rounds)
-        t = time.perf_counter()
-        jax.block_until_ready(bare(x0))
-        times["bare"].append((time.perf_counter() - t) / w.rounds)
-        t = time.perf_counter()
-        loop_state = loop(loop_state)
-        jax.block_until_ready(loop_state)
-        times["loop"].append(time.perf_counter() - t)
+    programs = {"engine": (engine, state), "bare": (bare, x0), "loop": (loop, loop_state)}
+    rounds = {"engine": w.rounds, "bare": w.rounds, "loop": 1}
+    # Interleaved, after one warm-up pass (workloads._interleaved, as bench_workloads.py).
+    times, _, _ = workloads._interleaved(programs, repeats, rounds, stateless=("bare",))
     best = {k: min(v) * 1e3 for k, v in times.items()}
     row = {
         "workload": w.name,

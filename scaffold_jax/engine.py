@@ -612,7 +612,7 @@ class Simulation:
         state = init_state(self.algorithm, self.problem.params, data.num_clients, self.layout)
         if self.algorithm.warm_start is None:
             return state
-        shardings = self.layout.state_shardings(jax.eval_shape(lambda s: s, state))
+        shardings = self.layout.state_shardings(state)  # reads only the structure
         warm = jax.jit(self.warm_start_fn, donate_argnums=(0,), out_shardings=shardings)
         return warm(state, data)
 

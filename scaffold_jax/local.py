@@ -102,11 +102,13 @@ def local_sgd(
     Returns:
       The final params y and a :class:`LocalResult`.
     """
+    if not takes_key(loss_fn):
+        key = None  # nothing to split per step: the loss is deterministic
 
     def step(carry, inputs):
         y, opt_state = carry
-        batch, batch_mask, k = inputs
-        step_key = None if key is None else jax.random.fold_in(key, k)
+        batch, batch_mask, *k = inputs  # k: the step's index, when there is a key
+        step_key = None if key is None else jax.random.fold_in(key, k[0])
         loss, grad = batch_grad(loss_fn, y, batch, batch_mask, step_key)
         if offset is not None:
             grad = optax.tree.add(grad, offset)
@@ -120,8 +122,10 @@ def local_sgd(
         return (optax.tree.where(active, y_next, y), opt_state), (loss, active)
 
     opt_state = () if optimizer is None else optimizer.init(params)
-    steps = jnp.arange(mask.shape[0], dtype=jnp.int32)
-    (y, _), (losses, active) = jax.lax.scan(step, (params, opt_state), (batches, mask, steps))
+    xs = (batches, mask)
+    if key is not None:
+        xs += (jnp.arange(mask.shape[0], dtype=jnp.int32),)
+    (y, _), (losses, active) = jax.lax.scan(step, (params, opt_state), xs)
     num_steps = jnp.sum(active.astype(jnp.int32))
     mean_loss = masked_mean(losses, active.astype(losses.dtype))
     return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss)

@@ -156,6 +156,12 @@ def _kept(finished, key, panel, cells, writer, progress) -> bool:
     return True
 
 
+def _one_step(method: str) -> bool:
+    """Whether ``method`` takes one full-batch step a round (its registered default plan is
+    ``"full"``: large-batch SGD), so K and epochs do not apply to it."""
+    return method in ALGORITHMS and ALGORITHMS[method].default_plan == "full"
+
+
 def _display(method: str) -> str:
     return ALGORITHMS[method].display_name if method in ALGORITHMS else method
 
@@ -203,12 +209,17 @@ def reproduce_fig3(
     }
     first = problems[protocol.gradient_dissimilarities[0]]
     settings = [
-        (m, None, False) if m == "sgd" else (m, k, False)
+        (m, None, False) if _one_step(m) else (m, k, False)
         for m in protocol.methods
         for k in protocol.local_steps
     ]
-    if protocol.warm_controls:
-        settings += [("scaffold", k, True) for k in protocol.local_steps]
+    if protocol.warm_controls:  # the methods that offer warm-started controls (SCAFFOLD)
+        settings += [
+            (m, k, True)
+            for m in protocol.methods
+            if "warm_controls" in ALGORITHMS[m].options
+            for k in protocol.local_steps
+        ]
     settings = list(dict.fromkeys(settings))
     cells, chosen_series = [], {f"G = {G:g}": [] for G in protocol.gradient_dissimilarities}
     plots = (
@@ -424,7 +435,7 @@ class TableProtocol:
     @property
     def all_rows(self) -> tuple[Row, ...]:
         """:attr:`rows` followed by the rows of :attr:`extra_methods`."""
-        shapes = [(r.epochs, r.sampled) for r in self.rows if r.method == "scaffold"]
+        shapes = [(r.epochs, r.sampled) for r in self.rows if not _one_step(r.method)]
         shapes = list(dict.fromkeys(shapes)) or [(1, 0.2)]
         extra = [Row(m, e, s) for m in self.extra_methods for e, s in shapes]
         return tuple(dict.fromkeys([*self.rows, *extra]))
@@ -679,7 +690,7 @@ def reproduce_table(
             data = from_partition(dataset.train, parts, test=dataset.test)
             for row in protocol.all_rows:
                 clients = max(1, round(row.sampled * protocol.num_clients))
-                if row.method == "sgd":
+                if _one_step(row.method):
                     plan = BatchPlan.full(1)
                 else:
                     plan = BatchPlan.fraction_of_data(protocol.batch_fraction, row.epochs)
@@ -792,33 +803,32 @@ def format_table(
         body = results.value_table(table_cells, header, fmt=".3f")
     else:
         what = f"rounds to {target:g} test accuracy"
-        what += " (speed-up over SGD)" if "sgd" in methods else ""
-        body = results.rounds_table(table_cells, header, baseline_row="SGD")
-    model = (
-        "logistic regression"
-        if protocol.model == "logreg"
-        else f"MLP with hidden layers {'-'.join(str(h) for h in protocol.hidden_sizes)}"
-    )
+        baseline = next((_display(m) for m in methods if _one_step(m)), None)
+        what += f" (speed-up over {baseline})" if baseline else ""
+        body = results.rounds_table(table_cells, header, baseline_row=baseline)
+    model = MODELS[protocol.model].display_name
+    if "hidden_sizes" in MODELS[protocol.model].options:
+        model += f" with hidden layers {'-'.join(str(h) for h in protocol.hidden_sizes)}"
     grids = "; ".join(
         f"{_display(m)}: {', '.join(f'{v:g}' for v in protocol.lr_grid(m))}" for m in methods
     )
     sampled = ", ".join(_percent(v) for v in sorted({r.sampled for r in protocol.all_rows})[::-1])
     epochs = ", ".join(
-        str(e) for e in sorted({r.epochs for r in protocol.all_rows if r.method != "sgd"})
+        str(e) for e in sorted({r.epochs for r in protocol.all_rows if not _one_step(r.method)})
     )
     settings = []
-    if any(m != "sgd" for m in methods):
+    if any(not _one_step(m) for m in methods):
         settings.append(
             f"local methods: {epochs} epoch(s) of batches of {protocol.batch_fraction:g} of "
             f"the client's data ({round(1 / protocol.batch_fraction)} steps per epoch)"
         )
-    if "sgd" in methods:
-        settings.append("SGD: one step on the client's full data")
+    settings += [f"{_display(m)}: one step on the client's full data" for m in methods
+                 if _one_step(m)]  # fmt: skip
     settings.append(f"{sampled} of clients sampled per round; η_g = 1")
-    if "fedprox" in methods:
-        settings.append(f"FedProx μ = {protocol.prox_mu:g}")
-    if "scaffold" in methods:
-        settings.append("SCAFFOLD option II")
+    settings += [f"{_display(m)} μ = {protocol.prox_mu:g}" for m in methods
+                 if "prox_mu" in ALGORITHMS[m].hparams]  # fmt: skip
+    settings += [f"{_display(m)} option {ALGORITHMS[m].options['scaffold_option'].default}"
+                 for m in methods if "scaffold_option" in ALGORITHMS[m].options]  # fmt: skip
     return "\n".join(
         [
             f"### {protocol.title} — {dataset.name}",

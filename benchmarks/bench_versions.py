@@ -1,8 +1,9 @@
 """The engine's round time and compile time, this working tree against a git revision.
 
 A refactor must not cost speed. Both versions run the SAME workloads through their own
-``benchmarks/workloads.py`` (``engine_program``: ``Simulation.run_rounds`` compiled for
-``w.rounds`` rounds), each in a fresh subprocess, ALTERNATING (before, after, before,
+package through THIS tree's ``benchmarks/workloads.py`` (``engine_program``:
+``Simulation.run_rounds`` compiled for ``w.rounds`` rounds; so a workload added since the
+revision runs on both), each in a fresh subprocess, ALTERNATING (before, after, before,
 after, ...) so that a noisy shared machine affects both alike; the ratio after / before is
 taken within each pair, and the median over pairs is reported with the per-version minima.
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
 import json, sys, time
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, sys.argv[4])  # this tree's workloads, whichever package is timed
 import jax
 import workloads
 w = workloads.get_workload(sys.argv[1])
@@ -48,7 +49,7 @@ print(json.dumps({"ms": 1e3 * min(times), "compile_s": compile_s[0]}))
 def child(tree: Path, workload: str, algorithm: str, repeats: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, workload, algorithm, str(repeats)],
+        [sys.executable, "-c", CHILD, workload, algorithm, str(repeats), str(ROOT / "benchmarks")],
         cwd=tree,
         env=env,
         capture_output=True,

@@ -10,9 +10,13 @@ W1     1,000 × 60, 10 classes               100   K = 5, B = 12 (fixed)       l
 W2     100 × 1,128, 47 classes              20    5 epochs at 0.2 (K = 25)    logreg
 W2-mlp as W2                                20    as W2                       MLP 256²
 W3     10,000 × 50, 10 classes              1,000 K = 10, B = 10 (fixed)      logreg
+W6     200 clients, 60,000 examples split   20    2 epochs of B = 32          logreg
+       Dirichlet α = 0.1 (1..~2,200 each)         (1..~140 steps, mean ~20)
 ====== ==================================== ===== =========================== =========
 
-(1,128 examples per client is EMNIST-balanced's 112,800 training images over 100 clients.)
+(1,128 examples per client is EMNIST-balanced's 112,800 training images over 100 clients.
+W6 is the skewed-size case: Fashion-MNIST's 60,000 images split by Dirichlet label skew,
+each client a different size, so that an epochs plan gives each a different step count.)
 
 Every workload runs for SCAFFOLD (option II and I), FedAvg, FedProx, SGD, FedDyn, FedNova,
 Mime and MimeLite. For each,
@@ -80,6 +84,9 @@ class Workload:
     model: str = "logreg"  # or "mlp"
     hidden_sizes: tuple[int, ...] = (256, 256)
     rounds: int = 10  # rounds per compiled engine program (timing)
+    # Dirichlet label skew of the num_clients × per_client examples (unequal client sizes),
+    # None: every client holds per_client examples
+    alpha: float | None = None
     loop_rounds: int = 2  # rounds of the per-client loop (timing)
 
     @property
@@ -112,6 +119,9 @@ WORKLOADS: dict[str, Workload] = {
         loop_rounds=1,
     ),
     "W3": Workload("W3", 10_000, 50, 10, 1000, sj.BatchPlan.fixed(10, 10), rounds=3, loop_rounds=1),
+    "W6": Workload(
+        "W6", 200, 300, 10, 20, sj.BatchPlan.epochs(32, 2), alpha=0.1, rounds=5, loop_rounds=2
+    ),
 }
 
 # --quick: the same shapes per client, fewer clients and examples (a smoke test of the
@@ -127,6 +137,7 @@ QUICK: dict[str, Workload] = {
         hidden_sizes=(32, 32),
     ),
     "W3": dataclasses.replace(WORKLOADS["W3"], num_clients=400, clients_per_round=40, rounds=2),
+    "W6": dataclasses.replace(WORKLOADS["W6"], num_clients=40, per_client=100, clients_per_round=8),
 }
 
 
@@ -139,7 +150,9 @@ def get_workload(name: str, quick: bool = False) -> Workload:
 
 # ----------------------------------------------------------------------------- the problem
 def make_data(w: Workload, seed: int = 0) -> sj.FederatedData:
-    """Synthetic uint8 images and int32 labels, client i at rows ``[i n, (i + 1) n)``.
+    """Synthetic uint8 images and int32 labels, each client's rows contiguous: client i at
+    ``[i n, (i + 1) n)``, or, with ``w.alpha``, clients of the sizes of a Dirichlet label
+    split (:func:`scaffold_jax.data.partition.dirichlet_split`) of balanced labels.
 
     Built directly as a :class:`FederatedData` (no concatenation), so the host holds one
     copy of the examples while they are moved to the device.
@@ -148,18 +161,45 @@ def make_data(w: Workload, seed: int = 0) -> sj.FederatedData:
     n = w.num_clients * w.per_client
     x = rng.integers(0, 256, (n, *IMAGE_SHAPE), dtype=np.uint8)
     y = rng.integers(0, w.num_classes, n).astype(np.int32)
+    counts = np.full(w.num_clients, w.per_client, np.int32)
+    if w.alpha is not None:
+        y = np.arange(n, dtype=np.int32) % w.num_classes
+        parts = sj.data.partition.dirichlet_split(y, w.num_clients, w.alpha, seed)
+        y = y[np.concatenate(parts)]
+        counts = np.array([len(p) for p in parts], np.int32)
     test = {"x": jnp.asarray(x[:1000]), "y": jnp.asarray(y[:1000])}
     examples = {"x": jnp.asarray(x), "y": jnp.asarray(y)}
     del x, y
-    counts = np.full(w.num_clients, w.per_client, np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
     return sj.FederatedData(
         examples=examples,
-        offsets=jnp.asarray(np.arange(w.num_clients) * w.per_client, jnp.int32),
+        offsets=jnp.asarray(offsets, jnp.int32),
         counts=jnp.asarray(counts),
         test=test,
         num_clients=w.num_clients,
-        max_count=w.per_client,
+        max_count=int(counts.max()),
     )
+
+
+def useful_step_fraction(sim: sj.Simulation, data, client_ids: np.ndarray) -> dict[str, float]:
+    """The fraction of the local steps run that are a client's own (not padding), for the
+    sampled ``client_ids`` ``[R, S]``: the engine now (clients sorted by step count into
+    its chunks, each chunk as long as its longest client) and a round that pads every
+    client to the K of the largest client (the engine before)."""
+    steps = np.asarray(sim.plan.local_steps(np.asarray(data.counts)))[client_ids]  # [R, S]
+    padded = sim.plan.shape(data.max_count)[0]
+    chunk = sim.resolve_client_chunk(data) or steps.shape[1]
+    ordered = -np.sort(-steps, axis=1)
+    run = sum(
+        part.shape[1] * part.max(axis=1)
+        for part in np.array_split(ordered, range(chunk, steps.shape[1], chunk), axis=1)
+    )
+    return {
+        "useful_steps": float(steps.sum() / np.sum(run)),
+        "useful_steps_padded": float(steps.mean() / padded),
+        "mean_steps": float(steps.mean()),
+        "padded_steps": padded,
+    }
 
 
 def make_problem(w: Workload) -> sj.Problem:

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from scaffold_jax import compilation_cache
 from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
@@ -298,6 +299,13 @@ def _common(parser: argparse.ArgumentParser, out: bool = True) -> None:
     )
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar or printed tables (for scripts)"
+    )
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not keep compiled programs on disk (by default a second run of the same "
+        "configuration starts without compiling; folder: $SCAFFOLD_JAX_COMPILE_CACHE, "
+        "else ~/.cache/scaffold_jax/xla)",
     )
 
 
@@ -663,6 +671,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not getattr(args, "no_compile_cache", False):
+        compilation_cache.enable()
     try:
         commands = {
             "run": _run_command,

@@ -178,6 +178,32 @@ def round_key_and_ids(key, round_index, num_clients, clients_per_round):
     return round_key, ids
 
 
+def repeat_rounds(step: Callable, carry: PyTree, num_rounds: int, stop=None):
+    """``num_rounds`` applications of ``step: carry -> (carry, metrics)``, metrics stacked
+    on a leading ``[num_rounds]`` axis: a ``lax.scan``.
+
+    With ``stop`` (a traced int <= ``num_rounds``) a ``lax.while_loop`` runs the first
+    ``stop`` rounds only, writing each round's metrics into a ``[num_rounds]`` buffer
+    (rows from ``stop`` on stay zero), so one compiled program serves blocks of any length
+    up to ``num_rounds``: a run whose evaluation period does not divide its rounds, or
+    whose checkpoints fall between evaluations, compiles once.
+    """
+    if stop is None:
+        return jax.lax.scan(lambda c, _: step(c), carry, None, length=num_rounds)
+    like = jax.eval_shape(step, carry)[1]
+    buffer = jax.tree.map(lambda s: jnp.zeros((num_rounds, *s.shape), s.dtype), like)
+
+    def body(loop):
+        i, carry, buffer = loop
+        carry, metrics = step(carry)
+        write = lambda b, m: jax.lax.dynamic_update_index_in_dim(b, m, i, 0)  # noqa: E731
+        return i + 1, carry, jax.tree.map(write, buffer, metrics)
+
+    start = (jnp.zeros((), jnp.int32), carry, buffer)
+    _, carry, buffer = jax.lax.while_loop(lambda loop: loop[0] < stop, body, start)
+    return carry, buffer
+
+
 CLIENT_CHUNK_BYTES = 16 * 2**20
 """Working-set budget of one chunk of clients on CPU (``client_chunk="auto"``), sized so
 that a chunk's K local steps run from a server core's L2/L3 caches."""
@@ -262,18 +288,37 @@ def heldout_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Arra
     return out
 
 
+TRAIN_EVAL_EXAMPLES = 4096
+"""Training examples the training objective is evaluated on by default (a fixed uniform
+subsample; :func:`train_objective`)."""
+
+
 def train_objective(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
     """``train_loss``, the federated objective f(x) = (1/N) Σ_i f_i(x) (Σ_i n_i f_i / Σ_i n_i
-    under ``weighting="num_examples"``), over every training example of materialised data."""
+    under ``weighting="num_examples"``), over the training examples of materialised data.
+
+    With ``sim.train_eval_examples = m`` smaller than the n training examples, it is
+    estimated on a FIXED uniform subsample of m examples (the same at every evaluation, so
+    curves compare like with like), each weighted by n/m times its weight in f (1/(N n_i)
+    or 1/n): an unbiased estimate, at m/n of the cost of the full pass. ``None``: every
+    example, the exact objective.
+    """
     if not hasattr(data, "examples"):
         return {}
-    losses = sim.per_example(sim.problem.loss_fn, params, data.examples)
-    n = losses.shape[0]
+    n = jax.tree.leaves(data.examples)[0].shape[0]
     owner = jnp.repeat(jnp.arange(data.num_clients), data.counts, total_repeat_length=n)
-    sums = jax.ops.segment_sum(losses, owner, num_segments=data.num_clients)
+    examples, m = data.examples, sim.train_eval_examples
+    if m is not None and m < n:
+        # Static indices (n and m are shapes): a constant of the program, drawn once.
+        index = np.sort(np.random.default_rng(0).choice(n, m, replace=False)).astype(np.int32)
+        examples = jax.tree.map(lambda a: a[index], examples)
+        owner = owner[index]
+    losses = sim.per_example(sim.problem.loss_fn, params, examples)
+    scale = n / losses.shape[0]
     if sim.weighting == "num_examples":
-        return {"train_loss": jnp.sum(sums) / n}
-    return {"train_loss": jnp.mean(sums / data.counts.astype(jnp.float32))}
+        return {"train_loss": jnp.mean(losses)}
+    weight = 1.0 / (data.num_clients * data.counts[owner].astype(jnp.float32))
+    return {"train_loss": scale * jnp.sum(weight * losses)}
 
 
 def client_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
@@ -336,6 +381,11 @@ class Simulation:
       evaluators: the evaluation functions ``fn(simulation, params, data) -> {name:
         scalar}`` traced into :meth:`evaluate_fn` (default :data:`DEFAULT_EVALUATORS`:
         test loss and accuracy, training objective).
+      train_eval_examples: training examples the training objective (``train_loss``) is
+        evaluated on: a fixed uniform subsample of this many (default
+        :data:`TRAIN_EVAL_EXAMPLES`; an unbiased estimate, see :func:`train_objective`), or
+        None for all of them. The mean loss of the clients' own local steps is in the
+        round metrics (``local_loss``) whatever this is.
 
     Examples:
       >>> import numpy as np, scaffold_jax as sj
@@ -362,6 +412,7 @@ class Simulation:
         client_chunk: int | str | None = "auto",
         layout: Any = None,
         evaluators: Sequence[Callable[..., Mapping[str, jax.Array]]] = DEFAULT_EVALUATORS,
+        train_eval_examples: int | None = TRAIN_EVAL_EXAMPLES,
     ):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
@@ -384,6 +435,11 @@ class Simulation:
         self.client_chunk = client_chunk
         self.layout = SingleDevice() if layout is None else layout
         self.evaluators = tuple(evaluators)
+        self.train_eval_examples = (
+            None
+            if train_eval_examples is None
+            else check_count("train_eval_examples", train_eval_examples)
+        )
         self.round = jax.jit(self.round_fn, donate_argnums=(1,))
         self.run_rounds = jax.jit(
             self.run_rounds_fn, static_argnames=("num_rounds",), donate_argnums=(1,)
@@ -394,7 +450,7 @@ class Simulation:
         """A new simulation with some constructor arguments changed (e.g. ``layout=``)."""
         names = (
             "algorithm", "problem", "plan", "clients_per_round", "weighting",
-            "eval_batch_size", "client_chunk", "layout", "evaluators",
+            "eval_batch_size", "client_chunk", "layout", "evaluators", "train_eval_examples",
         )  # fmt: skip
         return Simulation(**{name: changes.get(name, getattr(self, name)) for name in names})
 
@@ -447,7 +503,17 @@ class Simulation:
             batches, mask = data.client_batches(client_id, client_key, self.plan)
             return self.algorithm.client_update(hparams, server_in, row, batches, mask, client_key)
 
-        new_rows, outputs = over_clients(client_work, (work_ids, keys, rows_in), chunk)
+        work = (work_ids, keys, rows_in)
+        if chunk is not None and self.plan.steps_vary:
+            # Clients of similar step counts side by side: a vmapped chunk's local loop runs
+            # as long as its longest client (local_sgd stops after the last non-empty step),
+            # so sorting by steps keeps the padded steps few (benchmarks/README.md, W6).
+            order = jnp.argsort(-self.plan.local_steps(data.counts[work_ids]), stable=True)
+            work = jax.tree.map(lambda a: a[order], work)
+        new_rows, outputs = over_clients(client_work, work, chunk)
+        if chunk is not None and self.plan.steps_vary:
+            back = jnp.argsort(order)
+            new_rows, outputs = jax.tree.map(lambda a: a[back], (new_rows, outputs))
         outputs = outputs._replace(weight=weights)
         server = self.algorithm.server_update(hparams, server_in, outputs, total_weight)
         new_rows = layout.constrain(new_rows, "replicated")
@@ -564,13 +630,21 @@ class Simulation:
             for a in jax.tree.leaves(batches)
         ) + 4 * sum(4 * math.prod(jnp.shape(a)) for a in jax.tree.leaves(self.problem.params))
 
-    def run_rounds_fn(self, hparams: HParams, state: SimState, data, key, num_rounds: int):
-        """``num_rounds`` rounds as one ``lax.scan``; metrics gain a leading ``[R]`` axis."""
+    def run_rounds_fn(
+        self, hparams: HParams, state: SimState, data, key, num_rounds: int, stop=None
+    ):
+        """``num_rounds`` rounds as one loop; metrics gain a leading ``[R]`` axis.
 
-        def body(state, _):
+        ``stop``: when given (an int32 scalar <= ``num_rounds``, traced), only the first
+        ``stop`` rounds run and the metrics' rows from ``stop`` on are zeros: one compiled
+        program serves every block length up to ``num_rounds`` (the host loop's, whatever
+        its evaluation and checkpoint cadence; see :func:`repeat_rounds`).
+        """
+
+        def body(state):
             return self.round_fn(hparams, state, data, key)
 
-        return jax.lax.scan(body, state, None, length=num_rounds)
+        return repeat_rounds(body, state, num_rounds, stop)
 
     def evaluate_fn(self, server_state: PyTree, data) -> dict[str, jax.Array]:
         """Centralised metrics of the server model x: every evaluator's, merged (by default

@@ -1,6 +1,7 @@
 """The local solver shared by every local-update algorithm.
 
-K masked steps as one ``lax.scan``, with a gradient-correction hook through which
+K masked steps as one ``lax.while_loop`` that stops after the client's last non-empty
+step, with a gradient-correction hook through which
 SCAFFOLD (``g + (c − c_i)``), FedProx (``g + μ (y − x)``), FedDyn and Mime
 (``g − ∇f_i(x; ζ) + c``) plug in, and an optional optax transformation of the corrected
 gradient (a local optimizer, or Mime's frozen base optimizer). Written for ONE client; the
@@ -105,10 +106,11 @@ def local_sgd(
     if not takes_key(loss_fn):
         key = None  # nothing to split per step: the loss is deterministic
 
-    def step(carry, inputs):
-        y, opt_state = carry
-        batch, batch_mask, *k = inputs  # k: the step's index, when there is a key
-        step_key = None if key is None else jax.random.fold_in(key, k[0])
+    def step(carry):
+        k, y, opt_state, loss_sum, taken = carry
+        batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), batches)
+        batch_mask = jax.lax.dynamic_index_in_dim(mask, k, keepdims=False)
+        step_key = None if key is None else jax.random.fold_in(key, k)
         loss, grad = batch_grad(loss_fn, y, batch, batch_mask, step_key)
         if offset is not None:
             grad = optax.tree.add(grad, offset)
@@ -118,16 +120,22 @@ def local_sgd(
         if optimizer is not None:
             grad, new_state = optimizer.update(grad, opt_state, y)
             opt_state = optax.tree.where(active, new_state, opt_state)
-        y_next = optax.tree.add_scale(y, -client_lr, grad)
-        return (optax.tree.where(active, y_next, y), opt_state), (loss, active)
+        y_next = optax.tree.where(active, optax.tree.add_scale(y, -client_lr, grad), y)
+        loss_sum = loss_sum + jnp.where(active, loss.astype(jnp.float32), 0.0)
+        return k + 1, y_next, opt_state, loss_sum, taken + active.astype(jnp.int32)
 
+    # The loop runs to this client's last non-empty step, not over all K padded steps: a
+    # client of an epochs plan takes E·ceil(n_i / B) steps, and the engine runs clients of
+    # similar step counts side by side (Simulation.round_fn), so a chunk of vmapped
+    # clients loops only as long as its longest client. The empty steps skipped were
+    # no-ops, so the result is the padded computation's.
+    has_data = jnp.sum(mask, axis=tuple(range(1, mask.ndim))) > 0
+    last = jnp.max(jnp.where(has_data, jnp.arange(mask.shape[0], dtype=jnp.int32), -1))
     opt_state = () if optimizer is None else optimizer.init(params)
-    xs = (batches, mask)
-    if key is not None:
-        xs += (jnp.arange(mask.shape[0], dtype=jnp.int32),)
-    (y, _), (losses, active) = jax.lax.scan(step, (params, opt_state), xs)
-    num_steps = jnp.sum(active.astype(jnp.int32))
-    mean_loss = masked_mean(losses, active.astype(losses.dtype))
+    zero = jnp.zeros((), jnp.int32)
+    carry = (zero, params, opt_state, jnp.zeros((), jnp.float32), zero)
+    _, y, _, loss_sum, num_steps = jax.lax.while_loop(lambda c: c[0] <= last, step, carry)
+    mean_loss = loss_sum / jnp.maximum(num_steps, 1).astype(jnp.float32)
     return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss)
 
 

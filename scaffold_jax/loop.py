@@ -61,15 +61,17 @@ class RunResult:
       client_ids: ``[R, S]`` int32, the clients sampled in every round run by THIS call
         (audit and replay); after a resume the first row is round ``resumed_from``.
       round_metrics: per-round metrics of the rounds run by this call, each ``[R]``.
-      compile_seconds: time spent compiling the round program(s) and the evaluation.
+      compile_seconds: time spent compiling the round program and the evaluation (once
+        per call: one program runs every block, whatever the cadence).
       run_seconds: wall time of the rounds and evaluations after compilation (checkpoint
-        writing excluded).
+        writing excluded); :attr:`round_seconds` and ``eval_seconds`` split it.
       status: ``"finished"`` for a returned result; ``"diverged"`` on the result carried
         by a :class:`DivergenceError`; ``"interrupted"`` on the result carried (as
         ``.result``) by the ``KeyboardInterrupt`` or :class:`RunTerminated` raised on
         SIGINT / SIGTERM.
       resumed_from: the round of the checkpoint this call resumed from, else None.
       checkpoint_seconds: wall time spent writing checkpoints.
+      eval_seconds: wall time of the evaluations (included in ``run_seconds``).
     """
 
     state: SimState
@@ -81,6 +83,12 @@ class RunResult:
     status: str = "finished"
     resumed_from: int | None = None
     checkpoint_seconds: float = 0.0
+    eval_seconds: float = 0.0
+
+    @property
+    def round_seconds(self) -> float:
+        """Wall time of the rounds alone (``run_seconds − eval_seconds``)."""
+        return self.run_seconds - self.eval_seconds
 
     def final(self, name: str) -> float:
         return float(self.records[-1][name])
@@ -219,8 +227,9 @@ class Task(Protocol):
     """What :func:`drive` runs: compiled programs over a state, and a divergence policy."""
 
     def compile_block(self, state: PyTree, key: jax.Array, num_rounds: int) -> Callable:
-        """The compiled ``fn(state, key) -> (state, metrics)`` of ``num_rounds`` rounds
-        (the state is donated; metrics gain a leading ``[R]`` axis)."""
+        """The compiled ``fn(state, key, n) -> (state, metrics)`` of a block of the first
+        ``n <= num_rounds`` of ``num_rounds`` rounds (the state is donated; metrics gain a
+        leading ``[num_rounds]`` axis, whose first ``n`` rows are the rounds run)."""
 
     def compile_evaluate(self, state: PyTree) -> Callable:
         """The compiled ``fn(state) -> metrics`` of the evaluation."""
@@ -246,6 +255,7 @@ class Outcome:
     metrics: list[dict[str, np.ndarray]]
     compile_seconds: float
     run_seconds: float
+    eval_seconds: float
     checkpoint_seconds: float
     status: str
     resumed_from: int | None
@@ -322,32 +332,50 @@ def drive(
             f"{end} = {start} + num_rounds {num_rounds}); pass a larger num_rounds."
         )
 
-    compile_seconds = 0.0
-    compiled: dict[int, Callable] = {}
+    def due(r: int, every: int) -> bool:
+        return r == end or (r - start) % every == 0
+
+    def next_point(r: int, every: int) -> int:
+        return min(end, start + ((r - start) // every + 1) * every)
+
+    def next_boundary(r: int) -> int:
+        boundary = next_point(r, eval_every)
+        if checkpointer is not None:
+            boundary = min(boundary, next_point(r, checkpoint_every))
+        return boundary
+
+    # The blocks between evaluations and checkpoints, known up front: ONE program, as long
+    # as the longest of them, runs every block (a shorter one stops early inside it).
+    longest, r = 0, current
+    while r < end:
+        longest, r = max(longest, next_boundary(r) - r), next_boundary(r)
     t0 = time.perf_counter()
     evaluate = task.compile_evaluate(state)
-    compile_seconds += time.perf_counter() - t0
+    program = task.compile_block(state, key, longest) if longest else None
+    compile_seconds = time.perf_counter() - t0
     block_metrics: list[dict[str, np.ndarray]] = []
+    since_record: list[dict[str, np.ndarray]] = []
+    eval_seconds = 0.0
     save_every_seconds = checkpoint_seconds
     checkpoint_seconds = 0.0
     last_save = time.perf_counter()
     run_start = time.perf_counter()
-    compile_before = compile_seconds
-
-    def block(length: int) -> Callable:
-        nonlocal compile_seconds
-        if length not in compiled:
-            t0 = time.perf_counter()
-            compiled[length] = task.compile_block(state, key, length)
-            compile_seconds += time.perf_counter() - t0
-        return compiled[length]
 
     def elapsed() -> float:
         spent = time.perf_counter() - run_start
-        return seconds_before + spent - (compile_seconds - compile_before) - checkpoint_seconds
+        return seconds_before + spent - checkpoint_seconds
 
     def record() -> None:
+        nonlocal eval_seconds
+        t0 = time.perf_counter()
         metrics = jax.device_get(evaluate(state))
+        eval_seconds += time.perf_counter() - t0
+        # The clients' own training loss, free: the mean over the rounds since the last
+        # evaluation of their local steps' minibatch losses (none before a round ran).
+        local = [m["local_loss"] for m in since_record if "local_loss" in m]
+        if local:
+            metrics["local_loss"] = np.mean(np.concatenate(local), axis=0)
+        since_record.clear()
         for entry in task.records(state, metrics, current, elapsed()):
             records.append(entry)
             if callback is not None:
@@ -363,7 +391,7 @@ def drive(
 
     def outcome(status: str) -> Any:
         jax.block_until_ready(state)
-        run_seconds = time.perf_counter() - run_start - (compile_seconds - compile_before)
+        run_seconds = time.perf_counter() - run_start
         return finish(
             Outcome(
                 state=state,
@@ -371,17 +399,12 @@ def drive(
                 metrics=block_metrics,
                 compile_seconds=compile_seconds,
                 run_seconds=run_seconds - checkpoint_seconds,
+                eval_seconds=eval_seconds,
                 checkpoint_seconds=checkpoint_seconds,
                 status=status,
                 resumed_from=resumed_from,
             )
         )
-
-    def due(r: int, every: int) -> bool:
-        return r == end or (r - start) % every == 0
-
-    def next_point(r: int, every: int) -> int:
-        return min(end, start + ((r - start) // every + 1) * every)
 
     def stop_if_signalled(signals: _DeferredSignals) -> None:
         received, here = _agreed_signal(signals.received)
@@ -414,13 +437,12 @@ def drive(
                 save()  # so that resume works even if round r0 + 1 is never reached
         while current < end:
             stop_if_signalled(signals)
-            boundary = next_point(current, eval_every)
-            if checkpointer is not None:
-                boundary = min(boundary, next_point(current, checkpoint_every))
-            first = current
-            state, metrics = block(boundary - current)(state, key)
-            metrics = jax.device_get(metrics)
+            boundary = next_boundary(current)
+            first, length = current, boundary - current
+            state, metrics = program(state, key, length)
+            metrics = {k: v[:length] for k, v in jax.device_get(metrics).items()}
             block_metrics.append(metrics)
+            since_record.append(metrics)
             current = boundary
             try:
                 task.check(state, metrics, first, current)
@@ -522,8 +544,11 @@ class _SingleRun:
 
     def compile_block(self, state, key, num_rounds):
         sim, data, hp = self.simulation, self.data, self.hparams
-        program = sim.run_rounds.lower(hp, state, data, key, num_rounds=num_rounds).compile()
-        return lambda state, key: program(hp, state, data, key)
+        stop = np.int32(num_rounds)
+        program = sim.run_rounds.lower(
+            hp, state, data, key, num_rounds=num_rounds, stop=stop
+        ).compile()
+        return lambda state, key, n: program(hp, state, data, key, stop=np.int32(n))
 
     def compile_evaluate(self, state):
         program = self.simulation.evaluate.lower(state.server, self.data).compile()
@@ -684,6 +709,7 @@ def run(
             status=out.status,
             resumed_from=out.resumed_from,
             checkpoint_seconds=out.checkpoint_seconds,
+            eval_seconds=out.eval_seconds,
         )
 
     checkpointer = None

@@ -93,6 +93,7 @@ from scaffold_jax.engine import (
     available_memory_bytes,
     check_count,
     initial_state,
+    repeat_rounds,
 )
 from scaffold_jax.loop import drive
 from scaffold_jax.tree import tree_bytes
@@ -261,6 +262,7 @@ class SweepResult:
       round_metrics: per-round metrics, each ``[C, R]`` (NaN once diverged).
       compile_seconds: compiling the round program(s) and the evaluation.
       run_seconds: wall time of all chunks after compilation.
+      eval_seconds: the part of ``run_seconds`` spent evaluating.
       chunk_size: configs per chunk (``g × m``); chunk_shape: ``(g, m)``, seeds × configs
         per seed (see :class:`Sweep`); num_chunks: how many chunks ran.
       bytes_per_config: the estimate the chunk size was chosen from.
@@ -279,6 +281,7 @@ class SweepResult:
     round_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     compile_seconds: float = 0.0
     run_seconds: float = 0.0
+    eval_seconds: float = 0.0
     chunk_size: int = 0
     chunk_shape: tuple[int, int] = (0, 0)
     num_chunks: int = 0
@@ -372,9 +375,15 @@ class Sweep:
 
     # -------------------------------------------------------------- the pure programs
     def run_rounds_fn(
-        self, hparams: HParams, carry: SweepCarry, data, keys: jax.Array, num_rounds: int
+        self,
+        hparams: HParams,
+        carry: SweepCarry,
+        data,
+        keys: jax.Array,
+        num_rounds: int,
+        stop=None,
     ):
-        """``num_rounds`` rounds of G × M configs as one ``lax.scan`` of the vmapped round.
+        """``num_rounds`` rounds of G × M configs as one loop of the vmapped round.
 
         Args:
           hparams: leaves ``[G, M]``.
@@ -383,6 +392,8 @@ class Sweep:
           data: the dataset, shared by every config.
           keys: ``[G]`` root keys, one per seed.
           num_rounds: R (static).
+          stop: run only the first ``stop`` of the R rounds (traced; see
+            :meth:`Simulation.run_rounds_fn <scaffold_jax.engine.Simulation.run_rounds_fn>`).
 
         Returns:
           The new carry and the metrics, each ``[R, G, M, ...]``.
@@ -407,10 +418,7 @@ class Sweep:
         group = jax.vmap(one_config, in_axes=(0, in_group, None), out_axes=(in_group, 0))
         step = jax.vmap(group, in_axes=(0, per_seed, 0), out_axes=(per_seed, 0))
 
-        def body(carry, _):
-            return step(hparams, carry, keys)
-
-        return jax.lax.scan(body, carry, None, length=num_rounds)
+        return repeat_rounds(lambda carry: step(hparams, carry, keys), carry, num_rounds, stop)
 
     # -------------------------------------------------------------- the host-side API
     def init(self, data, num_seeds: int, group_size: int) -> SweepCarry:
@@ -652,8 +660,11 @@ class _Chunk:
         # Lowering and compiling ahead of time times the compilation alone; the jitted
         # calls then reuse the executable (and count in run_rounds._cache_size()).
         run_rounds, hp, data = self.sweep.run_rounds, self.hparams, self.data
-        run_rounds.lower(hp, carry, data, keys, num_rounds=num_rounds).compile()
-        return lambda carry, keys: run_rounds(hp, carry, data, keys, num_rounds=num_rounds)
+        stop = np.int32(num_rounds)
+        run_rounds.lower(hp, carry, data, keys, num_rounds=num_rounds, stop=stop).compile()
+        return lambda carry, keys, n: run_rounds(
+            hp, carry, data, keys, num_rounds=num_rounds, stop=np.int32(n)
+        )
 
     def compile_evaluate(self, carry):
         evaluate, data = self.sweep.evaluate, self.data
@@ -683,6 +694,7 @@ class _Chunk:
     def finish(self, outcome) -> dict[int, dict[str, Any]]:
         self.result.compile_seconds += outcome.compile_seconds
         self.result.run_seconds += outcome.run_seconds
+        self.result.eval_seconds += outcome.eval_seconds
         carry = outcome.state
         segments = outcome.metrics
         ran = sum(len(s["client_ids"]) for s in segments)

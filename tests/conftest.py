@@ -5,7 +5,13 @@ a client axis broadcast by accident, or a float64 / int32 value silently mixed i
 float32 arithmetic, fails loudly instead of producing wrong numbers.
 """
 
-import jax
+import os
+
+# The command line keeps compiled programs in ~/.cache; tests (and the CLI processes they
+# start) must not write there. tests/test_compilation_cache.py points it at a tmp folder.
+os.environ["SCAFFOLD_JAX_COMPILE_CACHE"] = "off"
+
+import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -92,3 +92,24 @@ def test_padded_slots_contribute_nothing_to_the_gradient(small_data, small_probl
 def test_bad_plans_are_rejected(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        sj.BatchPlan.epochs(batch_size=4, num_epochs=3),
+        sj.BatchPlan.fixed(batch_size=4, num_steps=5),
+        sj.BatchPlan.fraction_of_data(0.2, 2),
+        sj.BatchPlan.full(3),
+    ],
+    ids=lambda p: p.kind,
+)
+def test_local_steps_ends_at_the_last_non_empty_step(plan):
+    """``local_steps(n)`` is one past the client's last step holding an example: the local
+    loop stops there, so it must never cut a real step off (nor is it ever longer)."""
+    max_count = 23
+    for count in range(1, max_count + 1):
+        _, mask = plan.positions(jr.key(count), count, max_count)
+        non_empty = np.flatnonzero(np.asarray(mask).sum(axis=1) > 0)
+        assert int(plan.local_steps(count)) == non_empty[-1] + 1, count
+    assert plan.steps_vary == (plan.kind == "epochs")

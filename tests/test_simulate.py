@@ -329,6 +329,72 @@ def test_evaluation_matches_a_direct_computation(small_data, small_problem):
     np.testing.assert_allclose(out["train_loss"], np.mean(per_client), rtol=1e-5)
 
 
+@pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
+def test_train_loss_on_a_subsample_estimates_the_objective(weighting):
+    """``train_eval_examples = m``: the objective over ALL examples with None (and with
+    m >= n), and an unbiased estimate on m of them: its error over many different clients
+    is within the sampling error, and it is the same subsample at every evaluation."""
+    sizes = [3 + (7 * i) % 40 for i in range(60)]  # 60 clients of 3..42 examples
+    data = sj.from_client_arrays(make_classification_clients(sizes, seed=4))
+    problem = sj.models.logistic_regression((5,), 3, zero_init=False, key=jax.random.key(1))
+    server, _ = sj.fedavg(problem.loss_fn).init(problem.params)
+    losses = [np.asarray(problem.loss_fn(problem.params, data.client_examples(i)))
+              for i in range(data.num_clients)]  # fmt: skip
+    exact = (
+        np.mean(np.concatenate(losses))
+        if weighting == "num_examples"
+        else np.mean([np.mean(ell) for ell in losses])
+    )
+
+    def train_loss(m):
+        sim = sj.Simulation(
+            sj.fedavg(problem.loss_fn), problem, sj.BatchPlan.fixed(3, 1), 2,
+            weighting=weighting, train_eval_examples=m,
+        )  # fmt: skip
+        return float(sim.evaluate(server, data)["train_loss"])
+
+    n = data.num_examples
+    np.testing.assert_allclose(train_loss(None), exact, rtol=1e-5)
+    np.testing.assert_allclose(train_loss(n), exact, rtol=1e-5)
+    estimate = train_loss(n // 4)
+    assert estimate != pytest.approx(exact, rel=1e-6)  # a subsample, not the full pass
+    # Standard error of a mean of n/4 weighted losses (without replacement), generously.
+    all_losses = np.concatenate(losses)
+    assert abs(estimate - exact) < 4 * np.std(all_losses) * np.sqrt(3 / n) * 3
+    assert train_loss(n // 4) == estimate  # a fixed subsample
+
+
+def test_one_program_runs_every_block_of_a_run(small_data, small_problem):
+    """An evaluation period that does not divide the rounds, and checkpoints between
+    evaluations, still compile ONE round program, and the run equals one evaluated every
+    round; records carry the clients' own mean local loss since the last evaluation, and
+    the evaluation time is reported apart from the rounds'."""
+    def run(eval_every, **kwargs):
+        sim = sj.Simulation(
+            sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 2), 3
+        )
+        # A second program (another block length) would trace the rounds a second time.
+        chex.clear_trace_counter()
+        traced_once = chex.assert_max_traces(sim.run_rounds_fn, n=1)
+        sim.run_rounds = jax.jit(traced_once, static_argnames="num_rounds", donate_argnums=1)
+        hp = sj.hparams(0.1)
+        return sim.run(small_data, hp, num_rounds=10, eval_every=eval_every, **kwargs)
+
+    result = run(3)  # blocks of 3, 3, 3, 1 rounds
+    assert [r["round"] for r in result.records] == [0, 3, 6, 9, 10]
+    every = run(1)
+    assert_trees_close(result.state, every.state, rtol=0, atol=0)
+    local = result.round_metrics["local_loss"]
+    assert "local_loss" not in result.records[0]  # no round has run yet
+    np.testing.assert_allclose(
+        [r["local_loss"] for r in result.records[1:]],
+        [local[0:3].mean(), local[3:6].mean(), local[6:9].mean(), local[9]],
+        rtol=1e-6,
+    )
+    assert 0 < result.eval_seconds < result.run_seconds
+    assert result.round_seconds == pytest.approx(result.run_seconds - result.eval_seconds)
+
+
 def test_learning_on_separable_data_improves_accuracy():
     clients = make_classification_clients([30] * 10, dim=6, num_classes=4, seed=2)
     test = make_classification_clients([200], dim=6, num_classes=4, seed=2, skew=False)[0]
@@ -425,3 +491,23 @@ def test_client_sampling_is_uniform_over_subsets(n, s):
         pair = hits[~np.eye(n, dtype=bool)] / draws
         p = s * (s - 1) / (n * (n - 1))
         assert np.all(np.abs(pair - p) <= 5 * np.sqrt(p * (1 - p) / draws))
+
+
+def test_skewed_clients_sorted_into_chunks_equal_the_padded_round():
+    """Clients of 1..60 examples under an epochs plan take 1..30 steps: sorted by step
+    count into chunks, each chunk looping only as long as its longest client, the rounds
+    equal the per-client reference loop over all K padded steps and the unchunked round."""
+    sizes = [1, 60, 2, 3, 45, 5, 8, 13, 21, 34, 55, 4, 9, 16]
+    data = sj.from_client_arrays(make_classification_clients(sizes, seed=5))
+    problem = sj.models.logistic_regression((5,), 3)
+    plan = sj.BatchPlan.epochs(batch_size=4, num_epochs=2)
+    hp = sj.hparams(client_lr=0.2, server_lr=0.9)
+    x, c, c_i, ids = reference_run("scaffold", problem, data, plan, 9, hp, 3, 2, option=2)
+    for chunk in (None, 1, 2, 4):
+        sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, plan, 9, client_chunk=chunk)
+        result = sim.run(data, hp, num_rounds=3, seed=2)
+        np.testing.assert_array_equal(result.client_ids, ids)
+        assert_trees_close(result.state.server.params, x, rtol=1e-5, atol=1e-6)
+        assert_trees_close(result.state.server.control, c, rtol=1e-5, atol=1e-6)
+        table = jax.tree.map(lambda *rows: np.stack(rows), *c_i)
+        assert_trees_close(result.state.clients.control, table, rtol=1e-5, atol=1e-6)

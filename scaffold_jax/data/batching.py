@@ -99,6 +99,20 @@ class BatchPlan:
             return self.num_epochs * spe, math.ceil(max_count / spe)
         return self.num_steps, max_count
 
+    @property
+    def steps_vary(self) -> bool:
+        """Whether clients of different sizes take different numbers of steps (only an
+        ``epochs`` plan: E · ceil(n_i / B))."""
+        return self.kind == "epochs"
+
+    def local_steps(self, count: jax.Array) -> jax.Array:
+        """The number of steps up to a client's last non-empty one, for ``count`` examples
+        (int32, traceable): E · ceil(n_i / B) under an ``epochs`` plan, K otherwise."""
+        count = jnp.asarray(count, jnp.int32)
+        if self.kind == "epochs":
+            return self.num_epochs * ((count + self.batch_size - 1) // self.batch_size)
+        return jnp.full(jnp.shape(count), self.shape(1)[0], jnp.int32)
+
     def positions(
         self, key: jax.Array, count: jax.Array, max_count: int
     ) -> tuple[jax.Array, jax.Array]:

@@ -44,9 +44,9 @@ HERE = Path(__file__).resolve().parent
 def _worker() -> None:
     """Reads ``{"setup": ...}`` then ``{"time": variant, "rounds": R}`` lines on stdin;
     answers each with a JSON line. Imports only torch and numpy."""
-    import torch
-
     from multiprocessing import get_context
+
+    import torch
 
     setup = json.loads(sys.stdin.readline())["setup"]
     world = _TorchW1(**setup)
@@ -212,8 +212,7 @@ def main(argv=None) -> dict:
                 times[v].append(ms)
         print(
             f"pair {pair}{' (warm-up)' if not pair else ''}: engine {engine_ms:.2f} ms, "
-            f"JAX loop {loop_ms:.1f}, "
-            + ", ".join(f"{v} {ms:.1f}" for v, ms in torch_ms.items()),
+            f"JAX loop {loop_ms:.1f}, " + ", ".join(f"{v} {ms:.1f}" for v, ms in torch_ms.items()),
             flush=True,
         )
     worker.stdin.close()

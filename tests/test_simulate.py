@@ -369,6 +369,7 @@ def test_one_program_runs_every_block_of_a_run(small_data, small_problem):
     evaluations, still compile ONE round program, and the run equals one evaluated every
     round; records carry the clients' own mean local loss since the last evaluation, and
     the evaluation time is reported apart from the rounds'."""
+
     def run(eval_every, **kwargs):
         sim = sj.Simulation(
             sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 2), 3

@@ -173,7 +173,7 @@ class RunConfig:
     embed_dim: int = _opt(8, "char LSTM: width of the character embedding", "int")
     num_clients: int = _opt(
         100,
-        "number of clients N (a natural dataset: N of its clients, drawn with the seed)",
+        "number of clients N (a natural dataset: N of its clients, drawn with the partition seed)",
         "int",
     )
     clients_per_round: int | None = _opt(None, "clients sampled per round S", "int")
@@ -190,7 +190,19 @@ class RunConfig:
     rounds: int = _opt(100, "communication rounds", "int")
     eval_every: int = _opt(5, "evaluate every this many rounds", "int")
     targets: list[float] = _opt([0.5, 0.6, 0.7, 0.8], "target test accuracies", "floats")
-    seed: int = _opt(0, "seed of the partition, sampling and batches", "int")
+    seed: int = _opt(
+        0,
+        "seed of the model's initial params and of the root key of client sampling and "
+        "minibatches; also of the data (subsets, partition) unless partition_seed is set",
+        "int",
+    )
+    partition_seed: int | None = _opt(
+        None,
+        "seed of the data alone: the example subsets (max_train/test_examples), the split "
+        "over clients, the held-out client tests and a natural dataset's draw of clients "
+        "(default: seed)",
+        "int",
+    )
     out: str | None = _opt(None, "output folder (default results/<algorithm>-<dataset>)", "str")
 
     # ------------------------------------------------------------------ construction
@@ -339,13 +351,15 @@ class RunConfig:
                         "an accuracy in (0, 1]."
                     )
                     break
-        check.integer(
-            "seed",
-            self.seed,
-            low=0,
-            high=MAX_SEED,
-            what=f"an integer >= 0 and <= {MAX_SEED}{SEED_WHY}",
-        )
+        for name in ("seed", "partition_seed"):
+            check.integer(
+                name,
+                getattr(self, name),
+                low=0,
+                high=MAX_SEED,
+                optional=name == "partition_seed",
+                what=f"an integer >= 0 and <= {MAX_SEED}{SEED_WHY}",
+            )
         if (
             check.type("out", self.out, str, "a folder path", optional=True)
             and not self.out.strip()
@@ -569,6 +583,10 @@ class RunConfig:
         if kind == "epochs":
             return BatchPlan.epochs(self.batch_size, self.local_epochs or 1)
         return BatchPlan.fraction_of_data(self.batch_fraction or 0.2, self.local_epochs or 1)
+
+    def resolved_partition_seed(self) -> int:
+        """The seed of the data (subsets, split, held-out tests, natural client draw)."""
+        return self.seed if self.partition_seed is None else int(self.partition_seed)
 
     def resolved_clients_per_round(self) -> int:
         if self.clients_per_round is not None:
@@ -823,9 +841,25 @@ def make_problem(
     return models.build(model, shape, dataset.num_classes, key=jr.key(seed), options=options)
 
 
+def load_dataset(config: RunConfig) -> sources.Dataset | natural.ClientDataset:
+    """The dataset ``config`` names, as read: before any subset or split (a natural
+    dataset: all its clients with at least ``min_client_examples`` examples). Handing it to
+    :func:`build` as ``dataset`` skips reading it again, e.g. for every setting of a sweep.
+
+    Raises:
+      FileNotFoundError: the dataset is nowhere to be found.
+    """
+    if config.is_natural:
+        params = {}
+        if config.min_client_examples is not None:
+            params["min_examples"] = config.min_client_examples
+        return natural.load(config.dataset, config.data_dir, **params)
+    return sources.load(config.dataset, config.data_dir, allow_download=config.download)
+
+
 def natural_clients(config: RunConfig, clients: natural.ClientDataset | None = None):
     """``(pooled dataset, partition, client tests, "natural", {...})`` of a naturally
-    federated dataset: ``num_clients`` of its clients, drawn with the seed (all of them
+    federated dataset: ``num_clients`` of its clients, drawn with the partition seed (all of them
     when it has exactly that many), each with its own test examples (the client tests),
     which pooled are the test set (``max_test_examples`` subsets that pool only).
 
@@ -833,10 +867,7 @@ def natural_clients(config: RunConfig, clients: natural.ClientDataset | None = N
       ConfigError: ``num_clients`` above the number of clients the data has.
     """
     if clients is None:
-        params = {}
-        if config.min_client_examples is not None:
-            params["min_examples"] = config.min_client_examples
-        clients = natural.load(config.dataset, config.data_dir, **params)
+        clients = load_dataset(config)
     available = clients.num_clients
     if config.num_clients > available:
         raise ConfigError(
@@ -844,22 +875,24 @@ def natural_clients(config: RunConfig, clients: natural.ClientDataset | None = N
             f"{available} clients (with min_client_examples = {config.min_client_examples}); "
             f"it must be at most {available}."
         )
+    seed = config.resolved_partition_seed()
     if config.num_clients < available:
-        rng = np.random.default_rng(config.seed)
+        rng = np.random.default_rng(seed)
         clients = clients.select(np.sort(rng.choice(available, config.num_clients, replace=False)))
-    dataset = subset_dataset(
-        natural.as_dataset(clients), None, config.max_test_examples, config.seed
-    )
+    dataset = subset_dataset(natural.as_dataset(clients), None, config.max_test_examples, seed)
     args = {"clients_available": available, "min_client_examples": config.min_client_examples}
     return dataset, natural.client_indices(clients), clients.client_tests(), "natural", args
 
 
-def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
+def build(
+    config: RunConfig, dataset: sources.Dataset | natural.ClientDataset | None = None
+) -> Built:
     """Validates ``config`` and builds its data, model, algorithm and simulation.
 
     Args:
       config: the run's configuration.
-      dataset: an already loaded dataset (skips loading; ``max_*_examples`` still apply).
+      dataset: an already loaded dataset, e.g. from :func:`load_dataset` (skips loading;
+        ``max_*_examples`` and the partition still apply).
 
     Raises:
       ConfigError: an invalid config.
@@ -872,10 +905,9 @@ def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
         dataset, parts, client_tests, kind, args = natural_clients(config, dataset)
     else:
         if dataset is None:
-            dataset = sources.load(config.dataset, config.data_dir, allow_download=config.download)
-        dataset = subset_dataset(
-            dataset, config.max_train_examples, config.max_test_examples, config.seed
-        )
+            dataset = load_dataset(config)
+        seed = config.resolved_partition_seed()
+        dataset = subset_dataset(dataset, config.max_train_examples, config.max_test_examples, seed)
         kind, args = config.resolved_partition()
         if config.num_clients > len(dataset.train["y"]):
             raise ConfigError(
@@ -883,9 +915,9 @@ def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
                 f"{len(dataset.train['y'])} examples; it must be at most that."
             )
         split = PARTITIONERS[kind].split
-        parts = split(dataset.train["y"], config.num_clients, seed=config.seed, **args)
+        parts = split(dataset.train["y"], config.num_clients, seed=seed, **args)
         if config.client_holdout is not None:
-            parts, held = partition.hold_out(parts, config.client_holdout, config.seed)
+            parts, held = partition.hold_out(parts, config.client_holdout, seed)
             client_tests = [{k: np.asarray(v)[ix] for k, v in dataset.train.items()} for ix in held]
     data = from_partition(dataset.train, parts, test=dataset.test)
     if client_tests is not None:

@@ -413,6 +413,141 @@ def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
     return markdown_table(header, rows)
 
 
+# Keys of a sweep's record that are not measurements (see scaffold_jax.sweep.SweepResult).
+_SWEEP_RECORD_KEYS = frozenset({"round", "seconds", "status", "config", "config_index"})
+
+
+def sweep_table(
+    results: Mapping[str, Any] | Any,
+    target: float | None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+    metric: str = "test_accuracy",
+    higher_is_better: bool = True,
+) -> list[dict[str, Any]]:
+    """A sweep as a tidy table: one row per config (hyper-parameters × seed) of every grid.
+
+    Every row has the same columns: ``algorithm``; the grid's settings (``settings``, the
+    data and shape values of each grid, blank where a grid has none); every
+    hyper-parameter of any config (blank where an algorithm does not declare it); ``seed``,
+    ``status``, ``diverged_round``, ``rounds`` (the last evaluated round); ``final_<m>``
+    for every metric of the last records; ``best_<metric>``; ``target`` and
+    ``rounds_to_target`` (:func:`rounds_to_target`; blank if not reached) and ``chosen``
+    (the config belongs to its grid's choice, :func:`summarize`).
+
+    Args:
+      results: ``{grid name: SweepResult}`` or one SweepResult.
+      target: the target of ``metric``.
+      settings: per grid name, its data and shape settings (e.g. ``{"similarity": 0}``).
+      metric: the record field of ``best_<metric>`` and the target.
+      higher_is_better: True for accuracies.
+
+    Returns:
+      The rows, as dicts of plain values (None for a blank cell).
+    """
+    results = _as_mapping(results)
+    settings = settings or {}
+    summary = summarize(results, target, metric, higher_is_better)
+    setting_names = list(dict.fromkeys(k for s in settings.values() for k in s))
+    hparam_names = list(
+        dict.fromkeys(k for r in results.values() for c in r.configs for k in c if k != "seed")
+    )
+    metric_names = list(
+        dict.fromkeys(
+            k
+            for r in results.values()
+            for recs in r.records
+            for k, v in recs[-1].items()
+            if k not in _SWEEP_RECORD_KEYS
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+        )
+    )
+    rows = []
+    for key, result in results.items():
+        chosen = set(summary[key]["best"]["configs"])
+        diverged = list(getattr(result, "diverged_round", [-1] * len(result.configs)))
+        for j, config in enumerate(result.configs):
+            records = result.records[j]
+            last = records[-1] if records else {}
+            row: dict[str, Any] = {"algorithm": result.algorithm}
+            row.update({k: settings.get(key, {}).get(k) for k in setting_names})
+            row.update({k: config.get(k) for k in hparam_names})
+            row["seed"] = config.get("seed")
+            row["status"] = last.get("status", "ok")
+            row["diverged_round"] = int(diverged[j]) if int(diverged[j]) >= 0 else None
+            row["rounds"] = last.get("round")
+            row.update({f"final_{m}": last.get(m) for m in metric_names})
+            row[f"best_{metric}"] = best_value(records, metric, higher_is_better)
+            row["target"] = target
+            row["rounds_to_target"] = (
+                None
+                if target is None
+                else rounds_to_target(records, target, metric, higher_is_better)
+            )
+            row["chosen"] = j in chosen
+            rows.append(row)
+    return rows
+
+
+def csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` (dicts with the same keys) as CSV text with a header; None is a blank."""
+    import io
+
+    if not rows:
+        return ""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def grid_edges(
+    results: Mapping[str, Any] | Any, summary: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The chosen values that lie at the edge of their grid: the optimum may lie beyond.
+
+    For every grid of a sweep and every hyper-parameter it swept (two values or more), the
+    chosen group's value (:func:`summarize`) is checked against the smallest and largest
+    value of that axis.
+
+    Args:
+      results: ``{grid name: SweepResult}`` or one SweepResult.
+      summary: :func:`summarize` of ``results``.
+
+    Returns:
+      One dict per value at an edge: ``series`` (the grid name), ``name``, ``value``,
+      ``edge`` (``"smallest"`` or ``"largest"``) and ``grid`` (the axis, sorted).
+
+    Examples:
+      >>> class Grid:  # what a SweepResult offers here
+      ...     configs = [{"client_lr": lr, "seed": 0} for lr in (0.1, 0.3, 1.0)]
+      >>> summary = {"sgd": {"best": {"hparams": {"client_lr": 1.0}}}}
+      >>> [(e["name"], e["value"], e["edge"]) for e in grid_edges({"sgd": Grid()}, summary)]
+      [('client_lr', 1.0, 'largest')]
+    """
+    out = []
+    for key, result in _as_mapping(results).items():
+        for name, value in summary[key]["best"]["hparams"].items():
+            axis = sorted({c[name] for c in result.configs if name in c})
+            if len(axis) < 2 or value not in (axis[0], axis[-1]):
+                continue
+            edge = "smallest" if value == axis[0] else "largest"
+            out.append({"series": key, "name": name, "value": value, "edge": edge, "grid": axis})
+    return out
+
+
+def format_grid_edge(edge: Mapping[str, Any]) -> str:
+    """One line for an entry of :func:`grid_edges`, saying how to extend the grid."""
+    values = ", ".join(f"{v:g}" for v in edge["grid"])
+    beyond = "below" if edge["edge"] == "smallest" else "above"
+    return (
+        f"{edge['series']}: the chosen {edge['name']} = {edge['value']:g} is the "
+        f"{edge['edge']} value of its grid ({values}); the best value may lie {beyond} it: "
+        f"extend the grid {beyond} {edge['value']:g}."
+    )
+
+
 # ----------------------------------------------------------------------------- tables
 def format_rounds(rounds: int | None, horizon: int) -> str:
     """``"77"``, or ``"1k+"`` / ``"<horizon>+"`` when the target was not reached.

@@ -1275,8 +1275,17 @@ def run(
     directory = folder / CHECKPOINTS
     # Only a complete checkpoint counts (a save killed half-way leaves a temporary folder).
     restore = resume and checkpoint and directory.is_dir() and _has_checkpoint(directory)
+    title = (
+        f"{series} on {built.info['dataset']}: N = {built.info['num_clients']}, "
+        f"S = {built.info['clients_per_round']}, η_l = {config.client_lr:g}"
+    )
+    accuracy, loss = results.DEFAULT_PLOTS
+    plots = (
+        accuracy._replace(title=title, target=tuple(config.targets)),
+        loss._replace(title=title),
+    )
     with results.RunWriter(
-        folder, to_save, config.targets, overwrite=overwrite, resume=resume
+        folder, to_save, config.targets, overwrite=overwrite, plots=plots, resume=resume
     ) as writer:
         writer.add(experiment="run", **built.info)
         if resume and not restore:

@@ -28,7 +28,7 @@ _ROLE = re.compile(r":(?:py:)?(?:mod|func|data|const|class|meth|attr|exc|obj):`(
 
 
 def _modules() -> list[str]:
-    """Every module of the package, imported (``__main__``-style ones included)."""
+    """The names of every module of the package, each imported."""
     package = importlib.import_module(PACKAGE)
     names = [PACKAGE]
     for info in pkgutil.walk_packages(package.__path__, PACKAGE + "."):

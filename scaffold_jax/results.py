@@ -829,17 +829,29 @@ def style_axes(
 
 def _log_axis(ax, values: Sequence[float], axis: str = "x") -> None:
     """A log axis ticked at exactly ``values`` (a step-size grid) with plain labels: no
-    minor-tick labels to collide with them, rotated when there are many."""
+    minor-tick labels to collide with them, rotated when there are many, and a label left
+    out where it would overlap the one before (a grid spanning many decades)."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     which = ax.xaxis if axis == "x" else ax.yaxis
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
     ticks = sorted({float(v) for v in values if v > 0})
+    logs = [math.log10(t) for t in ticks]
+    span = (logs[-1] - logs[0]) if ticks else 0.0
+    labelled, last = set(), -math.inf
+    for tick, at in zip(ticks, logs, strict=True):
+        if at - last >= _MIN_LABEL_GAP * span:
+            labelled.add(tick)
+            last = at
     which.set_major_locator(FixedLocator(ticks))
-    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v in labelled else ""))
     which.set_minor_locator(NullLocator())
     if axis == "x" and len(ticks) > 5:
         ax.tick_params(axis="x", labelrotation=45)
+
+
+#: The least distance between two labelled ticks of a log axis, as a fraction of its span.
+_MIN_LABEL_GAP = 0.07
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
@@ -1058,8 +1070,8 @@ def plot_rounds_to_target(
     _integer_axis(ax, "y")
     relation = "≥" if higher_is_better else "≤"
     what = f"{_metric_label(metric)} {relation} {target:g}"
-    step_sizes = {"client_lr": "client step size η_l", "server_lr": "server step size η_g"}
-    xlabel = step_sizes.get(x_name, x_name)
+    kind = {"client_lr": "client step size ", "server_lr": "server step size "}
+    xlabel = kind.get(x_name, "") + _hparam_name(x_name)
     style_axes(
         ax,
         xlabel=xlabel,

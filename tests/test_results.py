@@ -489,6 +489,8 @@ def test_sweep_plots_are_figures_with_titles_and_readable_axes(tmp_path):
         "not reached (at 100 rounds)", "diverged (at 100 rounds)", "scaffold", "fedavg"
     ]  # fmt: skip
     assert [float(t) for t in ax.get_xticks()] == lrs
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == [f"{lr:g}" for lr in lrs]
     # η_l = 10 reached the target before it blew up: marked, not on scaffold's line.
     scaffold_line = ax.get_lines()[0]
     assert 10.0 not in list(scaffold_line.get_xdata()) and 3.0 in list(scaffold_line.get_xdata())
@@ -502,6 +504,10 @@ def test_sweep_plots_are_figures_with_titles_and_readable_axes(tmp_path):
     (ax,) = results.plot_rounds_to_target(by_server_lr, 0.6).axes
     assert ax.get_xlabel() == "server step size η_g"
     assert [float(t) for t in ax.get_xticks()] == [0.5, 1.0]
+    # A grid spanning 40 decades: the labels that would overlap are left out.
+    wide = results.plot_rounds_to_target(_sweep_like("sgd", [0.03, 0.1, 0.3, 1e38]), 0.6)
+    wide.canvas.draw()
+    assert [t.get_text() for t in wide.axes[0].get_xticklabels()] == ["0.03", "", "", "1e+38"]
     fig = results.plot_best_curves(sweeps, 0.6)
     _assert_one_style(fig, backend)
     (ax,) = fig.axes

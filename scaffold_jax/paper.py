@@ -171,6 +171,13 @@ def _label(method: str, local_steps: int | None, warm: bool = False) -> str:
     return name if local_steps is None else f"{name} K={local_steps}"
 
 
+def _fig3_legend(series: str) -> str:
+    """``"SCAFFOLD K=10 · G=1 lr=0.5"`` → ``"SCAFFOLD K=10, η_l = 0.5"``: the panel's title
+    says G."""
+    setting, _, rest = series.partition(" · ")
+    return f"{setting}, η_l = {rest.rpartition('lr=')[2]}"
+
+
 def reproduce_fig3(
     protocol: Fig3Protocol,
     out: str | os.PathLike,
@@ -235,6 +242,7 @@ def reproduce_fig3(
             title="Figure 3: SGD vs FedAvg vs SCAFFOLD on quadratics (N = 2, β = 1, "
             f"δ = {protocol.delta:g}, full batch); chosen η_l per method",
             target=protocol.target,
+            legend=_fig3_legend,
         ),
     )
     progress = CellProgress(len(settings) * len(problems), "fig3", enabled=not quiet)

@@ -41,7 +41,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -901,6 +901,8 @@ class PlotSpec(NamedTuple):
       panels: panel title -> series in that panel (None: one panel with every series).
       title: the figure title.
       target: a target level of ``metric``, or several, drawn as dashed lines (None: none).
+      legend: the legend label of a series name (None: the name itself), e.g. without
+        what its panel's title already says.
     """
 
     filename: str
@@ -910,6 +912,7 @@ class PlotSpec(NamedTuple):
     panels: Mapping[str, Sequence[str]] | None = None
     title: str = ""
     target: float | Sequence[float] | None = None
+    legend: Callable[[str], str] | None = None
 
 
 def plot_curves(
@@ -946,7 +949,7 @@ def plot_curves(
             ]
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, label=name)
+                ax.plot(xs, ys, label=name if spec.legend is None else spec.legend(name))
         _target_lines(ax, spec.target)
         if spec.logy:
             ax.set_yscale("log")

@@ -459,6 +459,10 @@ def test_run_curves_are_figures_with_panels_a_target_line_and_outside_legends(tm
     (ax,) = fig.axes
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["scaffold (η_l = 0.1)", "sgd (η_l = 1)", "target 0.5"]
+    renamed = results.plot_curves(recs, spec._replace(legend=lambda name: name.split()[0]))
+    assert [t.get_text() for t in renamed.axes[0].get_legend().get_texts()][:2] == [
+        "scaffold", "sgd"
+    ]  # fmt: skip
     several = results.plot_curves(recs, spec._replace(target=(0.5, 0.6)))
     (ax,) = several.axes
     assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "targets 0.5, 0.6"

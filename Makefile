@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench clean
+.PHONY: demo test test-slow lint bench docs clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) 2>/dev/null || \
@@ -32,8 +32,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check scaffold_jax tests benchmarks
 	$(VENV)/bin/ruff format --check scaffold_jax tests benchmarks
 
+# The API reference (pdoc) into docs/api/ (not committed) and docs/config.md (committed;
+# the tests check it is current), from the docstrings and the RunConfig fields.
+docs: $(STAMP)
+	$(PY) -m scaffold_jax.docs --api docs/api --config docs/config.md
+
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache results/demo
+	rm -rf $(VENV) .pytest_cache results/demo docs/api

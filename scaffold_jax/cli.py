@@ -8,7 +8,8 @@ Commands:
 * ``scaffold-jax reproduce {fig3,table3,table4,table5}``: a protocol of Karimireddy et
   al. (ICML 2020), with ``--quick`` for a test-sized run.
 * ``scaffold-jax sweep``: a grid over any declared hyper-parameter × seeds per algorithm,
-  one vmapped program each.
+  one vmapped program each, times an outer product over data and shape settings
+  (similarity, N, S, epochs...), one program per setting; a tidy ``sweep.csv``.
 * ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model.
 
 ``--plugin MODULE_OR_FILE.py`` (repeatable; config key ``plugins``) imports a module that
@@ -35,6 +36,8 @@ Examples::
     scaffold-jax reproduce table3 --dataset fashion_mnist --out results/table3
     scaffold-jax sweep --algorithms scaffold fedavg --lr-grid 0.03 0.1 0.3 --seeds 0 1 \\
         --rounds 100 --out results/sweep
+    scaffold-jax sweep --algorithms fedprox --grid server_lr=0.5,1 --grid prox_mu=0.01,0.1 \\
+        --grid similarity=0,50 --seeds 0 1 --out results/sweep-fedprox
     scaffold-jax diagnose --dataset fashion_mnist --similarity 0 --gd-steps 3
 """
 
@@ -133,29 +136,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = commands.add_parser(
         "sweep",
-        help="a grid of hyper-parameters x seeds, one vmapped program per algorithm",
-        description="Sweep eta_l (--lr-grid), any declared hyper-parameter (--grid NAME=V1,"
-        "V2,...) and seeds for one or more algorithms on the run described by the config "
-        "flags; each algorithm gets the axes it declares. Each grid is ONE compiled, vmapped "
-        "program. Writes metrics.jsonl as it goes (one series per config), then sweep.json "
-        "(per-config records), summary.md (the best config per algorithm by rounds to "
-        "--target, mean +- std over seeds; the policy of scaffold_jax.results.select) and "
-        "two plots to --out.",
+        help="a grid of hyper-parameters x data settings x seeds, vmapped per algorithm",
+        description="Sweep the run described by the config flags over a grid, for one or "
+        "more algorithms. An axis over a hyper-parameter an algorithm declares (--lr-grid, "
+        "--grid server_lr=0.5,1, --grid prox_mu=0.01,0.1) is vmapped: each algorithm's "
+        "hyper-parameters x --seeds are ONE compiled program. An axis over a data or shape "
+        "setting (--grid similarity=0,50 or num_clients, clients_per_round, local_epochs, "
+        "partition_seed...) is an outer product: each setting is its own programs, run one "
+        "after the other into the same --out. Writes metrics.jsonl as it goes (one series "
+        "per config), then sweep.json (per-config records), sweep.csv (one row per config x "
+        "seed: the swept values, final and best metrics, rounds to --target), summary.md "
+        "(the best config per algorithm and setting by rounds to --target, mean +- std over "
+        "seeds; the policy of scaffold_jax.results.select; a warning when a chosen value "
+        "is at the edge of its grid) and two plots. Seeds: --seeds are the root keys of "
+        "client sampling and minibatches, one per config; the data (subsets, split over "
+        "clients) comes from --partition-seed, default --seed, and the model's initial "
+        "params from --seed, the same for every config: config (hparams, seed s) computes "
+        "what `scaffold-jax run --seed s --partition-seed P` computes for a model whose "
+        "initial params do not depend on the seed (logreg starts at zero).",
     )
     _config_flags(sw)
     sw.add_argument(
-        "--algorithms", nargs="+", metavar="NAME", help="algorithms to sweep [default: --algorithm]"
+        "--algorithms",
+        nargs="+",
+        metavar="NAME",
+        help="algorithms to sweep, each its own programs, the axes it declares [default: "
+        "--algorithm]",
     )
     sw.add_argument(
-        "--lr-grid", type=float, nargs="+", metavar="LR", help="eta_l values [default: --client-lr]"
+        "--lr-grid",
+        type=float,
+        nargs="+",
+        metavar="LR",
+        help="client step sizes eta_l to sweep, the same as --grid client_lr=LR1,LR2,... "
+        "[default: --client-lr alone]",
     )
     sw.add_argument(
         "--grid",
         action="append",
         default=[],
         metavar="NAME=V1,V2,...",
-        help="an axis over any declared hyper-parameter, e.g. --grid prox_mu=0.01,0.1,1 or "
-        "--grid server_lr=0.5,1; repeatable (axes multiply)",
+        help="an axis of the grid; repeatable (axes multiply). NAME is a hyper-parameter an "
+        "algorithm of the sweep declares (client_lr, server_lr, prox_mu, alpha...: vmapped "
+        "in one program) or a numeric data / shape setting, i.e. any numeric config field "
+        "(similarity, dirichlet_alpha, num_clients, clients_per_round, client_fraction, "
+        "local_epochs, local_steps, batch_size, partition_seed, max_train_examples...: "
+        "one program per value, run one after the other). An axis replaces the flag's value",
     )
     sw.add_argument(
         "--seeds",
@@ -163,9 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="N",
         default=[0],
-        help="root seeds of sampling and minibatches (the partition keeps --seed) [0]",
+        help="run seeds, one config each: the root key of client sampling and minibatches "
+        "(jax.random.key(N)); they do NOT re-partition the data (--partition-seed, default "
+        "--seed, does; --grid partition_seed=0,1 sweeps it) nor change the model's initial "
+        "params (--seed) [0]",
     )
-    sw.add_argument("--target", type=float, default=0.7, help="target test accuracy [0.7]")
+    sw.add_argument(
+        "--target",
+        type=float,
+        default=0.7,
+        help="target test accuracy: the summary's choice is by rounds to it, and sweep.csv "
+        "reports them [0.7]",
+    )
     sw.add_argument(
         "--resume",
         action="store_true",
@@ -360,22 +395,128 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
-    """``--grid NAME=V1,V2,...`` → ``{NAME: [V1, V2, ...]}``."""
-    axes = {}
+    """``--grid NAME=V1,V2,...`` → ``{NAME: [V1, V2, ...]}`` (the names are checked by
+    :func:`_split_axes`)."""
+    axes: dict[str, list[float]] = {}
     for item in items:
         name, sep, values = item.partition("=")
-        try:
-            if not sep or not name.strip():
-                raise ValueError
-            axes[name.strip()] = [float(v) for v in values.split(",")]
-        except ValueError:
+        name = name.strip()
+        example = f"e.g. --grid {name or 'server_lr'}=0.5,1"
+        if not sep or not name:
+            raise ConfigError(f"--grid {item!r} is invalid: it must be NAME=V1,V2,... ({example}).")
+        if name in axes:
             raise ConfigError(
-                f"--grid {item!r} is invalid: it must be NAME=V1,V2,... with numbers."
-            ) from None
+                f"--grid {name} is given twice: give each axis once, with all its values."
+            )
+        texts = [v.strip() for v in values.split(",")]
+        if texts == [""]:
+            raise ConfigError(
+                f"--grid {item!r} has no values: list at least one after '=' ({example})."
+            )
+        if "" in texts:
+            raise ConfigError(
+                f"--grid {item!r} has an empty value: separate the values by single commas "
+                f"({example})."
+            )
+        numbers = []
+        for text in texts:
+            try:
+                numbers.append(float(text))
+            except ValueError:
+                raise ConfigError(
+                    f"--grid {item!r}: {text!r} is not a number; every value of an axis must "
+                    f"be one ({example})."
+                ) from None
+        repeated = sorted({v for v in numbers if numbers.count(v) > 1})
+        if repeated:
+            raise ConfigError(
+                f"--grid {item!r} repeats {', '.join(f'{v:g}' for v in repeated)}: give each "
+                "value once (the seeds are --seeds)."
+            )
+        axes[name] = numbers
     return axes
 
 
+#: RunConfig fields that are no axis of a sweep, and what to use instead.
+_NOT_AXES = {
+    "seed": "the run seeds are --seeds; --grid partition_seed=... re-partitions the data",
+    "rounds": "the horizon is one for the whole sweep (--rounds)",
+    "eval_every": "the evaluation cadence is one for the whole sweep (--eval-every)",
+}
+
+
+def _setting_fields() -> dict[str, str]:
+    """``{field: kind}`` of the numeric RunConfig fields a sweep takes as an outer axis:
+    data and shape settings (similarity, num_clients, local_epochs...)."""
+    from scaffold_jax.types import STEP_SIZES
+
+    return {
+        f.name: f.metadata["kind"]
+        for f in dataclasses.fields(RunConfig)
+        if f.metadata["kind"] in ("int", "float") and f.name not in (*STEP_SIZES, *_NOT_AXES)
+    }
+
+
+def _split_axes(
+    axes: dict[str, list[float]], algorithms: Sequence[str]
+) -> tuple[dict[str, list[float]], dict[str, list[float | int]]]:
+    """``(hyper-parameter axes, setting axes)``: the names the sweep's algorithms declare
+    (vmapped in one program per grid) and the data/shape settings (an outer product of
+    separate programs).
+
+    Raises:
+      ConfigError: a name that is neither (naming what it is and what to do), or an
+        integer setting given a non-integer.
+    """
+    import difflib
+
+    from scaffold_jax.algorithms import ALGORITHMS
+
+    declared = list(dict.fromkeys(h for n in algorithms for h in ALGORITHMS[n].hparams))
+    settings = _setting_fields()
+    inner, outer = {}, {}
+    for name, values in axes.items():
+        if name in declared:
+            inner[name] = values
+            continue
+        if name in settings:
+            if settings[name] == "int":
+                bad = [v for v in values if not float(v).is_integer()]
+                if bad:
+                    raise ConfigError(
+                        f"--grid {name}: {name} takes integers; {bad[0]:g} is not one."
+                    )
+                values = [int(v) for v in values]
+            outer[name] = values
+            continue
+        which = ", ".join(algorithms)
+        if name in _NOT_AXES:
+            raise ConfigError(
+                f"--grid {name}: {name} is not an axis of a sweep: {_NOT_AXES[name]}."
+            )
+        owners = [n for n, spec in ALGORITHMS.items() if name in spec.hparams]
+        if owners:
+            raise ConfigError(
+                f"--grid {name}: no algorithm of this sweep ({which}) declares the "
+                f"hyper-parameter {name} ({', '.join(owners)} does); add one with --algorithms "
+                "or remove the axis."
+            )
+        close = difflib.get_close_matches(name, [*declared, *settings], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"--grid {name}: unknown name {name!r}{hint}. An axis is a hyper-parameter an "
+            f"algorithm of this sweep ({which}) declares: {', '.join(declared)}; or a data / "
+            f"shape setting: {', '.join(settings)}."
+        )
+    return inner, outer
+
+
+def _setting_label(setting: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in setting.items())
+
+
 def _sweep_command(args: argparse.Namespace) -> int:
+    import itertools
     from pathlib import Path
 
     from scaffold_jax import experiments, results
@@ -393,13 +534,15 @@ def _sweep_command(args: argparse.Namespace) -> int:
         if name not in ALGORITHMS:
             raise ConfigError(ALGORITHMS.unknown_message(name))
 
-    def for_algorithm(name: str) -> RunConfig:
-        """The config with the hyper-parameters and options ``name`` declares."""
+    def for_algorithm(name: str, setting: dict[str, Any]) -> RunConfig:
+        """The config of one grid: ``setting``'s values, and the hyper-parameters and
+        options ``name`` declares."""
         spec = ALGORITHMS[name]
         return given.replace(
             algorithm=name,
             hparams={k: v for k, v in given.hparams.items() if k in spec.hparams},
             options={k: v for k, v in given.options.items() if k in spec.options},
+            **setting,
         ).validate()
 
     for table in ("hparams", "options"):
@@ -408,19 +551,44 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 raise ConfigError(
                     f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
                 )
-    config = for_algorithm(names[0])
     axes = _grid_axes(args.grid)
     if args.lr_grid:
-        axes["client_lr"] = list(args.lr_grid)
-    for axis in axes:
-        if not any(axis in ALGORITHMS[n].hparams for n in names):
+        if "client_lr" in axes:
             raise ConfigError(
-                f"--grid {axis}: no algorithm of this sweep ({', '.join(names)}) declares the "
-                "hyper-parameter " + axis + "."
+                "--lr-grid and --grid client_lr=... both give the client_lr axis: give one."
             )
+        axes["client_lr"] = [float(v) for v in args.lr_grid]
+    axes, outer = _split_axes(axes, names)
+    # The data and shape settings: an outer product, first axis slowest, each setting its
+    # own programs; every config is checked before anything runs.
+    settings = [
+        dict(zip(outer, combo, strict=True)) for combo in itertools.product(*outer.values())
+    ]
+    grids = [(name, i, setting) for i, setting in enumerate(settings) for name in names]
+    configs_of = {(name, i): for_algorithm(name, setting) for name, i, setting in grids}
+    config = configs_of[(names[0], 0)]
+    for name, values in axes.items():  # each value as its config would hold it
+        for algorithm in (n for n in names if name in ALGORITHMS[n].hparams):
+            cfg = configs_of[(algorithm, 0)]
+            for value in values:
+                if name in ("client_lr", "server_lr"):
+                    cfg.replace(**{name: value}).validate()
+                else:
+                    cfg.replace(hparams={**cfg.hparams, name: value}).validate()
+
+    def key_of(name: str, setting: dict[str, Any]) -> str:
+        return f"{name} {_setting_label(setting)}" if setting else name
+
     out = Path(config.out or f"results/sweep-{config.dataset}")
-    dataset, sweep_results = None, {}
-    to_save = {**config.to_dict(), "algorithms": names, "grid": axes, "seeds": list(args.seeds)}
+    loaded, sweep_results = {}, {}
+    dataset_name = None
+    to_save = {
+        **config.to_dict(),
+        **{k: getattr(given, k) for k in outer},  # as given: the grid holds their values
+        "algorithms": names,
+        "grid": {**axes, **outer},
+        "seeds": list(args.seeds),
+    }
     _checked_checkpoint_flags(args)
     resume = args.resume and (out / results.CONFIG_FILE).is_file()
     if resume:
@@ -428,9 +596,9 @@ def _sweep_command(args: argparse.Namespace) -> int:
     else:
         results.check_folder(out, args.overwrite, dry_run=True)
     # Every record goes to metrics.jsonl as it is made (one series per config), so a sweep
-    # killed half-way keeps what it finished; each algorithm's grid, once finished, is a
-    # part of the run (parts.jsonl): a resumed sweep keeps those and continues the others
-    # from their chunk checkpoints. sweep.json and the tables come at the end.
+    # killed half-way keeps what it finished; each grid (algorithm × setting), once
+    # finished, is a part of the run (parts.jsonl): a resumed sweep keeps those and
+    # continues the others from their chunk checkpoints. The tables come at the end.
     writer = results.RunWriter(
         out, to_save, (args.target,), args.overwrite, plots=(), resume=resume
     )
@@ -438,15 +606,21 @@ def _sweep_command(args: argparse.Namespace) -> int:
         finished = {}
         if resume:
             finished = {k: _from_part(p) for k, p in writer.keep_finished_parts().items()}
-        for name in names:
-            if name in finished:
-                sweep_results[name] = finished[name]
+        for name, i, setting in grids:
+            key = key_of(name, setting)
+            if key in finished:
+                sweep_results[key] = finished[key]
                 continue
             declared = ALGORITHMS[name].hparams
-            cfg = for_algorithm(name)
+            cfg = configs_of[(name, i)]
             fixed = dict(cfg.hparams)
-            built = experiments.build(cfg, dataset=dataset)
-            dataset = built.dataset
+            # The data is read once per dataset; the subsets and the split are each
+            # setting's own (build applies them).
+            source = (cfg.dataset, cfg.data_dir, cfg.min_client_examples)
+            if source not in loaded:
+                loaded[source] = experiments.load_dataset(cfg)
+            built = experiments.build(cfg, dataset=loaded[source])
+            dataset_name = built.info["dataset"]
             swept = {k: v for k, v in axes.items() if k in declared}
             values = {
                 "client_lr": swept.pop("client_lr", [cfg.client_lr]),
@@ -458,13 +632,18 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
             entries = []
 
-            def sink(record, name=name, entries=entries):
+            def sink(record, key=key, name=name, setting=setting, entries=entries):
                 config_of = record.get("config", {})
-                series = f"{name} " + " ".join(f"{k}={v:g}" for k, v in config_of.items())
+                series = f"{key} " + " ".join(f"{k}={v:g}" for k, v in config_of.items())
                 flat = {k: v for k, v in record.items() if k != "config"}
-                entries.append(writer.record(series, {"algorithm": name, **config_of, **flat}))
+                entries.append(
+                    writer.record(series, {"algorithm": name, **setting, **config_of, **flat})
+                )
 
-            sweep_results[name] = sweeps.sweep(
+            checkpoints = out / "checkpoints" / name
+            if setting:
+                checkpoints = checkpoints / _setting_label(setting).replace(" ", ",")
+            sweep_results[key] = sweeps.sweep(
                 built.simulation,
                 built.data,
                 grid,
@@ -473,43 +652,52 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 config.eval_every,
                 targets=(args.target,),
                 callback=sink,
-                checkpoint_dir=None if args.no_checkpoint else out / "checkpoints" / name,
+                checkpoint_dir=None if args.no_checkpoint else checkpoints,
                 checkpoint_every=args.checkpoint_every,
                 checkpoint_seconds=60.0 * args.checkpoint_minutes,
                 resume=resume,
             )
-            writer.save_part(name, _part(sweep_results[name]), entries)
+            writer.save_part(key, _part(sweep_results[key]), entries)
             if not args.quiet:
                 print(
-                    f"{name}: {len(configs)} configs x {config.rounds} rounds in "
-                    f"{sweep_results[name].run_seconds:.1f} s "
-                    f"(+{sweep_results[name].compile_seconds:.1f} s "
+                    f"{key}: {len(configs)} configs x {config.rounds} rounds in "
+                    f"{sweep_results[key].run_seconds:.1f} s "
+                    f"(+{sweep_results[key].compile_seconds:.1f} s "
                     f"compile) on {built.info['dataset']}"
                 )
+        setting_of = {key_of(name, setting): setting for name, _, setting in grids}
         summary = results.summarize(sweep_results, args.target)
+        edges = [results.format_grid_edge(e) for e in results.grid_edges(sweep_results, summary)]
         table = results.format_summary(summary)
-        dataset_name = dataset.name if dataset is not None else config.dataset
+        dataset_name = dataset_name or config.dataset
         record = {
             "config": to_save,
             "target": args.target,
             "dataset": dataset_name,
+            "settings": setting_of,
             "results": {
-                name: {
+                key: {
                     "configs": r.configs,
                     "records": r.records,
                     "diverged_round": r.diverged_round.tolist(),
                     "compile_seconds": r.compile_seconds,
                     "run_seconds": r.run_seconds,
                 }
-                for name, r in sweep_results.items()
+                for key, r in sweep_results.items()
             },
             "summary": summary,
+            "edge_of_grid": edges,
         }
         # Strict JSON (NaN/Inf, e.g. a diverged config's loss, as null): any parser reads it.
         text = json.dumps(_strict_json(record), indent=1, default=_json_default, allow_nan=False)
         writer.write_text("sweep.json", text)
+        rows = results.sweep_table(sweep_results, args.target, setting_of)
+        writer.write_text(SWEEP_CSV, results.csv_text(_strict_json(rows)))
+        warnings = "".join(f"\n- {line}" for line in edges)
         writer.write_text(
-            "summary.md", f"Sweep on {dataset_name}, target {args.target:g}\n\n{table}\n"
+            "summary.md",
+            f"Sweep on {dataset_name}, target {args.target:g}\n\n{table}\n"
+            + (f"\nChosen values at the edge of their grid:\n{warnings}\n" if edges else ""),
         )
         for filename, fig in (
             ("rounds_to_target.png", results.plot_rounds_to_target(sweep_results, args.target)),
@@ -517,12 +705,23 @@ def _sweep_command(args: argparse.Namespace) -> int:
         ):
             results.save_figure(fig, out / filename)
             writer.files.append(filename)
-        writer.add(dataset=dataset_name, best={n: e["best"] for n, e in summary.items()})
+        writer.add(
+            dataset=dataset_name,
+            best={n: e["best"] for n, e in summary.items()},
+            edge_of_grid=edges,
+        )
         writer.finish(plots=())
+    # A warning, not a table: printed even with --quiet.
+    for line in edges:
+        print(f"warning: {line}", file=sys.stderr)
     if not args.quiet:
         print(table)
         print(f"wrote {out}/: {', '.join(writer.files)}")
     return 0
+
+
+#: The tidy table of a sweep: one row per config × seed (results.sweep_table).
+SWEEP_CSV = "sweep.csv"
 
 
 def _part(result) -> dict[str, Any]:

@@ -104,7 +104,8 @@ def main(argv=None) -> dict:
         plot_path.name,
         "test_accuracy",
         "test accuracy",
-        title=f"{ds.name}, {data.num_clients} clients, s = {args.similarity:g}%",
+        title=f"{ds.name}: {data.num_clients} clients (s = {args.similarity:g}%), "
+        f"{args.clients_per_round} sampled per round, η_l tuned per method",
         target=args.target,
     )
     results.plot_curves(records, spec, plot_path)

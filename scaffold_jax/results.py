@@ -41,9 +41,11 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 Record = dict[str, Any]
 
@@ -413,6 +415,141 @@ def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
     return markdown_table(header, rows)
 
 
+# Keys of a sweep's record that are not measurements (see scaffold_jax.sweep.SweepResult).
+_SWEEP_RECORD_KEYS = frozenset({"round", "seconds", "status", "config", "config_index"})
+
+
+def sweep_table(
+    results: Mapping[str, Any] | Any,
+    target: float | None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+    metric: str = "test_accuracy",
+    higher_is_better: bool = True,
+) -> list[dict[str, Any]]:
+    """A sweep as a tidy table: one row per config (hyper-parameters × seed) of every grid.
+
+    Every row has the same columns: ``algorithm``; the grid's settings (``settings``, the
+    data and shape values of each grid, blank where a grid has none); every
+    hyper-parameter of any config (blank where an algorithm does not declare it); ``seed``,
+    ``status``, ``diverged_round``, ``rounds`` (the last evaluated round); ``final_<m>``
+    for every metric of the last records; ``best_<metric>``; ``target`` and
+    ``rounds_to_target`` (:func:`rounds_to_target`; blank if not reached) and ``chosen``
+    (the config belongs to its grid's choice, :func:`summarize`).
+
+    Args:
+      results: ``{grid name: SweepResult}`` or one SweepResult.
+      target: the target of ``metric``.
+      settings: per grid name, its data and shape settings (e.g. ``{"similarity": 0}``).
+      metric: the record field of ``best_<metric>`` and the target.
+      higher_is_better: True for accuracies.
+
+    Returns:
+      The rows, as dicts of plain values (None for a blank cell).
+    """
+    results = _as_mapping(results)
+    settings = settings or {}
+    summary = summarize(results, target, metric, higher_is_better)
+    setting_names = list(dict.fromkeys(k for s in settings.values() for k in s))
+    hparam_names = list(
+        dict.fromkeys(k for r in results.values() for c in r.configs for k in c if k != "seed")
+    )
+    metric_names = list(
+        dict.fromkeys(
+            k
+            for r in results.values()
+            for recs in r.records
+            for k, v in recs[-1].items()
+            if k not in _SWEEP_RECORD_KEYS
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+        )
+    )
+    rows = []
+    for key, result in results.items():
+        chosen = set(summary[key]["best"]["configs"])
+        diverged = list(getattr(result, "diverged_round", [-1] * len(result.configs)))
+        for j, config in enumerate(result.configs):
+            records = result.records[j]
+            last = records[-1] if records else {}
+            row: dict[str, Any] = {"algorithm": result.algorithm}
+            row.update({k: settings.get(key, {}).get(k) for k in setting_names})
+            row.update({k: config.get(k) for k in hparam_names})
+            row["seed"] = config.get("seed")
+            row["status"] = last.get("status", "ok")
+            row["diverged_round"] = int(diverged[j]) if int(diverged[j]) >= 0 else None
+            row["rounds"] = last.get("round")
+            row.update({f"final_{m}": last.get(m) for m in metric_names})
+            row[f"best_{metric}"] = best_value(records, metric, higher_is_better)
+            row["target"] = target
+            row["rounds_to_target"] = (
+                None
+                if target is None
+                else rounds_to_target(records, target, metric, higher_is_better)
+            )
+            row["chosen"] = j in chosen
+            rows.append(row)
+    return rows
+
+
+def csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` (dicts with the same keys) as CSV text with a header; None is a blank."""
+    import io
+
+    if not rows:
+        return ""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def grid_edges(
+    results: Mapping[str, Any] | Any, summary: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The chosen values that lie at the edge of their grid: the optimum may lie beyond.
+
+    For every grid of a sweep and every hyper-parameter it swept (two values or more), the
+    chosen group's value (:func:`summarize`) is checked against the smallest and largest
+    value of that axis.
+
+    Args:
+      results: ``{grid name: SweepResult}`` or one SweepResult.
+      summary: :func:`summarize` of ``results``.
+
+    Returns:
+      One dict per value at an edge: ``series`` (the grid name), ``name``, ``value``,
+      ``edge`` (``"smallest"`` or ``"largest"``) and ``grid`` (the axis, sorted).
+
+    Examples:
+      >>> class Grid:  # what a SweepResult offers here
+      ...     configs = [{"client_lr": lr, "seed": 0} for lr in (0.1, 0.3, 1.0)]
+      >>> summary = {"sgd": {"best": {"hparams": {"client_lr": 1.0}}}}
+      >>> [(e["name"], e["value"], e["edge"]) for e in grid_edges({"sgd": Grid()}, summary)]
+      [('client_lr', 1.0, 'largest')]
+    """
+    out = []
+    for key, result in _as_mapping(results).items():
+        for name, value in summary[key]["best"]["hparams"].items():
+            axis = sorted({c[name] for c in result.configs if name in c})
+            if len(axis) < 2 or value not in (axis[0], axis[-1]):
+                continue
+            edge = "smallest" if value == axis[0] else "largest"
+            out.append({"series": key, "name": name, "value": value, "edge": edge, "grid": axis})
+    return out
+
+
+def format_grid_edge(edge: Mapping[str, Any]) -> str:
+    """One line for an entry of :func:`grid_edges`, saying how to extend the grid."""
+    values = ", ".join(f"{v:g}" for v in edge["grid"])
+    beyond = "below" if edge["edge"] == "smallest" else "above"
+    return (
+        f"{edge['series']}: the chosen {edge['name']} = {edge['value']:g} is the "
+        f"{edge['edge']} value of its grid ({values}); the best value may lie {beyond} it: "
+        f"extend the grid {beyond} {edge['value']:g}."
+    )
+
+
 # ----------------------------------------------------------------------------- tables
 def format_rounds(rounds: int | None, horizon: int) -> str:
     """``"77"``, or ``"1k+"`` / ``"<horizon>+"`` when the target was not reached.
@@ -692,17 +829,29 @@ def style_axes(
 
 def _log_axis(ax, values: Sequence[float], axis: str = "x") -> None:
     """A log axis ticked at exactly ``values`` (a step-size grid) with plain labels: no
-    minor-tick labels to collide with them, rotated when there are many."""
+    minor-tick labels to collide with them, rotated when there are many, and a label left
+    out where it would overlap the one before (a grid spanning many decades)."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     which = ax.xaxis if axis == "x" else ax.yaxis
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
     ticks = sorted({float(v) for v in values if v > 0})
+    logs = [math.log10(t) for t in ticks]
+    span = (logs[-1] - logs[0]) if ticks else 0.0
+    labelled, last = set(), -math.inf
+    for tick, at in zip(ticks, logs, strict=True):
+        if at - last >= _MIN_LABEL_GAP * span:
+            labelled.add(tick)
+            last = at
     which.set_major_locator(FixedLocator(ticks))
-    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v in labelled else ""))
     which.set_minor_locator(NullLocator())
     if axis == "x" and len(ticks) > 5:
         ax.tick_params(axis="x", labelrotation=45)
+
+
+#: The least distance between two labelled ticks of a log axis, as a fraction of its span.
+_MIN_LABEL_GAP = 0.07
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
@@ -710,6 +859,35 @@ def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
     path = Path(path)
     fig.savefig(path, dpi=dpi)
     return path
+
+
+def _figure(ax, **new_figure_args):
+    """``(fig, ax)``: the figure of the given axes (a notebook's), else a new one."""
+    if ax is not None:
+        return ax.figure, ax
+    fig, (ax,) = new_figure(**new_figure_args)
+    return fig, ax
+
+
+def _target_lines(ax, targets: float | Sequence[float] | None) -> None:
+    """A dashed line at each target level, one legend entry for them all."""
+    levels = [] if targets is None else [float(t) for t in np.atleast_1d(targets)]
+    for i, level in enumerate(levels):
+        name = "target" if len(levels) == 1 else "targets"
+        label = f"{name} {', '.join(f'{t:g}' for t in levels)}" if i == 0 else None
+        ax.axhline(level, linestyle="--", color="gray", linewidth=1, label=label)
+
+
+def _integer_axis(ax, axis: str = "x") -> None:
+    """Ticks at whole numbers only (rounds): no 0.5-round ticks on a short run."""
+    from matplotlib.ticker import MaxNLocator
+
+    locator = MaxNLocator(integer=True, steps=[1, 2, 5, 10])
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(locator)
+
+
+def _metric_label(metric: str) -> str:
+    return metric.replace("_", " ")
 
 
 class PlotSpec(NamedTuple):
@@ -722,7 +900,9 @@ class PlotSpec(NamedTuple):
       logy: log-scale y axis (errors f(x) − f*).
       panels: panel title -> series in that panel (None: one panel with every series).
       title: the figure title.
-      target: a target level of ``metric``, drawn as a dashed line (None: none).
+      target: a target level of ``metric``, or several, drawn as dashed lines (None: none).
+      legend: the legend label of a series name (None: the name itself), e.g. without
+        what its panel's title already says.
     """
 
     filename: str
@@ -731,7 +911,8 @@ class PlotSpec(NamedTuple):
     logy: bool = False
     panels: Mapping[str, Sequence[str]] | None = None
     title: str = ""
-    target: float | None = None
+    target: float | Sequence[float] | None = None
+    legend: Callable[[str], str] | None = None
 
 
 def plot_curves(
@@ -768,14 +949,11 @@ def plot_curves(
             ]
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, label=name)
-        if spec.target is not None:
-            ax.axhline(
-                spec.target, linestyle="--", color="gray", linewidth=1,
-                label=f"target {spec.target:g}",
-            )  # fmt: skip
+                ax.plot(xs, ys, label=name if spec.legend is None else spec.legend(name))
+        _target_lines(ax, spec.target)
         if spec.logy:
             ax.set_yscale("log")
+        _integer_axis(ax)
         style_axes(ax, xlabel="communication rounds", ylabel=spec.ylabel, title=title, legend=where)
     if path is not None:
         save_figure(fig, path, dpi=110)
@@ -793,13 +971,28 @@ def _varying(groups: Sequence[Mapping[str, Any]]) -> set[str]:
     return {k for k in names if len({g["hparams"][k] for g in groups}) > 1}
 
 
+def _hparam_name(name: str) -> str:
+    return {"client_lr": "η_l", "server_lr": "η_g"}.get(name, name)
+
+
 def _label(name: str, hparams: Mapping[str, Any], show: Iterable[str]) -> str:
-    parts = [
-        f"η_l = {v:g}" if k == "client_lr" else f"{k} = {v:g}"
-        for k, v in hparams.items()
-        if k in set(show)
-    ]
+    parts = [f"{_hparam_name(k)} = {v:g}" for k, v in hparams.items() if k in set(show)]
     return f"{name} ({', '.join(parts)})" if parts else name
+
+
+def _x_axis(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    """The hyper-parameter a rounds-to-target plot puts on its x axis: the one with the
+    most values over every grid (η_l on a tie, then the first declared)."""
+    counts: dict[str, set] = {}
+    for entry in summary.values():
+        for group in entry["groups"]:
+            for k, v in group["hparams"].items():
+                counts.setdefault(k, set()).add(v)
+    if not counts:
+        return "client_lr"
+    most = max(len(v) for v in counts.values())
+    ties = [k for k, v in counts.items() if len(v) == most]
+    return "client_lr" if "client_lr" in ties else ties[0]
 
 
 def plot_rounds_to_target(
@@ -809,14 +1002,16 @@ def plot_rounds_to_target(
     ax=None,
     higher_is_better: bool = True,
 ):
-    """A sweep's rounds to ``target`` against η_l, per algorithm, mean ± std over seeds.
+    """A sweep's rounds to ``target`` against its swept hyper-parameter (η_l, or the one
+    with the most values), per grid, mean ± std over seeds.
 
-    One line per algorithm (and per value of another hyper-parameter, when those vary
-    too). A step size whose seeds do not all reach the target is drawn as an ``x`` at the
-    horizon (the last evaluated round), as the legend says.
+    One line per grid (and per value of the other hyper-parameters, when those vary too).
+    A value whose seeds do not all reach the target is drawn as an ``x`` at the horizon
+    (the last evaluated round), one that diverged on any seed as a ``v`` there, as the
+    legend says.
 
     Args:
-      results: ``{algorithm: SweepResult}`` or one SweepResult.
+      results: ``{grid name: SweepResult}`` or one SweepResult.
       target: the target of ``metric``.
       metric: the record field compared with the target.
       ax: draw into these axes (e.g. a notebook's) instead of a new figure.
@@ -827,27 +1022,26 @@ def plot_rounds_to_target(
     """
     results = _as_mapping(results)
     summary = summarize(results, target, metric, higher_is_better)
-    fig = ax.figure if ax is not None else None
-    if ax is None:
-        fig, (ax,) = new_figure()
+    fig, ax = _figure(ax)
+    x_name = _x_axis(summary)
     horizon = max(
         [r["round"] for res in results.values() for recs in res.records for r in recs] or [1]
     )
-    lrs, missed_any = [], False
+    xs, shown = [], set()
     for name, entry in summary.items():
         lines: dict[tuple, list[dict]] = {}
         for g in entry["groups"]:
-            others = tuple((k, v) for k, v in g["hparams"].items() if k != "client_lr")
+            others = tuple((k, v) for k, v in g["hparams"].items() if k != x_name)
             lines.setdefault(others, []).append(g)
-        varying = _varying(entry["groups"]) - {"client_lr"}
+        varying = _varying(entry["groups"]) - {x_name}
         for others, groups in lines.items():
-            groups = sorted(groups, key=lambda g: g["hparams"]["client_lr"])
-            lrs += [g["hparams"]["client_lr"] for g in groups]
-            done = [g for g in groups if g["rounds_mean"] is not None]
+            groups = sorted(groups, key=lambda g: g["hparams"][x_name])
+            xs += [g["hparams"][x_name] for g in groups]
+            done = [g for g in groups if g["rounds_mean"] is not None and not g["num_diverged"]]
             label = _label(name, dict(others), varying)
             if done:
                 line = ax.errorbar(
-                    [g["hparams"]["client_lr"] for g in done],
+                    [g["hparams"][x_name] for g in done],
                     [g["rounds_mean"] for g in done],
                     yerr=[g["rounds_std"] for g in done],
                     marker="o",
@@ -858,19 +1052,34 @@ def plot_rounds_to_target(
             else:
                 (line,) = ax.plot([], [], marker="o", label=label)
                 color = line.get_color()
-            missed = [g["hparams"]["client_lr"] for g in groups if g["rounds_mean"] is None]
-            if missed:
-                missed_any = True
-                ax.scatter(missed, [horizon] * len(missed), marker="x", color=color, zorder=3)
-    if missed_any:
-        ax.scatter([], [], marker="x", color="gray", label=f"not reached (at {horizon} rounds)")
-    _log_axis(ax, lrs)
+            # A value that blew up on some seed is unusable even if it reached the target
+            # first (the selection ranks it last): marked at the horizon, not on the line.
+            for marker, failed in (
+                ("v", [g for g in groups if g["num_diverged"]]),
+                ("x", [g for g in groups if g["rounds_mean"] is None and not g["num_diverged"]]),
+            ):
+                if failed:
+                    shown.add(marker)
+                    at = [g["hparams"][x_name] for g in failed]
+                    ax.scatter(at, [horizon] * len(at), marker=marker, color=color, zorder=3)
+    for marker, text in (("x", "not reached"), ("v", "diverged")):
+        if marker in shown:
+            ax.scatter([], [], marker=marker, color="gray", label=f"{text} (at {horizon} rounds)")
+    if all(x > 0 for x in xs):
+        _log_axis(ax, xs)
+    # From 0 to past the horizon: the "not reached" marks stay in view, and equal rounds
+    # (a flat line) still get whole-number ticks.
+    ax.set_ylim(0, horizon * 1.08)
+    _integer_axis(ax, "y")
     relation = "≥" if higher_is_better else "≤"
+    what = f"{_metric_label(metric)} {relation} {target:g}"
+    kind = {"client_lr": "client step size ", "server_lr": "server step size "}
+    xlabel = kind.get(x_name, "") + _hparam_name(x_name)
     style_axes(
         ax,
-        xlabel="client step size η_l",
-        ylabel=f"rounds to {metric} {relation} {target:g}",
-        title=f"Rounds to {metric} {relation} {target:g} (mean ± std over seeds)",
+        xlabel=xlabel,
+        ylabel=f"rounds to {what}",
+        title=f"Rounds to {what}\n(mean ± std over seeds)",
     )
     return fig
 
@@ -882,12 +1091,12 @@ def plot_best_curves(
     ax=None,
     higher_is_better: bool = True,
 ):
-    """``metric`` against rounds for each algorithm's chosen config (:func:`summarize`):
-    the mean over its seeds, a band of ± 1 standard deviation over the seeds, and the
-    target as a dashed line.
+    """``metric`` against rounds for each grid's chosen config (:func:`summarize`): the
+    mean over its seeds, a band of ± 1 standard deviation over the seeds, and the target
+    as a dashed line.
 
     Args:
-      results: ``{algorithm: SweepResult}`` or one SweepResult.
+      results: ``{grid name: SweepResult}`` or one SweepResult.
       target: the target of ``metric`` the choice was made for (None: best value alone).
       metric: the record field drawn.
       ax: draw into these axes instead of a new figure.
@@ -896,13 +1105,9 @@ def plot_best_curves(
     Returns:
       The ``matplotlib.figure.Figure``.
     """
-    import numpy as np
-
     results = _as_mapping(results)
     summary = summarize(results, target, metric, higher_is_better)
-    fig = ax.figure if ax is not None else None
-    if ax is None:
-        fig, (ax,) = new_figure()
+    fig, ax = _figure(ax)
     num_seeds = set()
     for name, entry in summary.items():
         best = entry["best"]
@@ -917,14 +1122,14 @@ def plot_best_curves(
         label = _label(name, best["hparams"], _varying(entry["groups"]) | {"client_lr"})
         (line,) = ax.plot(rounds, mean, label=label)
         ax.fill_between(rounds, mean - std, mean + std, alpha=0.25, color=line.get_color())
-    if target is not None:
-        ax.axhline(target, linestyle="--", color="gray", linewidth=1, label=f"target {target:g}")
+    _target_lines(ax, target)
+    _integer_axis(ax)
     seeds = "/".join(str(n) for n in sorted(num_seeds))
     style_axes(
         ax,
         xlabel="communication rounds",
-        ylabel=metric,
-        title=f"Chosen config per algorithm: mean over {seeds} seeds, band ± 1 std",
+        ylabel=_metric_label(metric),
+        title=f"The chosen config of each grid\nmean over {seeds} seeds, band ± 1 std",
     )
     return fig
 
@@ -934,7 +1139,7 @@ def plot_drift(
     path: str | os.PathLike | None = None,
     *,
     title: str = "Client drift",
-    ylabel: str = "client drift  mean ‖y_i − x‖",
+    ylabel: str = "client drift, mean ‖yᵢ − x‖",
 ):
     """Per-round drift curves (e.g. FedAvg vs SCAFFOLD), log scale when all positive.
 
@@ -948,8 +1153,6 @@ def plot_drift(
     Returns:
       The ``matplotlib.figure.Figure``.
     """
-    import numpy as np
-
     fig, (ax,) = new_figure()
     positive = True
     for name, values in histories.items():
@@ -959,6 +1162,7 @@ def plot_drift(
     if positive:
         ax.set_yscale("log")
     style_axes(ax, xlabel="communication rounds", ylabel=ylabel, title=title)
+    _integer_axis(ax)
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -979,8 +1183,6 @@ def plot_G_vs_similarity(
     Raises:
       ValueError: the two sequences do not pair up.
     """
-    import numpy as np
-
     s = np.asarray(similarities, dtype=np.float64).reshape(-1)
     g = np.asarray(G_values, dtype=np.float64).reshape(-1)
     if s.shape != g.shape:

@@ -250,7 +250,7 @@ class SweepResult:
       algorithm: the algorithm's name.
       configs: one dict per config (``client_lr``, ``server_lr``, ``prox_mu``, ``seed``).
       records: per config, one dict per evaluation with the keys of
-        :attr:`~scaffold_jax.simulate.RunResult.records` (``round``, ``test_loss``,
+        :attr:`~scaffold_jax.loop.RunResult.records` (``round``, ``test_loss``,
         ``test_accuracy``, ``train_loss``, ``seconds``) plus ``status`` (``"ok"`` or
         ``"diverged"``) and ``config``. Metrics of a diverged config are NaN.
       diverged_round: int ``[C]``, the round that produced a NaN/Inf, −1 if none.

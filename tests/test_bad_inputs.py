@@ -590,6 +590,24 @@ CASES = [
     Case("sweep-target", "sweep --target 5", "scaffold-jax sweep", ConfigError,
          "--target = 5 is invalid: it must be a test accuracy in (0, 1], e.g. --target 0.7.",
          lambda ctx: cli._sweep_command(sweep_args("--target", "5"))),
+    Case("sweep-grid-undeclared", "sweep --grid over a hyper-parameter no algorithm of the "
+         "sweep declares", "scaffold-jax sweep", ConfigError,
+         "--grid prox_mu: no algorithm of this sweep (scaffold) declares the hyper-parameter "
+         "prox_mu (fedprox does); add one with --algorithms or remove the axis.",
+         lambda ctx: cli._sweep_command(sweep_args("--grid", "prox_mu=0.1,1"))),
+    Case("sweep-grid-not-a-number", "sweep --grid with a value that is not a number",
+         "scaffold-jax sweep", ConfigError,
+         "--grid 'server_lr=0.5,big': 'big' is not a number; every value of an axis must be "
+         "one (e.g. --grid server_lr=0.5,1).",
+         lambda ctx: cli._sweep_command(sweep_args("--grid", "server_lr=0.5,big"))),
+    Case("sweep-grid-empty", "sweep --grid with no values", "scaffold-jax sweep", ConfigError,
+         "--grid 'server_lr=' has no values: list at least one after '=' (e.g. --grid "
+         "server_lr=0.5,1).",
+         lambda ctx: cli._sweep_command(sweep_args("--grid", "server_lr="))),
+    Case("sweep-grid-seed", "sweep --grid over the seed", "scaffold-jax sweep", ConfigError,
+         "--grid seed: seed is not an axis of a sweep: the run seeds are --seeds; --grid "
+         "partition_seed=... re-partitions the data.",
+         lambda ctx: cli._sweep_command(sweep_args("--grid", "seed=0,1"))),
 ]
 # fmt: on
 

@@ -1,6 +1,7 @@
 """The `scaffold-jax` command: help, `run` end to end, config errors, and the quick
 paper protocols, whose numbers must show the paper's findings."""
 
+import csv
 import json
 import math
 import os
@@ -225,6 +226,21 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
         # η_l = 0.001 barely moves the model: the paper's criterion must pick 0.1.
         assert record["summary"][name]["best"]["hparams"]["client_lr"] == 0.1
     assert "| scaffold |" in (out / "summary.md").read_text()
+    # η_l = 0.1 is the largest value of its grid: the optimum may lie beyond, and the
+    # sweep says so (even with --quiet) in the summary too.
+    edges = [
+        f"{name}: the chosen client_lr = 0.1 is the largest value of its grid (0.001, 0.1); "
+        "the best value may lie above it: extend the grid above 0.1."
+        for name in ("scaffold", "fedavg")
+    ]
+    assert capsys.readouterr().err.splitlines() == [f"warning: {line}" for line in edges]
+    assert json.loads((out / "summary.json").read_text())["edge_of_grid"] == edges
+    with open(out / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["algorithm"], r["client_lr"], r["seed"], r["chosen"]) for r in rows] == [
+        (name, lr, seed, str(lr == "0.1"))
+        for name in ("scaffold", "fedavg") for lr in ("0.1", "0.001") for seed in ("0", "1")
+    ]  # fmt: skip
     assert main(argv) == 1  # a finished sweep is not overwritten silently
     assert "already holds a finished run" in capsys.readouterr().err
 

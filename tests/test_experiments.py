@@ -273,8 +273,22 @@ def test_run_writes_its_folder_from_an_in_memory_dataset(tmp_path):
         eval_every=3,
         targets=[0.3, 0.99],
     )
-    summary = experiments.run(config, tmp_path / "out", quiet=True, dataset=toy_dataset())
+    drawn = {}
+
+    def plot_curves(records, spec, path=None):
+        drawn[spec.filename] = spec
+        return None  # nothing written: the figure itself is tested in test_results.py
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(results, "plot_curves", plot_curves)
+        summary = experiments.run(config, tmp_path / "out", quiet=True, dataset=toy_dataset())
     folder = tmp_path / "out"
+    # The run's plots say what ran, and the accuracy plot shows the targets.
+    title = "scaffold on toy: N = 10, S = 5, η_l = 0.5"
+    assert {name: (spec.title, spec.target) for name, spec in drawn.items()} == {
+        "accuracy.png": (title, (0.3, 0.99)),
+        "loss.png": (title, None),
+    }
     assert summary["status"] == "finished"
     assert summary["dataset"] == "toy" and summary["clients_per_round"] == 5
     assert summary["rounds_to_target"]["0.99"] is None

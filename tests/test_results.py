@@ -459,6 +459,14 @@ def test_run_curves_are_figures_with_panels_a_target_line_and_outside_legends(tm
     (ax,) = fig.axes
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["scaffold (η_l = 0.1)", "sgd (η_l = 1)", "target 0.5"]
+    renamed = results.plot_curves(recs, spec._replace(legend=lambda name: name.split()[0]))
+    assert [t.get_text() for t in renamed.axes[0].get_legend().get_texts()][:2] == [
+        "scaffold", "sgd"
+    ]  # fmt: skip
+    several = results.plot_curves(recs, spec._replace(target=(0.5, 0.6)))
+    (ax,) = several.axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "targets 0.5, 0.6"
+    assert sorted(line.get_ydata()[0] for line in ax.get_lines()[2:]) == [0.5, 0.6]
     panels = spec._replace(
         panels={"G = 1": ["sgd (η_l = 1)"], "G = 10": ["scaffold (η_l = 0.1)"]}, logy=True
     )
@@ -480,12 +488,35 @@ def test_sweep_plots_are_figures_with_titles_and_readable_axes(tmp_path):
     _assert_one_style(fig, backend)
     (ax,) = fig.axes
     assert "not reached" not in ax.get_title() and "mean ± std" in ax.get_title()
-    assert any("not reached" in t.get_text() for t in ax.get_legend().get_texts())
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [
+        "not reached (at 100 rounds)", "diverged (at 100 rounds)", "scaffold", "fedavg"
+    ]  # fmt: skip
     assert [float(t) for t in ax.get_xticks()] == lrs
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == [f"{lr:g}" for lr in lrs]
+    # η_l = 10 reached the target before it blew up: marked, not on scaffold's line.
+    scaffold_line = ax.get_lines()[0]
+    assert 10.0 not in list(scaffold_line.get_xdata()) and 3.0 in list(scaffold_line.get_xdata())
+    assert ax.get_ylim()[0] == 0 and all(float(t).is_integer() for t in ax.get_yticks())
+    # With η_l fixed, the swept hyper-parameter is the x axis.
+    by_server_lr = _sweep_like("fedavg", [0.3, 1.0])  # 2 values x 2 seeds, relabelled
+    by_server_lr.configs = [
+        {**c, "client_lr": 0.3, "server_lr": lr}
+        for c, lr in zip(by_server_lr.configs, (0.5, 0.5, 1.0, 1.0), strict=True)
+    ]
+    (ax,) = results.plot_rounds_to_target(by_server_lr, 0.6).axes
+    assert ax.get_xlabel() == "server step size η_g"
+    assert [float(t) for t in ax.get_xticks()] == [0.5, 1.0]
+    # A grid spanning 40 decades: the labels that would overlap are left out.
+    wide = results.plot_rounds_to_target(_sweep_like("sgd", [0.03, 0.1, 0.3, 1e38]), 0.6)
+    wide.canvas.draw()
+    assert [t.get_text() for t in wide.axes[0].get_xticklabels()] == ["0.03", "", "", "1e+38"]
     fig = results.plot_best_curves(sweeps, 0.6)
     _assert_one_style(fig, backend)
     (ax,) = fig.axes
-    assert "± 1 std" in ax.get_title()
+    assert "± 1 std" in ax.get_title() and ax.get_ylabel() == "test accuracy"
+    assert all(float(t).is_integer() for t in ax.get_xticks())  # rounds are whole
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["scaffold (η_l = 3)", "fedavg (η_l = 3)", "target 0.6"]
     results.save_figure(fig, tmp_path / "best.png")

@@ -46,8 +46,10 @@ print(json.dumps({"ms": 1e3 * min(times), "compile_s": compile_s[0]}))
 """
 
 
-def child(tree: Path, workload: str, algorithm: str, repeats: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def child(tree: Path, workload: str, algorithm: str, repeats: int, env=None) -> dict:
+    """Times ``workload``/``algorithm`` in a fresh process running ``tree``'s package (with
+    ``env`` added to the environment, e.g. ``XLA_FLAGS``)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, workload, algorithm, str(repeats), str(ROOT / "benchmarks")],
         cwd=tree,

@@ -306,19 +306,24 @@ def train_objective(sim: Simulation, params: PyTree, data) -> dict[str, jax.Arra
     if not hasattr(data, "examples"):
         return {}
     n = jax.tree.leaves(data.examples)[0].shape[0]
-    owner = jnp.repeat(jnp.arange(data.num_clients), data.counts, total_repeat_length=n)
-    examples, m = data.examples, sim.train_eval_examples
-    if m is not None and m < n:
-        # Static indices (n and m are shapes): a constant of the program, drawn once.
-        index = np.sort(np.random.default_rng(0).choice(n, m, replace=False)).astype(np.int32)
-        examples = jax.tree.map(lambda a: a[index], examples)
-        owner = owner[index]
+    m = sim.train_eval_examples
+    if m is None or m >= n:
+        losses = sim.per_example(sim.problem.loss_fn, params, data.examples)
+        owner = jnp.repeat(jnp.arange(data.num_clients), data.counts, total_repeat_length=n)
+        sums = jax.ops.segment_sum(losses, owner, num_segments=data.num_clients)
+        if sim.weighting == "num_examples":
+            return {"train_loss": jnp.sum(sums) / n}
+        return {"train_loss": jnp.mean(sums / data.counts.astype(jnp.float32))}
+    # Static indices (n and m are shapes): a constant of the program, drawn once. Each
+    # example's client is found from the clients' sorted row offsets.
+    index = np.sort(np.random.default_rng(0).choice(n, m, replace=False)).astype(np.int32)
+    examples = jax.tree.map(lambda a: a[index], data.examples)
     losses = sim.per_example(sim.problem.loss_fn, params, examples)
-    scale = n / losses.shape[0]
     if sim.weighting == "num_examples":
         return {"train_loss": jnp.mean(losses)}
+    owner = jnp.searchsorted(data.offsets, index, side="right") - 1
     weight = 1.0 / (data.num_clients * data.counts[owner].astype(jnp.float32))
-    return {"train_loss": scale * jnp.sum(weight * losses)}
+    return {"train_loss": (n / m) * jnp.sum(weight * losses)}
 
 
 def client_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:

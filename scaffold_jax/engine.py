@@ -15,11 +15,12 @@ A round is one pure function ``round(hparams, state, data, key) -> (state, metri
 An algorithm's ``warm_start`` pass (SCAFFOLD's warm controls) runs once over all N
 clients when the initial state is built (:meth:`Simulation.warm_start_fn`).
 
-Many rounds run as one ``lax.scan`` inside one ``jit`` whose state argument is donated,
-so the ``[N, ...]`` client table is updated in place. Nothing per client or per step
-happens in Python. This module and :mod:`scaffold_jax.layout` are the only ones that know
-the client axis; the host loop that runs these programs (evaluation cadence, checkpoints,
-signals, divergence) is :mod:`scaffold_jax.loop`.
+Many rounds run as one loop (:func:`repeat_rounds`) inside one ``jit`` whose state
+argument is donated, so the ``[N, ...]`` client table is updated in place. Nothing per
+client or per step happens in Python. This module and :mod:`scaffold_jax.layout` are the
+only ones that know the client axis; the host loop that runs these programs (evaluation
+cadence, checkpoints, signals, divergence) is :mod:`scaffold_jax.loop`.
+
 """
 
 from __future__ import annotations

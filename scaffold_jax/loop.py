@@ -12,7 +12,9 @@ Schedule. The loop is anchored at the round the run started from, r0 (0 for a fr
 run): evaluations at r0, r0 + E, r0 + 2E, ... and at the last round r0 + ``num_rounds``;
 checkpoints (with a checkpoint directory) at r0 and every ``checkpoint_every`` rounds
 after it, and at the last round, so a finished run always leaves its final state. The
-rounds between two such points are ONE compiled ``lax.scan``.
+rounds between two such points are one call of ONE compiled program, as long as the
+longest such block (a shorter block stops early inside it), so a run compiles once
+whatever its cadence. Evaluations are timed apart from the rounds.
 
 Resuming restores the newest readable checkpoint (falling back past corrupt ones, see
 :func:`scaffold_jax.checkpoint.restore_latest`), refuses one written by another run (its

@@ -20,7 +20,6 @@ argument is donated, so the ``[N, ...]`` client table is updated in place. Nothi
 client or per step happens in Python. This module and :mod:`scaffold_jax.layout` are the
 only ones that know the client axis; the host loop that runs these programs (evaluation
 cadence, checkpoints, signals, divergence) is :mod:`scaffold_jax.loop`.
-
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ import numpy as np
 from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
+from scaffold_jax.progress import Progress
 from scaffold_jax.types import HParam
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
@@ -182,16 +183,45 @@ def build_parser() -> argparse.ArgumentParser:
         "dissimilarity G and B, Hessian dissimilarity delta and smoothness beta by power "
         "iteration on Hessian-vector products, and SCAFFOLD's suggested K ~ beta / delta.",
     )
-    _config_flags(diag)
-    diag.add_argument("--gd-steps", type=int, default=0, help="extra points along a GD path")
+    _config_flags(diag, fields=DIAGNOSE_FIELDS)
+    diag.add_argument(
+        "--gd-steps",
+        type=int,
+        default=0,
+        help="extra points along a full-gradient descent path (step size --client-lr), to "
+        "fit (G, B) [0]",
+    )
     diag.add_argument("--num-iters", type=int, default=30, help="power iterations [30]")
-    diag.add_argument("--quiet", action="store_true", help="print nothing")
+    diag.add_argument(
+        "--out", help="output folder: diagnose.json, gradient_fit.png, summary.json "
+        "[default: results/diagnose-<dataset>]"
+    )  # fmt: skip
+    diag.add_argument(
+        "--overwrite", action="store_true", help="replace an output folder that holds a run"
+    )
+    diag.add_argument(
+        "--quiet", action="store_true", help="print nothing (the output folder is still written)"
+    )
     return parser
 
 
-def _config_flags(parser: argparse.ArgumentParser) -> None:
+#: The config fields that mean something to ``diagnose``: the data, its partition, the
+#: model at its initial params, and the step size of the --gd-steps path. The algorithm,
+#: sampling, local plan and horizon do not enter G, B, δ or β, so they have no flags there.
+DIAGNOSE_FIELDS = (
+    "dataset", "data_dir", "min_client_examples", "client_holdout", "download",
+    "max_train_examples", "max_test_examples", "partition", "similarity", "dirichlet_alpha",
+    "shards_per_client", "model", "hidden_sizes", "resnet_width", "lstm_hidden", "embed_dim",
+    "num_clients", "seed", "client_lr",
+)  # fmt: skip
+
+
+def _config_flags(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
     """--config, --plugin, --set, one flag per :class:`RunConfig` field and one per
-    hyper-parameter or option a registered algorithm declares (flags override the file)."""
+    hyper-parameter or option a registered algorithm declares (flags override the file).
+
+    ``fields``: only these fields have flags, and no declared hyper-parameter or option
+    does (a command that does not run an algorithm)."""
     from scaffold_jax import experiments
 
     parser.add_argument("--config", metavar="FILE", help="a .toml or .json config file")
@@ -213,6 +243,8 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     )
     defaults = RunConfig()
     declared = {**experiments.declared_hparams(), **experiments.declared_options()}
+    if fields is not None:
+        declared = {}
     for name, spec in declared.items():
         # Choices are checked with the config (naming the field), not by argparse.
         choices = getattr(spec, "choices", None)
@@ -235,6 +267,8 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
         kind = meta["kind"]
         if kind == "table" or field.name == "plugins":
             continue  # filled by the declared flags and --set; plugins by --plugin
+        if fields is not None and field.name not in fields:
+            continue
         help_text = meta["help"]
         if meta.get("choices"):
             help_text += f" ({' | '.join(meta['choices'])})"
@@ -426,18 +460,26 @@ def _sweep_command(args: argparse.Namespace) -> int:
     writer = results.RunWriter(
         out, to_save, (args.target,), args.overwrite, plots=(), resume=resume
     )
+    # One bar over every algorithm's rounds (a grid's chunks run one after the other).
+    progress = Progress(len(names) * config.rounds, "sweep", enabled=not args.quiet)
     with writer:
         finished = {}
         if resume:
             finished = {k: _from_part(p) for k, p in writer.keep_finished_parts().items()}
-        for name in names:
+        for index, name in enumerate(names):
             if name in finished:
                 sweep_results[name] = finished[name]
+                progress.update((index + 1) * config.rounds)
                 continue
             declared = ALGORITHMS[name].hparams
             cfg = for_algorithm(name)
             fixed = dict(cfg.hparams)
-            built = experiments.build(cfg, dataset=dataset)
+            if dataset is None:
+                with progress.phase(f"loading {cfg.dataset}"):
+                    built = experiments.build(cfg)
+                progress.write(experiments.built_summary(built))
+            else:
+                built = experiments.build(cfg, dataset=dataset)
             dataset = built.dataset
             swept = {k: v for k, v in axes.items() if k in declared}
             values = {
@@ -456,6 +498,11 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 flat = {k: v for k, v in record.items() if k != "config"}
                 entries.append(writer.record(series, {"algorithm": name, **config_of, **flat}))
 
+            def advance(fraction, index=index, name=name):
+                progress.update(
+                    (index + fraction) * config.rounds, f"{name} [{index + 1}/{len(names)}]"
+                )
+
             sweep_results[name] = sweeps.sweep(
                 built.simulation,
                 built.data,
@@ -469,15 +516,18 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 checkpoint_every=args.checkpoint_every,
                 checkpoint_seconds=60.0 * args.checkpoint_minutes,
                 resume=resume,
+                phase=progress.phase,
+                progress=advance,
             )
             writer.save_part(name, _part(sweep_results[name]), entries)
             if not args.quiet:
-                print(
+                progress.write(
                     f"{name}: {len(configs)} configs x {config.rounds} rounds in "
                     f"{sweep_results[name].run_seconds:.1f} s "
                     f"(+{sweep_results[name].compile_seconds:.1f} s "
                     f"compile) on {built.info['dataset']}"
                 )
+        progress.close()
         summary = results.summarize(sweep_results, args.target)
         table = results.format_summary(summary)
         dataset_name = dataset.name if dataset is not None else config.dataset
@@ -581,25 +631,71 @@ def _strict_json(value: Any) -> Any:
 
 
 def _diagnose_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import jax
 
-    from scaffold_jax import diagnostics, experiments
+    from scaffold_jax import diagnostics, experiments, results
+    from scaffold_jax.data import sources
 
-    built = experiments.build(_config(args))
-    problem, data = built.problem, built.data
-    trajectory, params = [], problem.params
     if args.gd_steps < 0:
         raise ConfigError(f"--gd-steps = {args.gd_steps} is invalid: it must be >= 0.")
-    for _ in range(args.gd_steps):  # points along a full-gradient path, to fit (G, B)
+    unused = sorted(set(_parse_set(args.set)) - set(DIAGNOSE_FIELDS))
+    if unused:
+        raise ConfigError(
+            f"--set {', '.join(unused)}: diagnose does not use "
+            f"{'them' if len(unused) > 1 else 'it'} (it measures the data, partition and "
+            f"model: {', '.join(DIAGNOSE_FIELDS)})."
+        )
+    config = _config(args)
+    dataset_name = sources.canonical_name(config.dataset).replace("/", "-")
+    out = Path(args.out or f"results/diagnose-{dataset_name}")
+    results.check_folder(out, args.overwrite, dry_run=True)  # before minutes of work
+    progress = Progress(args.gd_steps, "gradient descent", unit="step", enabled=not args.quiet)
+    with progress.phase(f"loading {config.dataset}"):
+        built = experiments.build(config)
+    progress.write(experiments.built_summary(built))
+    problem, data = built.problem, built.data
+    trajectory, params = [], problem.params
+    for step in range(args.gd_steps):  # points along a full-gradient path, to fit (G, B)
         grad = diagnostics.full_gradient(problem, data, params)
-        params = jax.tree.map(lambda p, g: p - built.hparams.client_lr * g, params, grad)
+        params = jax.tree.map(lambda p, g: p - config.client_lr * g, params, grad)
         trajectory.append(params)
+        progress.update(step + 1)
+    progress.close()
     report = diagnostics.diagnose(
-        problem, data, problem.params, trajectory=trajectory, num_iters=args.num_iters
+        problem,
+        data,
+        problem.params,
+        trajectory=trajectory,
+        num_iters=args.num_iters,
+        phase=progress.phase,
     )
+    saved = {
+        **{name: getattr(config, name) for name in DIAGNOSE_FIELDS},
+        "gd_steps": args.gd_steps,
+        "num_iters": args.num_iters,
+        "plugins": list(config.plugins),
+    }
+    with results.RunWriter(out, saved, overwrite=args.overwrite, plots=()) as writer:
+        reported = {"experiment": "diagnose", **built.info, "report": report._asdict()}
+        writer.add(**reported)
+        writer.write_text(
+            "diagnose.json",
+            json.dumps(_strict_json(reported), indent=1, default=_json_default) + "\n",
+        )
+        try:
+            fig = results.plot_gradient_fit(report.points, report.G, report.B)
+        except ImportError:  # matplotlib is the optional "plots" extra
+            progress.write("matplotlib is not installed: no plot written.")
+        else:
+            results.save_figure(fig, out / "gradient_fit.png")
+            writer.files.append("gradient_fit.png")
+        writer.finish(plots=())
     if not args.quiet:
         print(f"{built.info['dataset']}, {data.num_clients} clients, {built.info['partition']}")
         print(diagnostics.format_report(report))
+        print(f"wrote {out}/: {', '.join(writer.files)}")
     return 0
 
 

@@ -40,6 +40,7 @@ from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
 from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
 from scaffold_jax.loop import DivergenceError
 from scaffold_jax.models import MODELS
+from scaffold_jax.progress import Progress
 from scaffold_jax.registry import PLUGIN_HINT, Registry, RegistryUnion, load_plugins
 from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams, Problem, resolve_hparams
 
@@ -919,98 +920,6 @@ def build(config: RunConfig, dataset: sources.Dataset | None = None) -> Built:
 
 
 # =====================================================================================
-# Progress
-# =====================================================================================
-class Progress:
-    """A tqdm bar over rounds (round, latest accuracy, rounds/s), fed by evaluation records.
-
-    The bar is created at the first record after round 0, i.e. after compilation, so its
-    rate is the steady-state rounds/s. Disabled (a no-op) when ``enabled`` is False or
-    tqdm is not installed. Writes to stderr, so stdout stays clean for tables.
-    """
-
-    def __init__(self, total: int, desc: str = "", enabled: bool = True, leave: bool = True):
-        self.total, self.desc, self.leave = int(total), desc, leave
-        self.enabled = enabled
-        self.bar = None
-        self.done = 0
-
-    def __call__(self, record: Mapping[str, Any]) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None and int(record["round"]) == 0:
-            return  # round 0 comes before the round program compiles: not a rate sample
-        if self.bar is None:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                self.enabled = False
-                return
-            # Started at the first record after round 0: the first chunk (which includes
-            # compiling) is the bar's initial value, so its rate is the steady state.
-            self.done = int(record["round"])
-            self.bar = tqdm(
-                total=self.total, initial=self.done, desc=self.desc, unit="round",
-                leave=self.leave, dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
-            )  # fmt: skip
-        step = int(record["round"]) - self.done
-        if step > 0:
-            self.bar.update(step)
-            self.done += step
-        postfix = {}
-        for key, label in (("test_accuracy", "acc"), ("error", "err"), ("test_loss", "loss")):
-            if key in record and results.is_finite_number(record[key]):
-                postfix[label] = f"{record[key]:.4g}"
-                break
-        if postfix:
-            self.bar.set_postfix(postfix, refresh=False)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def write(self, text: str) -> None:
-        """Prints a line without breaking the bar."""
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text)
-
-
-class CellProgress:
-    """A tqdm bar over the cells of a protocol (one cell = one η_l grid), with a line per
-    finished cell; plain lines on stderr without tqdm, nothing when disabled."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True):
-        self.enabled, self.total, self.done = enabled, int(total), 0
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=self.total, desc=desc, unit="cell", file=sys.stderr)
-
-    def step(self, text: str) -> None:
-        """Reports one finished cell."""
-        self.done += 1
-        if not self.enabled:
-            return
-        line = f"[{self.done}/{self.total}] {text}"
-        if self.bar is None:
-            print(line, file=sys.stderr)
-            return
-        self.bar.write(line, file=sys.stderr)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-# =====================================================================================
 # scaffold-jax run
 # =====================================================================================
 CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
@@ -1149,9 +1058,15 @@ def run(
         results.check_lock(folder)
     else:
         results.check_folder(folder, overwrite, dry_run=True)
-    built = build(config, dataset)
     series = config.algorithm
     progress = Progress(config.rounds, desc=series, enabled=not quiet)
+    with progress.phase(f"loading {config.dataset} and building the run"):
+        built = build(config, dataset)
+    info = built.info
+    progress.write(
+        f"{built_summary(built)}; {info['clients_per_round']} clients a round, up to "
+        f"{info['max_local_steps']} local steps of {info['max_batch_size']} examples"
+    )
     directory = folder / CHECKPOINTS
     # Only a complete checkpoint counts (a save killed half-way leaves a temporary folder).
     restore = resume and checkpoint and directory.is_dir() and _has_checkpoint(directory)
@@ -1182,6 +1097,7 @@ def run(
                 identity=run_identity(config, built),
                 on_restore=lambda records: writer.reset_records(records, series),
                 checkpoint_seconds=60.0 * checkpoint_minutes if checkpoint else None,
+                phase=progress.phase,
             )
         except DivergenceError as err:
             writer.close("diverged", error=str(err))
@@ -1207,6 +1123,15 @@ def run(
     if not quiet:
         print(format_run_summary(summary, folder))
     return summary
+
+
+def built_summary(built: Built) -> str:
+    """One line on the data a run was built from (after its loading phase)."""
+    info = built.info
+    return (
+        f"{info['dataset']}: {info['num_train_examples']} training examples over "
+        f"{info['num_clients']} clients ({info['partition']['kind']} partition)"
+    )
 
 
 def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:

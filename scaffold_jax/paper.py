@@ -33,7 +33,6 @@ from scaffold_jax.data.federated import from_partition
 from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
 from scaffold_jax.experiments import (
     MODELS,
-    CellProgress,
     ConfigError,
     _Checker,
     _is_number,
@@ -43,6 +42,7 @@ from scaffold_jax.experiments import (
     run_grid,
     subset_dataset,
 )
+from scaffold_jax.progress import Progress
 
 
 # =====================================================================================
@@ -233,7 +233,8 @@ def reproduce_fig3(
             f"δ = {protocol.delta:g}, full batch)",
         ),
     )
-    progress = CellProgress(len(settings) * len(problems), "fig3", enabled=not quiet)
+    progress = Progress(len(settings) * len(problems), "fig3", unit="cell", enabled=not quiet)
+    progress.show()
     with results.RunWriter(
         folder, config, overwrite=overwrite, plots=plots, resume=resume
     ) as writer:
@@ -647,8 +648,15 @@ def reproduce_table(
         overwrite, resume,
     )  # fmt: skip
     start = time.perf_counter()
+    progress = Progress(
+        len(protocol.all_rows) * len(protocol.similarities),
+        protocol.name,
+        unit="cell",
+        enabled=not quiet,
+    )
     if dataset is None:
-        dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
+        with progress.phase(f"loading {protocol.dataset}"):
+            dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
     dataset = subset_dataset(
         dataset, protocol.max_train_examples, protocol.max_test_examples, protocol.seed
     )
@@ -668,9 +676,7 @@ def reproduce_table(
     }
     cells: list[dict[str, Any]] = []
     simulations: dict[tuple, Simulation] = {}
-    progress = CellProgress(
-        len(protocol.all_rows) * len(protocol.similarities), protocol.name, enabled=not quiet
-    )
+    progress.show()
     with results.RunWriter(
         folder, config, [target] if target else (), overwrite=overwrite, plots=plots,
         resume=resume,

@@ -42,7 +42,15 @@ from scaffold_jax.loop import DivergenceError
 from scaffold_jax.models import MODELS
 from scaffold_jax.progress import Progress
 from scaffold_jax.registry import PLUGIN_HINT, Registry, RegistryUnion, load_plugins
-from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams, Problem, resolve_hparams
+from scaffold_jax.types import (
+    STEP_SIZES,
+    Algorithm,
+    HParam,
+    HParams,
+    Problem,
+    format_hparams,
+    resolve_hparams,
+)
 
 BATCH_PLANS = ("fraction", "epochs", "fixed", "full")
 WEIGHTINGS = ("uniform", "num_examples")
@@ -1108,8 +1116,8 @@ def run(
         writer.describe(
             series,
             algorithm=config.algorithm,
-            client_lr=config.client_lr,
-            server_lr=config.server_lr,
+            # Only what the algorithm declares (FedDyn has no server_lr; only FedProx a μ).
+            hparams={k: float(v) for k, v in built.hparams.items()},
             compile_seconds=round(result.compile_seconds, 3),
             run_seconds=round(result.run_seconds, 3),
             seconds_per_round=round(result.run_seconds / rounds_run, 6),
@@ -1147,6 +1155,7 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         f"best test accuracy {best:.4f}"
         if best is not None
         else f"{name}",
+        f"hyper-parameters: {format_hparams(info.get('hparams', {}))}",
         f"rounds to target accuracy: {reached}",
         f"compile {info.get('compile_seconds', 0):.1f} s, run {info.get('run_seconds', 0):.1f} s "
         f"({info.get('rounds_per_second', 0):.1f} rounds/s)",

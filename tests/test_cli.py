@@ -87,7 +87,12 @@ def test_run_end_to_end_writes_every_file(tmp_path, capsys):
     loud = [a for a in argv if a != "--quiet"]
     assert main([*loud, "--overwrite", "--algorithm", "fedavg", "--client-lr", "1.0"]) == 0
     assert json.loads((out / "config.json").read_text())["algorithm"] == "fedavg"
-    err = capsys.readouterr().err.splitlines()
+    printed, err = capsys.readouterr()
+    # The summary names the algorithm's own hyper-parameters only (no μ for FedAvg).
+    assert "hyper-parameters: client_lr=1.0, server_lr=1.0\n" in printed
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["fedavg"]["hparams"] == {"client_lr": 1.0, "server_lr": 1.0}
+    err = err.splitlines()
     assert err[0] == "loading fashion_mnist and building the run..."
     assert err[1].startswith("loading fashion_mnist and building the run: ")
     assert any(line.startswith("compiling 2 rounds as one program: ") for line in err)

@@ -770,7 +770,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return commands[args.command](args)
     except (FileExistsError, FileNotFoundError, DivergenceError, OSError) as err:
         # DivergenceError first: it is a ValueError, but the config was valid.
-        print(f"scaffold-jax: error: {err}", file=sys.stderr)
+        from scaffold_jax.data.sources import DatasetNotFoundError
+
+        message = err.for_cli() if isinstance(err, DatasetNotFoundError) else err
+        print(f"scaffold-jax: error: {message}", file=sys.stderr)
         return 1
     except ValueError as err:  # ConfigError, and the library's own input checks
         print(f"scaffold-jax: error: {err}", file=sys.stderr)

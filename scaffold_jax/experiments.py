@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -973,7 +972,7 @@ def _origin(source: str) -> str:
 
 
 def _has_checkpoint(directory: Path) -> bool:
-    from scaffold_jax import checkpoint  # orbax is an optional extra
+    from scaffold_jax import checkpoint  # imported late: orbax is slow to import
 
     return checkpoint.latest_round(directory) is not None
 
@@ -1026,7 +1025,7 @@ def run(
       dataset: an already loaded dataset (e.g. in a notebook).
       resume: continue the run the folder holds (from its newest checkpoint; from round 0
         when it holds none; a folder without a run simply starts it).
-      checkpoint: write checkpoints (orbax, the ``checkpoint`` extra); False: none.
+      checkpoint: write checkpoints (orbax); False: none.
       checkpoint_every: checkpoint period in rounds (default: ``config.eval_every``).
       checkpoint_minutes: save at least this often (at block ends).
 
@@ -1044,14 +1043,6 @@ def run(
     from scaffold_jax import loop
 
     config.validate()
-    if checkpoint and importlib.util.find_spec("orbax") is None:
-        if resume:
-            raise ConfigError(
-                "--resume needs orbax-checkpoint: pip install 'scaffold-jax[checkpoint]'."
-            )
-        print("orbax-checkpoint is not installed: this run writes no checkpoints (pip "
-              "install 'scaffold-jax[checkpoint]').", file=sys.stderr)  # fmt: skip
-        checkpoint = False
     folder = Path(out if out is not None else config.resolved_out())
     to_save = config.to_dict()
     to_save["out"] = str(folder)

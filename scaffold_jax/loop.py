@@ -702,7 +702,7 @@ def run(
 
     checkpointer = None
     if checkpoint_dir is not None:
-        from scaffold_jax.checkpoint import Checkpointer  # orbax is an optional extra
+        from scaffold_jax.checkpoint import Checkpointer  # imported late: orbax is slow to import
 
         checkpointer = Checkpointer(checkpoint_dir, max_to_keep=keep_checkpoints)
     try:

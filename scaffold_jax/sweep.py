@@ -614,7 +614,7 @@ def _drive_chunk(
         return drive(
             chunk, carry, keys, num_rounds, eval_every, chunk.finish, callback=callback, **hooks
         )
-    from scaffold_jax.checkpoint import Checkpointer  # orbax is an optional extra
+    from scaffold_jax.checkpoint import Checkpointer  # imported late: orbax is slow to import
 
     identity = json.loads(json.dumps({
         "algorithm": sweep.simulation.algorithm.name,

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bit (only --rounds, --eval-every and --targets may change)",
     )
     _checkpoint_flags(run)
+    run.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write the metrics as TensorBoard event files into <out>/tensorboard "
+        "(needs tensorboardX: pip install 'scaffold-jax[tensorboard]')",
+    )
 
     rep = commands.add_parser(
         "reproduce",
@@ -381,6 +387,7 @@ def _run_command(args: argparse.Namespace) -> int:
         checkpoint=not args.no_checkpoint,
         checkpoint_every=args.checkpoint_every,
         checkpoint_minutes=args.checkpoint_minutes,
+        tensorboard=args.tensorboard,
     )
     return 0
 

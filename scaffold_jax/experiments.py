@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -1005,6 +1007,7 @@ def run(
     checkpoint: bool = True,
     checkpoint_every: int | None = None,
     checkpoint_minutes: float = 5.0,
+    tensorboard: bool = False,
 ) -> dict[str, Any]:
     """Runs one experiment and writes its folder (see :mod:`scaffold_jax.results`).
 
@@ -1028,6 +1031,8 @@ def run(
       checkpoint: write checkpoints (orbax); False: none.
       checkpoint_every: checkpoint period in rounds (default: ``config.eval_every``).
       checkpoint_minutes: save at least this often (at block ends).
+      tensorboard: also write every record's metrics as TensorBoard scalars (step: the
+        round) into ``<out>/tensorboard`` (:class:`scaffold_jax.results.TensorBoardSink`).
 
     Returns:
       The summary (what ``summary.json`` holds).
@@ -1058,6 +1063,11 @@ def run(
     else:
         results.check_folder(folder, overwrite, dry_run=True)
     series = config.algorithm
+    if tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        # Before the data loads: a missing extra fails in a second, not minutes.
+        raise ConfigError(
+            "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'."
+        )
     progress = Progress(config.rounds, desc=series, enabled=not quiet)
     with progress.phase(f"loading {config.dataset} and building the run"):
         built = build(config, dataset)
@@ -1073,11 +1083,19 @@ def run(
         folder, to_save, config.targets, overwrite=overwrite, resume=resume
     ) as writer:
         writer.add(experiment="run", **built.info)
+        board = None
+        if tensorboard:
+            if not resume:  # a replaced run's events would mix with this one's
+                shutil.rmtree(folder / results.TENSORBOARD_DIR, ignore_errors=True)
+            board = results.TensorBoardSink(folder)
+            writer.files.append(results.TENSORBOARD_DIR)
         if resume and not restore:
             writer.reset_records([])  # nothing was saved: start again at round 0
 
         def on_record(record):
             writer.record(series, record)
+            if board is not None:
+                board(record)
             progress(record)
 
         try:
@@ -1103,6 +1121,8 @@ def run(
             raise
         finally:
             progress.close()
+            if board is not None:
+                board.close()
         rounds_run = max(len(result.client_ids), 1)
         writer.describe(
             series,

@@ -1064,6 +1064,46 @@ def plot_gradient_fit(
     return fig
 
 
+# ----------------------------------------------------------------------------- TensorBoard
+TENSORBOARD_DIR = "tensorboard"  # the run folder's event files
+
+
+class TensorBoardSink:
+    """A record sink that writes every numeric field of each record as a TensorBoard
+    scalar (tag: the field name, under the record's series when there are several;
+    step: the record's ``round``), flushed per record, into ``<folder>/tensorboard``.
+
+    It uses tensorboardX (the optional ``tensorboard`` extra; no TensorFlow needed).
+    Pass it as (or call it from) the ``callback=`` of ``Simulation.run`` / ``loop.run``.
+
+    Raises:
+      ImportError: tensorboardX is not installed (the message says how to get it).
+    """
+
+    def __init__(self, folder: str | os.PathLike, series_prefix: bool = False):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as err:
+            raise ImportError(
+                "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'"
+            ) from err
+        self.directory = Path(folder) / TENSORBOARD_DIR
+        self.series_prefix = series_prefix
+        self._writer = SummaryWriter(logdir=str(self.directory))
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        step = int(record["round"])
+        prefix = f"{record['series']}/" if self.series_prefix and "series" in record else ""
+        for name, value in record.items():
+            if name == "round" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            self._writer.add_scalar(prefix + name, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 # ----------------------------------------------------------------------------- writer
 class RunWriter:
     """Writes one run's folder as the run goes.

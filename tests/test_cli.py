@@ -1,12 +1,14 @@
 """The `scaffold-jax` command: help, `run` end to end, config errors, and the quick
 paper protocols, whose numbers must show the paper's findings."""
 
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from scaffold_jax import results
@@ -85,6 +87,8 @@ def test_run_end_to_end_writes_every_file(tmp_path, capsys):
     # ... and replaced with it; without --quiet, progress on stderr (not a terminal here:
     # plain lines), one per evaluation, after a line for loading and one per compilation.
     loud = [a for a in argv if a != "--quiet"]
+    if importlib.util.find_spec("tensorboardX"):
+        loud.append("--tensorboard")
     assert main([*loud, "--overwrite", "--algorithm", "fedavg", "--client-lr", "1.0"]) == 0
     assert json.loads((out / "config.json").read_text())["algorithm"] == "fedavg"
     printed, err = capsys.readouterr()
@@ -92,6 +96,14 @@ def test_run_end_to_end_writes_every_file(tmp_path, capsys):
     assert "hyper-parameters: client_lr=1.0, server_lr=1.0\n" in printed
     runs = json.loads((out / "summary.json").read_text())["runs"]
     assert runs["fedavg"]["hparams"] == {"client_lr": 1.0, "server_lr": 1.0}
+    if "--tensorboard" in loud:  # the event files hold every record's metrics
+        from test_results import read_tensorboard_scalars
+
+        scalars = read_tensorboard_scalars(out / "tensorboard")
+        for name in ("test_accuracy", "test_loss", "train_loss"):
+            assert scalars[name] == [
+                (r["round"], float(np.float32(r[name]))) for r in results.read_records(out)
+            ]
     err = err.splitlines()
     assert err[0] == "loading fashion_mnist and building the run..."
     assert err[1].startswith("loading fashion_mnist and building the run: ")

@@ -636,3 +636,44 @@ def test_the_environment_names_the_git_commit_and_the_library_versions(monkeypat
         assert results.git_revision() == {"git_commit": None, "git_dirty": None}
     finally:
         results.git_revision.cache_clear()
+
+
+def read_tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` of the event files in ``directory``, parsed with
+    tensorboardX's protobufs (TFRecord framing: length, CRC, event, CRC)."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_sink_writes_one_scalar_per_metric_with_the_round_as_step(tmp_path):
+    pytest.importorskip("tensorboardX")
+    records = [
+        {"series": "a", "round": 0, "test_accuracy": 0.125, "test_loss": 2.5, "seconds": 0.0},
+        {"series": "a", "round": 5, "test_accuracy": 0.75, "test_loss": 0.5, "seconds": 1.5},
+    ]
+    sink = results.TensorBoardSink(tmp_path)
+    for record in records:
+        sink(record)
+    # Flushed per record: readable before close (a killed run keeps its events).
+    assert read_tensorboard_scalars(tmp_path / "tensorboard")["test_accuracy"] == [
+        (0, 0.125), (5, 0.75)
+    ]  # fmt: skip
+    sink.close()
+    assert read_tensorboard_scalars(tmp_path / "tensorboard") == {
+        name: [(r["round"], r[name]) for r in records]
+        for name in ("test_accuracy", "test_loss", "seconds")
+    }

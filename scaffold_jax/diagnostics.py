@@ -312,7 +312,8 @@ def _power_iteration(
     """
     w, unravel = ravel_pytree(params)
     objective = _client_objective(loss_fn, unravel)
-    # Client i's start vector depends on its id only (DESIGN.md's randomness contract).
+    # Client i's start vector depends on its id only, so an estimate for a client does not
+    # change with the other clients evaluated beside it.
     start = jax.vmap(lambda i: jr.normal(jr.fold_in(key, i), w.shape, jnp.float32))(client_ids)
     start = start / jnp.linalg.norm(start, axis=1, keepdims=True)
 

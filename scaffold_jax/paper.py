@@ -7,7 +7,7 @@ paper; Fashion-MNIST offline). η_l is tuned per algorithm over a grid, as the p
 with one vmapped program per grid (:func:`scaffold_jax.experiments.run_grid`); the chosen
 values are reported next to the tables.
 
-Choices the paper leaves open (PAPER.md lists them) are fields of the protocol
+Choices the paper (Karimireddy et al., ICML 2020, Section 7) leaves open are fields of the protocol
 dataclasses, documented where they are defined: :class:`Fig3Protocol` (the quadratic
 family, start point, error target, η_l grid) and :class:`TableProtocol` (dataset, target,
 η_l grids, hidden sizes, evaluation cadence).
@@ -71,9 +71,11 @@ class Fig3Protocol:
       f(x) − f* ≤ target · (f(x0) − f*).
     * η_l tuned per (algorithm, K, G) over ``lr_grid`` for the fewest rounds to the
       target; η_g = 1. SGD takes one full-gradient step per round (K does not apply).
-    * SCAFFOLD's controls start at zero (PAPER.md: "all may start at 0").
+    * SCAFFOLD's controls start at zero (Algorithm 1, Section 4, takes the initial c and
+      c_i as inputs; zero is the choice that needs no extra pass over the data).
       ``warm_controls=True`` adds rows of SCAFFOLD with warm-started controls
-      (``c_i = ∇f_i(x0)``, ALGORITHMS.md): with them SCAFFOLD's rounds no longer depend on
+      (``c_i = ∇f_i(x0)``, option I of Algorithm 1's control update at x0): with them
+      SCAFFOLD's rounds no longer depend on
       G, and at δ close to 1 (``--set delta=0.99``) K = 10 is faster than K = 2 again.
     """
 
@@ -398,7 +400,7 @@ class TableProtocol:
     μ = 1; SCAFFOLD option II; logistic regression (Table 5: a 2-layer MLP); η_l tuned per
     algorithm and cell for the fewest rounds to the target (Table 5: the best accuracy).
 
-    Our choices (PAPER.md: not stated in the paper): ``dataset`` ("auto" = EMNIST
+    Our choices (not stated in Section 7 of the paper): ``dataset`` ("auto" = EMNIST
     balanced, 47 classes, when it can be loaded, else Fashion-MNIST), ``target`` (the
     paper's for EMNIST; 0.7 / 0.65 on Fashion-MNIST, the same fraction of what the
     model reaches), the η_l grids (``lr_grids``), MLP hidden sizes (256, 256), one seed,

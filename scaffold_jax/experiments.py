@@ -1092,6 +1092,11 @@ def run(
         if resume and not restore:
             writer.reset_records([])  # nothing was saved: start again at round 0
 
+        def on_restore(records):
+            writer.reset_records(records, series)
+            # The rounds before the checkpoint ran in another process: not in the rate.
+            progress.rebase(records[-1]["round"] if records else 0)
+
         def on_record(record):
             writer.record(series, record)
             if board is not None:
@@ -1112,7 +1117,7 @@ def run(
                 keep_checkpoints=2,
                 resume=restore,
                 identity=run_identity(config, built),
-                on_restore=lambda records: writer.reset_records(records, series),
+                on_restore=on_restore,
                 checkpoint_seconds=60.0 * checkpoint_minutes if checkpoint else None,
                 phase=progress.phase,
             )

@@ -74,6 +74,7 @@ class Progress:
         self.bar = None
         self._start = time.perf_counter()
         self._phase_seconds = 0.0  # spent in phase() since the start: not in the rate
+        self._base = (0.0, self._start, 0.0)  # (done, time, phase seconds) the rate counts from
 
     @property
     def stream(self) -> TextIO:
@@ -111,7 +112,14 @@ class Progress:
         finally:
             seconds = time.perf_counter() - start
             self._phase_seconds += seconds
-            self.write(f"{text}: {_format_seconds(seconds)}")
+        # Only a phase that finished says so: a failed one is followed by its error.
+        self.write(f"{text}: {_format_seconds(seconds)}")
+
+    def rebase(self, done: float) -> None:
+        """Starts at ``done`` units without counting them in the rate (a resumed run: the
+        rounds before its checkpoint were run by another process)."""
+        self.done = float(done)
+        self._base = (self.done, time.perf_counter(), self._phase_seconds)
 
     # -- the bar -------------------------------------------------------------------
     def update(self, done: float, postfix: str | None = None) -> None:
@@ -146,16 +154,18 @@ class Progress:
             self._open_bar(initial=self.done)
 
     def _line(self, postfix: str | None) -> str:
-        elapsed = time.perf_counter() - self._start
-        steady = elapsed - self._phase_seconds
+        now = time.perf_counter()
+        elapsed = now - self._start
+        base_done, base_time, base_phases = self._base
+        steady = now - base_time - (self._phase_seconds - base_phases)
         percent = 100.0 * self.done / self.total if self.total else 100.0
         parts = [
             f"{self.desc + ': ' if self.desc else ''}{self.unit} {self.done:g}/{self.total:g} "
             f"({percent:.0f}%)",
             f"{_format_seconds(elapsed)} elapsed",
         ]
-        if self.done > 0 and steady > 0:
-            rate = self.done / steady
+        if self.done > base_done and steady > 0:
+            rate = (self.done - base_done) / steady
             parts.append(f"{rate:.3g} {self.unit}/s")
             parts.append(f"ETA {_format_seconds(max(self.total - self.done, 0) / rate)}")
         if postfix:

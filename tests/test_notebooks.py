@@ -165,4 +165,3 @@ def test_the_repository_url_is_the_packages_in_badges_and_install_cells(name):
     readme = (root / "README.md").read_text()
     assert f"({colab}/blob/main/notebooks/01_quickstart.ipynb)" in readme
     assert f'Repository = "{repo}"' in (root / "pyproject.toml").read_text()
-

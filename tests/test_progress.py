@@ -44,6 +44,27 @@ def test_plain_lines_give_the_round_elapsed_rate_and_an_eta_without_the_phases(m
     ]
 
 
+def test_a_resumed_run_counts_only_its_own_rounds_in_the_rate(monkeypatch):
+    clock = _Clock(monkeypatch)
+    stream = io.StringIO()
+    bar = Progress(100, "scaffold", stream=stream)
+    clock.now = 5.0
+    bar.rebase(50)  # restored at round 50
+    clock.now = 10.0
+    bar.update(60)
+    assert stream.getvalue() == (
+        "scaffold: round 60/100 (60%), 10.0 s elapsed, 2 round/s, ETA 20.0 s\n"
+    )
+
+
+def test_a_failed_phase_does_not_say_it_finished():
+    stream = io.StringIO()
+    bar = Progress(4, stream=stream)
+    with pytest.raises(FileNotFoundError), bar.phase("loading cifar10"):
+        raise FileNotFoundError("no data")
+    assert stream.getvalue() == "loading cifar10...\n"
+
+
 def test_cells_are_one_plain_line_each_with_their_text(monkeypatch):
     clock = _Clock(monkeypatch)
     stream = io.StringIO()

@@ -91,12 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bit (only --rounds, --eval-every and --targets may change)",
     )
     _checkpoint_flags(run)
-    run.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also write the metrics as TensorBoard event files into <out>/tensorboard "
-        "(needs tensorboardX: pip install 'scaffold-jax[tensorboard]')",
-    )
+    _tensorboard_flag(run)
 
     rep = commands.add_parser(
         "reproduce",
@@ -179,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "continue from their newest checkpoint",
     )
     _checkpoint_flags(sw)
+    _tensorboard_flag(sw)
     _common(sw, out=False)
 
     diag = commands.add_parser(
@@ -314,6 +310,16 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _tensorboard_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write the metrics as TensorBoard event files into <out>/tensorboard, "
+        "one scalar per metric, step = round (needs tensorboardX: pip install "
+        "'scaffold-jax[tensorboard]')",
+    )
+
+
 def _checked_checkpoint_flags(args: argparse.Namespace) -> None:
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
@@ -409,6 +415,9 @@ def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
 
 
 def _sweep_command(args: argparse.Namespace) -> int:
+    import contextlib
+    import importlib.util
+    import shutil
     from pathlib import Path
 
     from scaffold_jax import experiments, results
@@ -464,12 +473,24 @@ def _sweep_command(args: argparse.Namespace) -> int:
     # killed half-way keeps what it finished; each algorithm's grid, once finished, is a
     # part of the run (parts.jsonl): a resumed sweep keeps those and continues the others
     # from their chunk checkpoints. sweep.json and the tables come at the end.
+    if args.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'."
+        )
     writer = results.RunWriter(
         out, to_save, (args.target,), args.overwrite, plots=(), resume=resume
     )
     # One bar over every algorithm's rounds (a grid's chunks run one after the other).
     progress = Progress(len(names) * config.rounds, "sweep", enabled=not args.quiet)
-    with writer:
+    with writer, contextlib.ExitStack() as stack:
+        board = None
+        if args.tensorboard:
+            if not resume:  # a replaced sweep's events would mix with this one's
+                shutil.rmtree(out / results.TENSORBOARD_DIR, ignore_errors=True)
+            # One tag per config and metric: "<algorithm> <config>/<metric>".
+            board = results.TensorBoardSink(out, series_prefix=True)
+            stack.callback(board.close)
+            writer.files.append(results.TENSORBOARD_DIR)
         finished = {}
         if resume:
             finished = {k: _from_part(p) for k, p in writer.keep_finished_parts().items()}
@@ -504,6 +525,9 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 series = f"{name} " + " ".join(f"{k}={v:g}" for k, v in config_of.items())
                 flat = {k: v for k, v in record.items() if k != "config"}
                 entries.append(writer.record(series, {"algorithm": name, **config_of, **flat}))
+                if board is not None:  # the measurements only, not the config's values
+                    measured = {k: v for k, v in flat.items() if k != "config_index"}
+                    board({"series": series, **measured})
 
             def advance(fraction, index=index, name=name):
                 progress.update(

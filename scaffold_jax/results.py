@@ -1082,26 +1082,35 @@ class TensorBoardSink:
 
     def __init__(self, folder: str | os.PathLike, series_prefix: bool = False):
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX.event_file_writer import EventsWriter
         except ImportError as err:
             raise ImportError(
                 "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'"
             ) from err
         self.directory = Path(folder) / TENSORBOARD_DIR
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.series_prefix = series_prefix
-        self._writer = SummaryWriter(logdir=str(self.directory))
+        # tensorboardX's synchronous events writer: its SummaryWriter queues events for a
+        # background thread, whose flush() does not wait for them, so a killed run would
+        # lose the last ones.
+        self._events = EventsWriter(str(self.directory / "events"))
 
     def __call__(self, record: Mapping[str, Any]) -> None:
+        from tensorboardX.proto import event_pb2, summary_pb2
+
         step = int(record["round"])
         prefix = f"{record['series']}/" if self.series_prefix and "series" in record else ""
-        for name, value in record.items():
-            if name == "round" or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            self._writer.add_scalar(prefix + name, value, global_step=step)
-        self._writer.flush()
+        values = [
+            summary_pb2.Summary.Value(tag=prefix + name, simple_value=float(value))
+            for name, value in record.items()
+            if name != "round" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
+        summary = summary_pb2.Summary(value=values)
+        self._events.write_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        self._events.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self._events.close()
 
 
 # ----------------------------------------------------------------------------- writer

@@ -243,7 +243,21 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
     argv = ["sweep", "--config", str(config), "--algorithms", "scaffold", "fedavg",
             "--lr-grid", "0.1", "0.001", "--seeds", "0", "1", "--target", "0.3",
             "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
+    tensorboard = importlib.util.find_spec("tensorboardX") is not None
+    assert main([*argv, "--tensorboard"] if tensorboard else argv) == 0
+    if tensorboard:  # one tag per config and metric, every record's value at its round
+        from test_results import read_tensorboard_scalars
+
+        scalars = read_tensorboard_scalars(out / "tensorboard")
+        records = results.read_records(out)
+        # 8 configs x (test_accuracy, test_loss, train_loss, seconds)
+        assert len(scalars) == 8 * 4
+        series = "fedavg client_lr=0.1 server_lr=1 seed=1"
+        assert scalars[f"{series}/test_accuracy"] == [
+            (r["round"], float(np.float32(r["test_accuracy"])))
+            for r in records
+            if r["series"] == series
+        ]
     # Progress over both algorithms' rounds, a line per evaluation (stderr is no terminal).
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "loading fashion_mnist..."

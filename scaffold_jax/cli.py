@@ -9,7 +9,11 @@ Commands:
   al. (ICML 2020), with ``--quick`` for a test-sized run.
 * ``scaffold-jax sweep``: a grid over any declared hyper-parameter × seeds per algorithm,
   one vmapped program each.
-* ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model.
+* ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model,
+  printed and written to ``--out`` (``diagnose.json``, ``gradient_fit.png``).
+
+Progress (loading, each compilation with its time, a bar with rate and ETA) goes to
+stderr, as plain lines when stderr is not a terminal; ``--quiet`` silences it.
 
 ``--plugin MODULE_OR_FILE.py`` (repeatable; config key ``plugins``) imports a module that
 registers algorithms, models, datasets or partitioners before the parser is built, so
@@ -183,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure the paper's heterogeneity constants at the model's initial "
         "params (and after --gd-steps full gradient steps, to fit (G, B)): gradient "
         "dissimilarity G and B, Hessian dissimilarity delta and smoothness beta by power "
-        "iteration on Hessian-vector products, and SCAFFOLD's suggested K ~ beta / delta.",
+        "iteration on Hessian-vector products, and SCAFFOLD's suggested K ~ beta / delta. "
+        "Writes diagnose.json and gradient_fit.png to --out.",
     )
     _config_flags(diag, fields=DIAGNOSE_FIELDS)
     diag.add_argument(

@@ -152,9 +152,10 @@ def test_bad_flags_are_named_errors(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- fig3
-def test_reproduce_fig3_quick_shows_the_papers_findings(tmp_path):
+def test_reproduce_fig3_quick_shows_the_papers_findings(tmp_path, capsys):
     out = tmp_path / "fig3"
     assert main(["reproduce", "fig3", "--quick", "--out", str(out), "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")  # --quiet: no table, no progress
     summary = json.loads((out / "summary.json").read_text())
     horizon = summary["runs"][next(iter(summary["runs"]))].get("last_round", 150)
 
@@ -286,7 +287,7 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
 
 
 @needs_fashion
-def test_sweep_json_is_strict_json_when_a_config_diverges(tmp_path):
+def test_sweep_json_is_strict_json_when_a_config_diverges(tmp_path, capsys):
     """A diverged config's losses are NaN: sweep.json writes them as null, so a strict
     parser (one that refuses NaN / Infinity tokens) reads the file."""
     config = tmp_path / "tiny.toml"
@@ -305,6 +306,7 @@ def test_sweep_json_is_strict_json_when_a_config_diverges(tmp_path):
     assert res["diverged_round"][0] == -1 and res["diverged_round"][1] >= 1
     assert None in [r.get("test_loss") for r in res["records"][1]]  # NaN written as null
     assert all(isinstance(r["test_loss"], float) for r in res["records"][0])
+    assert capsys.readouterr() == ("", "")  # --quiet: no table, no progress
 
 
 @pytest.mark.parametrize("terminated", ["run_terminated", "sigterm_exit"])

@@ -34,6 +34,9 @@ from scaffold_jax.types import (
 )
 
 __version__ = "0.1.0"
+#: The project's canonical repository: the README's and notebooks' Colab badges and install
+#: cells use it (tests/test_notebooks.py checks that they agree with it).
+REPOSITORY = "https://github.com/scaffold-jax/scaffold_jax"
 
 __all__ = [
     "Algorithm",

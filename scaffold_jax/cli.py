@@ -10,7 +10,11 @@ Commands:
 * ``scaffold-jax sweep``: a grid over any declared hyper-parameter × seeds per algorithm,
   one vmapped program each, times an outer product over data and shape settings
   (similarity, N, S, epochs...), one program per setting; a tidy ``sweep.csv``.
-* ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model.
+* ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model,
+  printed and written to ``--out`` (``diagnose.json``, ``gradient_fit.png``).
+
+Progress (loading, each compilation with its time, a bar with rate and ETA) goes to
+stderr, as plain lines when stderr is not a terminal; ``--quiet`` silences it.
 
 ``--plugin MODULE_OR_FILE.py`` (repeatable; config key ``plugins``) imports a module that
 registers algorithms, models, datasets or partitioners before the parser is built, so
@@ -56,6 +60,7 @@ from scaffold_jax import compilation_cache
 from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
+from scaffold_jax.progress import Progress
 from scaffold_jax.types import HParam
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
@@ -94,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bit (only --rounds, --eval-every and --targets may change)",
     )
     _checkpoint_flags(run)
+    _tensorboard_flag(run)
 
     rep = commands.add_parser(
         "reproduce",
@@ -208,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "continue from their newest checkpoint",
     )
     _checkpoint_flags(sw)
+    _tensorboard_flag(sw)
     _common(sw, out=False)
 
     diag = commands.add_parser(
@@ -216,18 +223,48 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure the paper's heterogeneity constants at the model's initial "
         "params (and after --gd-steps full gradient steps, to fit (G, B)): gradient "
         "dissimilarity G and B, Hessian dissimilarity delta and smoothness beta by power "
-        "iteration on Hessian-vector products, and SCAFFOLD's suggested K ~ beta / delta.",
+        "iteration on Hessian-vector products, and SCAFFOLD's suggested K ~ beta / delta. "
+        "Writes diagnose.json and gradient_fit.png to --out.",
     )
-    _config_flags(diag)
-    diag.add_argument("--gd-steps", type=int, default=0, help="extra points along a GD path")
+    _config_flags(diag, fields=DIAGNOSE_FIELDS)
+    diag.add_argument(
+        "--gd-steps",
+        type=int,
+        default=0,
+        help="extra points along a full-gradient descent path (step size --client-lr), to "
+        "fit (G, B) [0]",
+    )
     diag.add_argument("--num-iters", type=int, default=30, help="power iterations [30]")
-    diag.add_argument("--quiet", action="store_true", help="print nothing")
+    diag.add_argument(
+        "--out", help="output folder: diagnose.json, gradient_fit.png, summary.json "
+        "[default: results/diagnose-<dataset>]"
+    )  # fmt: skip
+    diag.add_argument(
+        "--overwrite", action="store_true", help="replace an output folder that holds a run"
+    )
+    diag.add_argument(
+        "--quiet", action="store_true", help="print nothing (the output folder is still written)"
+    )
     return parser
 
 
-def _config_flags(parser: argparse.ArgumentParser) -> None:
+#: The config fields that mean something to ``diagnose``: the data, its partition, the
+#: model at its initial params, and the step size of the --gd-steps path. The algorithm,
+#: sampling, local plan and horizon do not enter G, B, δ or β, so they have no flags there.
+DIAGNOSE_FIELDS = (
+    "dataset", "data_dir", "min_client_examples", "client_holdout", "download",
+    "max_train_examples", "max_test_examples", "partition", "similarity", "dirichlet_alpha",
+    "shards_per_client", "model", "hidden_sizes", "resnet_width", "lstm_hidden", "embed_dim",
+    "num_clients", "seed", "client_lr",
+)  # fmt: skip
+
+
+def _config_flags(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
     """--config, --plugin, --set, one flag per :class:`RunConfig` field and one per
-    hyper-parameter or option a registered algorithm declares (flags override the file)."""
+    hyper-parameter or option a registered algorithm declares (flags override the file).
+
+    ``fields``: only these fields have flags, and no declared hyper-parameter or option
+    does (a command that does not run an algorithm)."""
     from scaffold_jax import experiments
 
     parser.add_argument("--config", metavar="FILE", help="a .toml or .json config file")
@@ -249,6 +286,8 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     )
     defaults = RunConfig()
     declared = {**experiments.declared_hparams(), **experiments.declared_options()}
+    if fields is not None:
+        declared = {}
     for name, spec in declared.items():
         # Choices are checked with the config (naming the field), not by argparse.
         choices = getattr(spec, "choices", None)
@@ -271,6 +310,8 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
         kind = meta["kind"]
         if kind == "table" or field.name == "plugins":
             continue  # filled by the declared flags and --set; plugins by --plugin
+        if fields is not None and field.name not in fields:
+            continue
         help_text = meta["help"]
         if meta.get("choices"):
             help_text += f" ({' | '.join(meta['choices'])})"
@@ -307,6 +348,16 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-checkpoint", action="store_true", help="write no checkpoints (no --resume)"
+    )
+
+
+def _tensorboard_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write the metrics as TensorBoard event files into <out>/tensorboard, "
+        "one scalar per metric, step = round (needs tensorboardX: pip install "
+        "'scaffold-jax[tensorboard]')",
     )
 
 
@@ -390,6 +441,7 @@ def _run_command(args: argparse.Namespace) -> int:
         checkpoint=not args.no_checkpoint,
         checkpoint_every=args.checkpoint_every,
         checkpoint_minutes=args.checkpoint_minutes,
+        tensorboard=args.tensorboard,
     )
     return 0
 
@@ -516,7 +568,10 @@ def _setting_label(setting: dict[str, Any]) -> str:
 
 
 def _sweep_command(args: argparse.Namespace) -> int:
+    import contextlib
+    import importlib.util
     import itertools
+    import shutil
     from pathlib import Path
 
     from scaffold_jax import experiments, results
@@ -599,17 +654,32 @@ def _sweep_command(args: argparse.Namespace) -> int:
     # killed half-way keeps what it finished; each grid (algorithm × setting), once
     # finished, is a part of the run (parts.jsonl): a resumed sweep keeps those and
     # continues the others from their chunk checkpoints. The tables come at the end.
+    if args.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'."
+        )
     writer = results.RunWriter(
         out, to_save, (args.target,), args.overwrite, plots=(), resume=resume
     )
-    with writer:
+    # One bar over every algorithm's rounds (a grid's chunks run one after the other).
+    progress = Progress(len(grids) * config.rounds, "sweep", enabled=not args.quiet)
+    with writer, contextlib.ExitStack() as stack:
+        board = None
+        if args.tensorboard:
+            if not resume:  # a replaced sweep's events would mix with this one's
+                shutil.rmtree(out / results.TENSORBOARD_DIR, ignore_errors=True)
+            # One tag per config and metric: "<algorithm> <config>/<metric>".
+            board = results.TensorBoardSink(out, series_prefix=True)
+            stack.callback(board.close)
+            writer.files.append(results.TENSORBOARD_DIR)
         finished = {}
         if resume:
             finished = {k: _from_part(p) for k, p in writer.keep_finished_parts().items()}
-        for name, i, setting in grids:
+        for index, (name, i, setting) in enumerate(grids):
             key = key_of(name, setting)
             if key in finished:
                 sweep_results[key] = finished[key]
+                progress.update((index + 1) * config.rounds)
                 continue
             declared = ALGORITHMS[name].hparams
             cfg = configs_of[(name, i)]
@@ -618,8 +688,10 @@ def _sweep_command(args: argparse.Namespace) -> int:
             # setting's own (build applies them).
             source = (cfg.dataset, cfg.data_dir, cfg.min_client_examples)
             if source not in loaded:
-                loaded[source] = experiments.load_dataset(cfg)
+                with progress.phase(f"loading {cfg.dataset}"):
+                    loaded[source] = experiments.load_dataset(cfg)
             built = experiments.build(cfg, dataset=loaded[source])
+            progress.write(experiments.built_summary(built))
             dataset_name = built.info["dataset"]
             swept = {k: v for k, v in axes.items() if k in declared}
             values = {
@@ -639,6 +711,14 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 entries.append(
                     writer.record(series, {"algorithm": name, **setting, **config_of, **flat})
                 )
+                if board is not None:  # the measurements only, not the config's values
+                    measured = {k: v for k, v in flat.items() if k != "config_index"}
+                    board({"series": series, **measured})
+
+            def advance(fraction, index=index, key=key):
+                progress.update(
+                    (index + fraction) * config.rounds, f"{key} [{index + 1}/{len(grids)}]"
+                )
 
             checkpoints = out / "checkpoints" / name
             if setting:
@@ -656,15 +736,18 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 checkpoint_every=args.checkpoint_every,
                 checkpoint_seconds=60.0 * args.checkpoint_minutes,
                 resume=resume,
+                phase=progress.phase,
+                progress=advance,
             )
             writer.save_part(key, _part(sweep_results[key]), entries)
             if not args.quiet:
-                print(
+                progress.write(
                     f"{key}: {len(configs)} configs x {config.rounds} rounds in "
                     f"{sweep_results[key].run_seconds:.1f} s "
                     f"(+{sweep_results[key].compile_seconds:.1f} s "
                     f"compile) on {built.info['dataset']}"
                 )
+        progress.close()
         setting_of = {key_of(name, setting): setting for name, _, setting in grids}
         summary = results.summarize(sweep_results, args.target)
         edges = [results.format_grid_edge(e) for e in results.grid_edges(sweep_results, summary)]
@@ -788,25 +871,71 @@ def _strict_json(value: Any) -> Any:
 
 
 def _diagnose_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import jax
 
-    from scaffold_jax import diagnostics, experiments
+    from scaffold_jax import diagnostics, experiments, results
+    from scaffold_jax.data import sources
 
-    built = experiments.build(_config(args))
-    problem, data = built.problem, built.data
-    trajectory, params = [], problem.params
     if args.gd_steps < 0:
         raise ConfigError(f"--gd-steps = {args.gd_steps} is invalid: it must be >= 0.")
-    for _ in range(args.gd_steps):  # points along a full-gradient path, to fit (G, B)
+    unused = sorted(set(_parse_set(args.set)) - set(DIAGNOSE_FIELDS))
+    if unused:
+        raise ConfigError(
+            f"--set {', '.join(unused)}: diagnose does not use "
+            f"{'them' if len(unused) > 1 else 'it'} (it measures the data, partition and "
+            f"model: {', '.join(DIAGNOSE_FIELDS)})."
+        )
+    config = _config(args)
+    dataset_name = sources.canonical_name(config.dataset).replace("/", "-")
+    out = Path(args.out or f"results/diagnose-{dataset_name}")
+    results.check_folder(out, args.overwrite, dry_run=True)  # before minutes of work
+    progress = Progress(args.gd_steps, "gradient descent", unit="step", enabled=not args.quiet)
+    with progress.phase(f"loading {config.dataset}"):
+        built = experiments.build(config)
+    progress.write(experiments.built_summary(built))
+    problem, data = built.problem, built.data
+    trajectory, params = [], problem.params
+    for step in range(args.gd_steps):  # points along a full-gradient path, to fit (G, B)
         grad = diagnostics.full_gradient(problem, data, params)
-        params = jax.tree.map(lambda p, g: p - built.hparams.client_lr * g, params, grad)
+        params = jax.tree.map(lambda p, g: p - config.client_lr * g, params, grad)
         trajectory.append(params)
+        progress.update(step + 1)
+    progress.close()
     report = diagnostics.diagnose(
-        problem, data, problem.params, trajectory=trajectory, num_iters=args.num_iters
+        problem,
+        data,
+        problem.params,
+        trajectory=trajectory,
+        num_iters=args.num_iters,
+        phase=progress.phase,
     )
+    saved = {
+        **{name: getattr(config, name) for name in DIAGNOSE_FIELDS},
+        "gd_steps": args.gd_steps,
+        "num_iters": args.num_iters,
+        "plugins": list(config.plugins),
+    }
+    with results.RunWriter(out, saved, overwrite=args.overwrite, plots=()) as writer:
+        reported = {"experiment": "diagnose", **built.info, "report": report._asdict()}
+        writer.add(**reported)
+        writer.write_text(
+            "diagnose.json",
+            json.dumps(_strict_json(reported), indent=1, default=_json_default) + "\n",
+        )
+        try:
+            fig = results.plot_gradient_fit(report.points, report.G, report.B)
+        except ImportError:  # matplotlib is the optional "plots" extra
+            progress.write("matplotlib is not installed: no plot written.")
+        else:
+            results.save_figure(fig, out / "gradient_fit.png")
+            writer.files.append("gradient_fit.png")
+        writer.finish(plots=())
     if not args.quiet:
         print(f"{built.info['dataset']}, {data.num_clients} clients, {built.info['partition']}")
         print(diagnostics.format_report(report))
+        print(f"wrote {out}/: {', '.join(writer.files)}")
     return 0
 
 
@@ -883,7 +1012,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return commands[args.command](args)
     except (FileExistsError, FileNotFoundError, DivergenceError, OSError) as err:
         # DivergenceError first: it is a ValueError, but the config was valid.
-        print(f"scaffold-jax: error: {err}", file=sys.stderr)
+        from scaffold_jax.data.sources import DatasetNotFoundError
+
+        message = err.for_cli() if isinstance(err, DatasetNotFoundError) else err
+        print(f"scaffold-jax: error: {message}", file=sys.stderr)
         return 1
     except ValueError as err:  # ConfigError, and the library's own input checks
         print(f"scaffold-jax: error: {err}", file=sys.stderr)

@@ -43,6 +43,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -124,6 +125,8 @@ class DiagnosticsReport(NamedTuple):
       beta_rel_change: convergence indicator of β.
       compile_seconds: time spent compiling the three programs.
       run_seconds: time spent running them (after compilation).
+      points: ``((1/N) Σ‖∇f_i‖², ‖∇f‖²)`` at x and at each point of the trajectory, the
+        pairs the (G, B) fit used (:func:`scaffold_jax.results.plot_gradient_fit`).
     """
 
     num_clients: int
@@ -142,6 +145,7 @@ class DiagnosticsReport(NamedTuple):
     beta_rel_change: float
     compile_seconds: float
     run_seconds: float
+    points: tuple[tuple[float, float], ...] = ()
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -308,7 +312,8 @@ def _power_iteration(
     """
     w, unravel = ravel_pytree(params)
     objective = _client_objective(loss_fn, unravel)
-    # Client i's start vector depends on its id only (DESIGN.md's randomness contract).
+    # Client i's start vector depends on its id only, so an estimate for a client does not
+    # change with the other clients evaluated beside it.
     start = jax.vmap(lambda i: jr.normal(jr.fold_in(key, i), w.shape, jnp.float32))(client_ids)
     start = start / jnp.linalg.norm(start, axis=1, keepdims=True)
 
@@ -695,6 +700,7 @@ def diagnose(
     key: jax.Array | None = None,
     client_ids: Sequence[int] | Array | None = None,
     examples_per_chunk: int = DEFAULT_EXAMPLES_PER_CHUNK,
+    phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> DiagnosticsReport:
     """Measures G (and B), δ, β and the suggested K at x, timing compile and run apart.
 
@@ -708,10 +714,15 @@ def diagnose(
       key: PRNG key of the power-iteration start vectors.
       client_ids: evaluate δ and β on these clients only (their cost grows with N).
       examples_per_chunk: memory knob.
+      phase: called with a description of each stage (compiling, the gradient
+        statistics, each power iteration); the context manager it returns is entered
+        around it (progress lines, :meth:`scaffold_jax.progress.Progress.phase`).
 
     Returns:
       A :class:`DiagnosticsReport` (render it with :func:`format_report`).
     """
+    if phase is None:
+        phase = lambda text: contextlib.nullcontext()
     if int(num_iters) < 1:
         raise ValueError(f"num_iters = {num_iters} is invalid: it must be >= 1.")
     loss_fn = _loss_fn(problem)
@@ -730,22 +741,27 @@ def diagnose(
         compile_seconds += time.perf_counter() - start
         return program
 
-    stats_program = compiled(_gradient_stats, x, chunk=grad_chunk)
-    spectral = {
-        mode: compiled(
-            _power_iteration,
-            x,
-            ids,
-            key,
-            **_spectral_static(data, ids.shape[0], int(num_iters), examples_per_chunk, mode),
-        )
-        for mode in ("beta", "delta")
-    }
+    with phase("compiling the gradient statistics and the power iterations"):
+        stats_program = compiled(_gradient_stats, x, chunk=grad_chunk)
+        spectral = {
+            mode: compiled(
+                _power_iteration,
+                x,
+                ids,
+                key,
+                **_spectral_static(data, ids.shape[0], int(num_iters), examples_per_chunk, mode),
+            )
+            for mode in ("beta", "delta")
+        }
 
     start = time.perf_counter()
-    stats = [jax.device_get(stats_program(data, p)) for p in points]
-    beta = jax.device_get(spectral["beta"](data, x, ids, key))
-    delta = jax.device_get(spectral["delta"](data, x, ids, key))
+    with phase(f"gradient statistics at {len(points)} point{'s' * (len(points) > 1)}"):
+        stats = [jax.device_get(stats_program(data, p)) for p in points]
+    clients = f"{ids.shape[0]} clients, {int(num_iters)} power iterations"
+    with phase(f"β (smoothness): {clients}"):
+        beta = jax.device_get(spectral["beta"](data, x, ids, key))
+    with phase(f"δ (Hessian dissimilarity): {clients}"):
+        delta = jax.device_get(spectral["delta"](data, x, ids, key))
     run_seconds = time.perf_counter() - start
 
     here = stats[0]
@@ -773,6 +789,7 @@ def diagnose(
         beta_rel_change=float(beta.rel_change),
         compile_seconds=compile_seconds,
         run_seconds=run_seconds,
+        points=tuple((float(s["mean_sq_client_grad"]), float(s["sq_full_grad"])) for s in stats),
     )
 
 

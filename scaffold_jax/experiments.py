@@ -21,6 +21,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,8 +41,17 @@ from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
 from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
 from scaffold_jax.loop import DivergenceError
 from scaffold_jax.models import MODELS
+from scaffold_jax.progress import Progress
 from scaffold_jax.registry import PLUGIN_HINT, Registry, RegistryUnion, load_plugins
-from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams, Problem, resolve_hparams
+from scaffold_jax.types import (
+    STEP_SIZES,
+    Algorithm,
+    HParam,
+    HParams,
+    Problem,
+    format_hparams,
+    resolve_hparams,
+)
 
 BATCH_PLANS = ("fraction", "epochs", "fixed", "full")
 WEIGHTINGS = ("uniform", "num_examples")
@@ -1053,98 +1063,6 @@ def build(
 
 
 # =====================================================================================
-# Progress
-# =====================================================================================
-class Progress:
-    """A tqdm bar over rounds (round, latest accuracy, rounds/s), fed by evaluation records.
-
-    The bar is created at the first record after round 0, i.e. after compilation, so its
-    rate is the steady-state rounds/s. Disabled (a no-op) when ``enabled`` is False or
-    tqdm is not installed. Writes to stderr, so stdout stays clean for tables.
-    """
-
-    def __init__(self, total: int, desc: str = "", enabled: bool = True, leave: bool = True):
-        self.total, self.desc, self.leave = int(total), desc, leave
-        self.enabled = enabled
-        self.bar = None
-        self.done = 0
-
-    def __call__(self, record: Mapping[str, Any]) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None and int(record["round"]) == 0:
-            return  # round 0 comes before the round program compiles: not a rate sample
-        if self.bar is None:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                self.enabled = False
-                return
-            # Started at the first record after round 0: the first chunk (which includes
-            # compiling) is the bar's initial value, so its rate is the steady state.
-            self.done = int(record["round"])
-            self.bar = tqdm(
-                total=self.total, initial=self.done, desc=self.desc, unit="round",
-                leave=self.leave, dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
-            )  # fmt: skip
-        step = int(record["round"]) - self.done
-        if step > 0:
-            self.bar.update(step)
-            self.done += step
-        postfix = {}
-        for key, label in (("test_accuracy", "acc"), ("error", "err"), ("test_loss", "loss")):
-            if key in record and results.is_finite_number(record[key]):
-                postfix[label] = f"{record[key]:.4g}"
-                break
-        if postfix:
-            self.bar.set_postfix(postfix, refresh=False)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def write(self, text: str) -> None:
-        """Prints a line without breaking the bar."""
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text)
-
-
-class CellProgress:
-    """A tqdm bar over the cells of a protocol (one cell = one η_l grid), with a line per
-    finished cell; plain lines on stderr without tqdm, nothing when disabled."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True):
-        self.enabled, self.total, self.done = enabled, int(total), 0
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=self.total, desc=desc, unit="cell", file=sys.stderr)
-
-    def step(self, text: str) -> None:
-        """Reports one finished cell."""
-        self.done += 1
-        if not self.enabled:
-            return
-        line = f"[{self.done}/{self.total}] {text}"
-        if self.bar is None:
-            print(line, file=sys.stderr)
-            return
-        self.bar.write(line, file=sys.stderr)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-# =====================================================================================
 # scaffold-jax run
 # =====================================================================================
 CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
@@ -1190,7 +1108,7 @@ def _origin(source: str) -> str:
 
 
 def _has_checkpoint(directory: Path) -> bool:
-    from scaffold_jax import checkpoint  # orbax is an optional extra
+    from scaffold_jax import checkpoint  # imported late: orbax is slow to import
 
     return checkpoint.latest_round(directory) is not None
 
@@ -1223,6 +1141,7 @@ def run(
     checkpoint: bool = True,
     checkpoint_every: int | None = None,
     checkpoint_minutes: float = 5.0,
+    tensorboard: bool = False,
 ) -> dict[str, Any]:
     """Runs one experiment and writes its folder (see :mod:`scaffold_jax.results`).
 
@@ -1243,9 +1162,11 @@ def run(
       dataset: an already loaded dataset (e.g. in a notebook).
       resume: continue the run the folder holds (from its newest checkpoint; from round 0
         when it holds none; a folder without a run simply starts it).
-      checkpoint: write checkpoints (orbax, the ``checkpoint`` extra); False: none.
+      checkpoint: write checkpoints (orbax); False: none.
       checkpoint_every: checkpoint period in rounds (default: ``config.eval_every``).
       checkpoint_minutes: save at least this often (at block ends).
+      tensorboard: also write every record's metrics as TensorBoard scalars (step: the
+        round) into ``<out>/tensorboard`` (:class:`scaffold_jax.results.TensorBoardSink`).
 
     Returns:
       The summary (what ``summary.json`` holds).
@@ -1261,14 +1182,6 @@ def run(
     from scaffold_jax import loop
 
     config.validate()
-    if checkpoint and importlib.util.find_spec("orbax") is None:
-        if resume:
-            raise ConfigError(
-                "--resume needs orbax-checkpoint: pip install 'scaffold-jax[checkpoint]'."
-            )
-        print("orbax-checkpoint is not installed: this run writes no checkpoints (pip "
-              "install 'scaffold-jax[checkpoint]').", file=sys.stderr)  # fmt: skip
-        checkpoint = False
     folder = Path(out if out is not None else config.resolved_out())
     to_save = config.to_dict()
     to_save["out"] = str(folder)
@@ -1283,9 +1196,20 @@ def run(
         results.check_lock(folder)
     else:
         results.check_folder(folder, overwrite, dry_run=True)
-    built = build(config, dataset)
     series = config.algorithm
+    if tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        # Before the data loads: a missing extra fails in a second, not minutes.
+        raise ConfigError(
+            "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'."
+        )
     progress = Progress(config.rounds, desc=series, enabled=not quiet)
+    with progress.phase(f"loading {config.dataset} and building the run"):
+        built = build(config, dataset)
+    info = built.info
+    progress.write(
+        f"{built_summary(built)}; {info['clients_per_round']} clients a round, up to "
+        f"{info['max_local_steps']} local steps of {info['max_batch_size']} examples"
+    )
     directory = folder / CHECKPOINTS
     # Only a complete checkpoint counts (a save killed half-way leaves a temporary folder).
     restore = resume and checkpoint and directory.is_dir() and _has_checkpoint(directory)
@@ -1302,11 +1226,24 @@ def run(
         folder, to_save, config.targets, overwrite=overwrite, plots=plots, resume=resume
     ) as writer:
         writer.add(experiment="run", **built.info)
+        board = None
+        if tensorboard:
+            if not resume:  # a replaced run's events would mix with this one's
+                shutil.rmtree(folder / results.TENSORBOARD_DIR, ignore_errors=True)
+            board = results.TensorBoardSink(folder)
+            writer.files.append(results.TENSORBOARD_DIR)
         if resume and not restore:
             writer.reset_records([])  # nothing was saved: start again at round 0
 
+        def on_restore(records):
+            writer.reset_records(records, series)
+            # The rounds before the checkpoint ran in another process: not in the rate.
+            progress.rebase(records[-1]["round"] if records else 0)
+
         def on_record(record):
             writer.record(series, record)
+            if board is not None:
+                board(record)
             progress(record)
 
         try:
@@ -1323,20 +1260,23 @@ def run(
                 keep_checkpoints=2,
                 resume=restore,
                 identity=run_identity(config, built),
-                on_restore=lambda records: writer.reset_records(records, series),
+                on_restore=on_restore,
                 checkpoint_seconds=60.0 * checkpoint_minutes if checkpoint else None,
+                phase=progress.phase,
             )
         except DivergenceError as err:
             writer.close("diverged", error=str(err))
             raise
         finally:
             progress.close()
+            if board is not None:
+                board.close()
         rounds_run = max(len(result.client_ids), 1)
         writer.describe(
             series,
             algorithm=config.algorithm,
-            client_lr=config.client_lr,
-            server_lr=config.server_lr,
+            # Only what the algorithm declares (FedDyn has no server_lr; only FedProx a μ).
+            hparams={k: float(v) for k, v in built.hparams.items()},
             compile_seconds=round(result.compile_seconds, 3),
             run_seconds=round(result.run_seconds, 3),
             # The rounds alone: evaluations (a pass over the test set and a training
@@ -1356,6 +1296,15 @@ def run(
     return summary
 
 
+def built_summary(built: Built) -> str:
+    """One line on the data a run was built from (after its loading phase)."""
+    info = built.info
+    return (
+        f"{info['dataset']}: {info['num_train_examples']} training examples over "
+        f"{info['num_clients']} clients ({info['partition']['kind']} partition)"
+    )
+
+
 def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
     """A few lines for the terminal: dataset, rounds to targets, timing, files."""
     (name, info), *_ = summary["runs"].items()
@@ -1369,6 +1318,7 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         f"best test accuracy {best:.4f}"
         if best is not None
         else f"{name}",
+        f"hyper-parameters: {format_hparams(info.get('hparams', {}))}",
         f"rounds to target accuracy: {reached}",
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "

@@ -81,7 +81,8 @@ def local_sgd(
 
     ``T`` is the identity (plain SGD) unless an ``optimizer`` is given. Plain SGD is what
     SCAFFOLD's correction is defined for: momentum or weight decay wrapped around the
-    correction is a known cause of broken SCAFFOLD reproductions (PAPER.md), so only
+    correction is a known cause of broken SCAFFOLD reproductions (Algorithm 1 of
+    Karimireddy et al., ICML 2020, Section 4, takes plain SGD steps), so only
     FedAvg, FedProx and Mime pass one.
 
     Args:

@@ -277,6 +277,8 @@ def drive(
     resume_into: PyTree | None = None,
     on_restore: Callable[[list[Record]], None] | None = None,
     checkpoint_seconds: float | None = None,
+    phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
+    on_block: Callable[[int], None] | None = None,
 ) -> Any:
     """Runs ``task`` for ``num_rounds`` rounds from ``state`` (or, with ``resume_into``,
     from the newest checkpoint of ``checkpointer`` restored into that shape).
@@ -302,10 +304,17 @@ def drive(
       checkpoint_seconds: also save at the end of any block when this many seconds of
         wall time have passed since the last save (blocks end at every evaluation and
         checkpoint round).
+      phase: called with a description of each compilation, e.g. ``"compiling 5 rounds
+        as one program"``; the context manager it returns is entered around it (progress
+        lines such as :meth:`scaffold_jax.progress.Progress.phase`).
+      on_block: called with the round reached once each evaluation's records have all
+        been handed to ``callback`` (one call per evaluation, however many records).
 
     Raises:
       DivergenceError, KeyboardInterrupt, RunTerminated: see the module docstring.
     """
+    if phase is None:
+        phase = lambda text: contextlib.nullcontext()
     records: list[Record] = []
     resumed_from = None
     seconds_before = 0.0  # run time spent by the process(es) before a resume
@@ -352,8 +361,11 @@ def drive(
     while r < end:
         longest, r = max(longest, next_boundary(r) - r), next_boundary(r)
     t0 = time.perf_counter()
-    evaluate = task.compile_evaluate(state)
-    program = task.compile_block(state, key, longest) if longest else None
+    with phase("compiling the evaluation"):
+        evaluate = task.compile_evaluate(state)
+    if longest:
+        with phase(f"compiling {longest} round{'s' * (longest > 1)} as one program"):
+            program = task.compile_block(state, key, longest)
     compile_seconds = time.perf_counter() - t0
     block_metrics: list[dict[str, np.ndarray]] = []
     since_record: list[dict[str, np.ndarray]] = []
@@ -382,6 +394,8 @@ def drive(
             records.append(entry)
             if callback is not None:
                 callback(entry)
+        if on_block is not None:
+            on_block(current)
 
     def save() -> None:
         nonlocal checkpoint_seconds, last_save
@@ -606,6 +620,7 @@ def run(
     identity: Mapping[str, Any] | None = None,
     on_restore: Callable[[list[Record]], None] | None = None,
     checkpoint_seconds: float | None = None,
+    phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> RunResult:
     """Runs ``num_rounds`` rounds of ``simulation``, evaluating at the start and every
     ``eval_every`` rounds (schedule, resume, signals: see the module docstring).
@@ -642,7 +657,7 @@ def run(
       resume: continue from the newest checkpoint in ``checkpoint_dir``.
       identity: more of what fixes the run (e.g. the command line's data source and
         partition), compared on resume beside :func:`run_identity`'s.
-      on_restore, checkpoint_seconds: see :func:`drive`.
+      on_restore, checkpoint_seconds, phase: see :func:`drive`.
 
     Returns:
       A :class:`RunResult` with ``status="finished"``.
@@ -716,7 +731,7 @@ def run(
 
     checkpointer = None
     if checkpoint_dir is not None:
-        from scaffold_jax.checkpoint import Checkpointer  # orbax is an optional extra
+        from scaffold_jax.checkpoint import Checkpointer  # imported late: orbax is slow to import
 
         checkpointer = Checkpointer(checkpoint_dir, max_to_keep=keep_checkpoints)
     try:
@@ -734,6 +749,7 @@ def run(
             resume_into=simulation.state_like(data.num_clients) if resume else None,
             on_restore=on_restore,
             checkpoint_seconds=checkpoint_seconds,
+            phase=phase,
         )
     finally:
         if checkpointer is not None:

@@ -7,7 +7,7 @@ paper; Fashion-MNIST offline). η_l is tuned per algorithm over a grid, as the p
 with one vmapped program per grid (:func:`scaffold_jax.experiments.run_grid`); the chosen
 values are reported next to the tables.
 
-Choices the paper leaves open (PAPER.md lists them) are fields of the protocol
+Choices the paper (Karimireddy et al., ICML 2020, Section 7) leaves open are fields of the protocol
 dataclasses, documented where they are defined: :class:`Fig3Protocol` (the quadratic
 family, start point, error target, η_l grid) and :class:`TableProtocol` (dataset, target,
 η_l grids, hidden sizes, evaluation cadence).
@@ -33,7 +33,6 @@ from scaffold_jax.data.federated import from_partition
 from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
 from scaffold_jax.experiments import (
     MODELS,
-    CellProgress,
     ConfigError,
     _Checker,
     _is_number,
@@ -43,6 +42,7 @@ from scaffold_jax.experiments import (
     run_grid,
     subset_dataset,
 )
+from scaffold_jax.progress import Progress
 
 
 # =====================================================================================
@@ -71,9 +71,11 @@ class Fig3Protocol:
       f(x) − f* ≤ target · (f(x0) − f*).
     * η_l tuned per (algorithm, K, G) over ``lr_grid`` for the fewest rounds to the
       target; η_g = 1. SGD takes one full-gradient step per round (K does not apply).
-    * SCAFFOLD's controls start at zero (PAPER.md: "all may start at 0").
+    * SCAFFOLD's controls start at zero (Algorithm 1, Section 4, takes the initial c and
+      c_i as inputs; zero is the choice that needs no extra pass over the data).
       ``warm_controls=True`` adds rows of SCAFFOLD with warm-started controls
-      (``c_i = ∇f_i(x0)``, ALGORITHMS.md): with them SCAFFOLD's rounds no longer depend on
+      (``c_i = ∇f_i(x0)``, option I of Algorithm 1's control update at x0): with them
+      SCAFFOLD's rounds no longer depend on
       G, and at δ close to 1 (``--set delta=0.99``) K = 10 is faster than K = 2 again.
     """
 
@@ -245,7 +247,8 @@ def reproduce_fig3(
             legend=_fig3_legend,
         ),
     )
-    progress = CellProgress(len(settings) * len(problems), "fig3", enabled=not quiet)
+    progress = Progress(len(settings) * len(problems), "fig3", unit="cell", enabled=not quiet)
+    progress.show()
     with results.RunWriter(
         folder, config, overwrite=overwrite, plots=plots, resume=resume
     ) as writer:
@@ -409,7 +412,7 @@ class TableProtocol:
     μ = 1; SCAFFOLD option II; logistic regression (Table 5: a 2-layer MLP); η_l tuned per
     algorithm and cell for the fewest rounds to the target (Table 5: the best accuracy).
 
-    Our choices (PAPER.md: not stated in the paper): ``dataset`` ("auto" = EMNIST
+    Our choices (not stated in Section 7 of the paper): ``dataset`` ("auto" = EMNIST
     balanced, 47 classes, when it can be loaded, else Fashion-MNIST), ``target`` (the
     paper's for EMNIST; 0.7 / 0.65 on Fashion-MNIST, the same fraction of what the
     model reaches), the η_l grids (``lr_grids``), MLP hidden sizes (256, 256), one seed,
@@ -659,8 +662,15 @@ def reproduce_table(
         overwrite, resume,
     )  # fmt: skip
     start = time.perf_counter()
+    progress = Progress(
+        len(protocol.all_rows) * len(protocol.similarities),
+        protocol.name,
+        unit="cell",
+        enabled=not quiet,
+    )
     if dataset is None:
-        dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
+        with progress.phase(f"loading {protocol.dataset}"):
+            dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
     dataset = subset_dataset(
         dataset, protocol.max_train_examples, protocol.max_test_examples, protocol.seed
     )
@@ -680,9 +690,7 @@ def reproduce_table(
     }
     cells: list[dict[str, Any]] = []
     simulations: dict[tuple, Simulation] = {}
-    progress = CellProgress(
-        len(protocol.all_rows) * len(protocol.similarities), protocol.name, enabled=not quiet
-    )
+    progress.show()
     with results.RunWriter(
         folder, config, [target] if target else (), overwrite=overwrite, plots=plots,
         resume=resume,

@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import csv
 import datetime
+import functools
+import importlib.metadata
 import json
 import math
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -685,8 +688,42 @@ def value_table(
 
 
 # ----------------------------------------------------------------------------- environment
+@functools.cache
+def git_revision() -> dict[str, Any]:
+    """``{"git_commit": <sha>, "git_dirty": <bool>}`` of the checkout the package is
+    imported from (dirty: tracked files changed since that commit); both None when it is
+    not in one (an installed wheel), or git is missing or fails."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *argv], capture_output=True, text=True, check=True,
+            timeout=10,
+        ).stdout.strip()  # fmt: skip
+
+    try:
+        # The checkout must be the package's own: a wheel installed into a virtualenv
+        # that happens to sit inside some other repository is not in a checkout.
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return {"git_commit": None, "git_dirty": None}
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit or None, "git_dirty": dirty if commit else None}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def environment() -> dict[str, Any]:
-    """The software and hardware a run used: versions and devices."""
+    """The software and hardware a run used: the package's version and git commit (see
+    :func:`git_revision`), the versions of python, jax, jaxlib, flax, optax and numpy
+    (None for one not installed), and the devices."""
     import jax
     import jaxlib
 
@@ -695,8 +732,12 @@ def environment() -> dict[str, Any]:
     devices = jax.devices()
     return {
         "scaffold_jax": __version__,
+        **git_revision(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "flax": _version("flax"),
+        "optax": _version("optax"),
+        "numpy": _version("numpy"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "backend": jax.default_backend(),
@@ -1196,6 +1237,84 @@ def plot_G_vs_similarity(
     return fig
 
 
+def plot_gradient_fit(
+    points: Sequence[tuple[float, float]],
+    G: float,
+    B: float | None,
+    path: str | os.PathLike | None = None,
+    *,
+    title: str = "Gradient dissimilarity (A1): (1/N) Σ‖∇f_i‖² ≤ G² + B²‖∇f‖²",
+):
+    """The points ``((1/N) Σ‖∇f_i(x)‖², ‖∇f(x)‖²)`` of ``scaffold-jax diagnose`` (x and
+    the points of its gradient-descent path) and the bound fitted to them (B = 1 when
+    ``B`` is None, a single point).
+
+    Returns:
+      The ``matplotlib.figure.Figure`` (also written to ``path`` when given).
+    """
+    import numpy as np
+
+    pts = np.asarray(points, dtype=np.float64).reshape(-1, 2)
+    slope = 1.0 if B is None else float(B) ** 2
+    grid = np.linspace(0.0, max(float(pts[:, 1].max()), 1e-12) * 1.05, 50)
+    fig, (ax,) = new_figure()
+    ax.plot(pts[:, 1], pts[:, 0], marker="o", linestyle="none", label="measured")
+    ax.plot(grid, G**2 + slope * grid, label=f"G = {G:.3g}, B = {1.0 if B is None else B:.3g}")
+    style_axes(ax, xlabel="‖∇f(x)‖²", ylabel="(1/N) Σ‖∇f_i(x)‖²", title=title)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+TENSORBOARD_DIR = "tensorboard"  # the run folder's event files
+
+
+class TensorBoardSink:
+    """A record sink that writes every numeric field of each record as a TensorBoard
+    scalar (tag: the field name, under the record's series when there are several;
+    step: the record's ``round``), flushed per record, into ``<folder>/tensorboard``.
+
+    It uses tensorboardX (the optional ``tensorboard`` extra; no TensorFlow needed).
+    Pass it as (or call it from) the ``callback=`` of ``Simulation.run`` / ``loop.run``.
+
+    Raises:
+      ImportError: tensorboardX is not installed (the message says how to get it).
+    """
+
+    def __init__(self, folder: str | os.PathLike, series_prefix: bool = False):
+        try:
+            from tensorboardX.event_file_writer import EventsWriter
+        except ImportError as err:
+            raise ImportError(
+                "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'"
+            ) from err
+        self.directory = Path(folder) / TENSORBOARD_DIR
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.series_prefix = series_prefix
+        # tensorboardX's synchronous events writer: its SummaryWriter queues events for a
+        # background thread, whose flush() does not wait for them, so a killed run would
+        # lose the last ones.
+        self._events = EventsWriter(str(self.directory / "events"))
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        from tensorboardX.proto import event_pb2, summary_pb2
+
+        step = int(record["round"])
+        prefix = f"{record['series']}/" if self.series_prefix and "series" in record else ""
+        values = [
+            summary_pb2.Summary.Value(tag=prefix + name, simple_value=float(value))
+            for name, value in record.items()
+            if name != "round" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
+        summary = summary_pb2.Summary(value=values)
+        self._events.write_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        self._events.flush()
+
+    def close(self) -> None:
+        self._events.close()
+
+
 # ----------------------------------------------------------------------------- writer
 class RunWriter:
     """Writes one run's folder as the run goes.
@@ -1264,6 +1383,8 @@ class RunWriter:
         self.files: list[str] = []
         self.status = RUNNING
         self._metrics = None
+        self._csv = None  # metrics.csv, open for appending, and its columns
+        self._csv_columns: list[str] = []
         self._started = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -1309,6 +1430,7 @@ class RunWriter:
             with _writing(self.folder / METRICS_FILE):
                 self._metrics = open(self.folder / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
             self.files = list(dict.fromkeys([CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, *self.files]))
+            self._rewrite_csv()
             self._write_summary(RUNNING)
         except BaseException:
             self._release()
@@ -1359,6 +1481,7 @@ class RunWriter:
                     f.write(json.dumps(entry, default=_json_default) + "\n")
             os.replace(tmp, path)
             self._metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._rewrite_csv()
 
     # -- during the run --------------------------------------------------------------
     def record(self, series: str, record: Mapping[str, Any]) -> Record:
@@ -1378,6 +1501,12 @@ class RunWriter:
                 self._cut(end)  # no torn last line: the file ends with a whole record
                 raise
         self.records.append(entry)
+        if set(entry) <= set(self._csv_columns) and self._csv is not None:
+            with _writing(self.folder / CSV_FILE):
+                csv.DictWriter(self._csv, fieldnames=self._csv_columns).writerow(entry)
+                self._csv.flush()
+        else:  # a new column: the header changes, so the table is written again
+            self._rewrite_csv()
         return entry
 
     def _cut(self, size: int) -> None:
@@ -1415,11 +1544,6 @@ class RunWriter:
         The run has finished when this is called: a CSV or plot that cannot be written (a
         full disk) is reported on stderr and left out, never turned into a failed run.
         """
-        try:
-            self._write_csv()
-        except OSError as err:
-            print(f"could not write {CSV_FILE}: {err}; the records are in {METRICS_FILE}.",
-                  file=sys.stderr)  # fmt: skip
         for spec in self.plots if plots is None else plots:
             try:
                 if plot_curves(self.records, spec, self.folder / spec.filename) is not None:
@@ -1438,12 +1562,13 @@ class RunWriter:
 
     def _close(self, status: str, error: str | None = None) -> dict[str, Any]:
         self.status = status
-        if self._metrics is not None:
-            try:
-                self._metrics.close()
-            except OSError:
-                pass  # a write that failed already said so
-            self._metrics = None
+        for name in ("_metrics", "_csv"):
+            if getattr(self, name) is not None:
+                try:
+                    getattr(self, name).close()
+                except OSError:
+                    pass  # a write that failed already said so
+                setattr(self, name, None)
         return self._write_summary(status, error)
 
     def summary(self, status: str | None = None, error: str | None = None) -> dict[str, Any]:
@@ -1483,15 +1608,28 @@ class RunWriter:
             _write_json(self.folder / SUMMARY_FILE, summary)
         return summary
 
-    def _write_csv(self) -> None:
+    def _rewrite_csv(self) -> None:
+        """Writes ``metrics.csv`` anew from the records (its columns: every field any
+        record has) and keeps it open: :meth:`record` appends each new row and flushes
+        it, as ``metrics.jsonl``, so the table is complete whenever the run is killed."""
+        if self._csv is not None:
+            self._csv.close()
+            self._csv = None
+        path = self.folder / CSV_FILE
         if not self.records:
+            path.unlink(missing_ok=True)  # a resume cut back to nothing
             return
-        columns = list(dict.fromkeys(k for r in self.records for k in r))
-        with open(self.folder / CSV_FILE, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(self.records)
-        self.files.append(CSV_FILE)
+        self._csv_columns = list(dict.fromkeys(k for r in self.records for k in r))
+        tmp = path.with_name(path.name + ".tmp")
+        with _writing(path):
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                writer = csv.DictWriter(f, fieldnames=self._csv_columns)
+                writer.writeheader()
+                writer.writerows(self.records)
+            os.replace(tmp, path)
+            self._csv = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115
+        if CSV_FILE not in self.files:
+            self.files.append(CSV_FILE)
 
 
 def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bool = False) -> None:

@@ -72,6 +72,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -486,6 +487,8 @@ class Sweep:
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
         resume: bool = False,
+        phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
+        progress: Callable[[float], None] | None = None,
     ) -> SweepResult:
         """Runs every config (``grid[j]``, ``seeds[j]``) for ``num_rounds`` rounds.
 
@@ -519,6 +522,9 @@ class Sweep:
             restored records are handed to ``callback`` again (so a sink that dropped the
             unfinished records has each exactly once). After a resume, the per-round
             metrics of rounds run before the checkpoint are not kept: NaN (client ids −1).
+          phase: wraps each compilation (see :func:`scaffold_jax.loop.drive`).
+          progress: called after each evaluation with the fraction of the sweep done, in
+            [0, 1] (chunks run one after the other, each for every round).
 
         Raises:
           ValueError: invalid rounds, hyper-parameters, seeds or data.
@@ -578,10 +584,18 @@ class Sweep:
                     self, data, grid, index, valid, result, keep_client_states, num_rounds, keys
                 )
                 carry = self.init(data, *index.shape)
+                on_block = None
+                if progress is not None:
+                    chunks_done = len(done)
+
+                    def on_block(r, c=chunks_done, total=result.num_chunks):
+                        progress((c + min(r / num_rounds, 1.0)) / total)
+
                 chunk_out = _drive_chunk(
                     self, chunk, carry, keys, num_rounds, eval_every, callback,
                     None if checkpoint_dir is None else Path(checkpoint_dir) / f"chunk-{len(done)}",
                     checkpoint_every, checkpoint_seconds, resume,
+                    {"phase": phase, "on_block": on_block},
                 )  # fmt: skip
                 done.append(chunk_out)
                 for j, out in chunk_out.items():
@@ -601,11 +615,14 @@ class Sweep:
 
 
 def _drive_chunk(
-    sweep, chunk, carry, keys, num_rounds, eval_every, callback, directory, every, seconds, resume
-):
+    sweep, chunk, carry, keys, num_rounds, eval_every, callback, directory, every, seconds, resume,
+    hooks,
+):  # fmt: skip
     if directory is None:
-        return drive(chunk, carry, keys, num_rounds, eval_every, chunk.finish, callback=callback)
-    from scaffold_jax.checkpoint import Checkpointer  # orbax is an optional extra
+        return drive(
+            chunk, carry, keys, num_rounds, eval_every, chunk.finish, callback=callback, **hooks
+        )
+    from scaffold_jax.checkpoint import Checkpointer  # imported late: orbax is slow to import
 
     identity = json.loads(json.dumps({
         "algorithm": sweep.simulation.algorithm.name,
@@ -637,6 +654,7 @@ def _drive_chunk(
             resume_into=jax.eval_shape(lambda: carry) if restore else None,
             on_restore=on_restore,
             checkpoint_seconds=seconds,
+            **hooks,
         )
 
 
@@ -800,7 +818,8 @@ def sweep(
       eval_every: evaluation period (default R).
       targets: accuracy targets for :meth:`SweepResult.summary`.
       **options: ``configs``, ``max_configs_per_chunk``, ``memory_budget_bytes``,
-        ``keep_client_states``, ``callback`` of :meth:`Sweep.run`.
+        ``keep_client_states``, ``callback``, ``checkpoint_dir``, ``phase``, ``progress``...
+        of :meth:`Sweep.run`.
     """
     return Sweep.of(simulation).run(data, grid, seeds, num_rounds, eval_every, targets, **options)
 

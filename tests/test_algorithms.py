@@ -1,4 +1,5 @@
-"""The identities of PAPER.md, at float tolerance.
+"""The identities of SCAFFOLD's Algorithm 1 (Karimireddy et al., ICML 2020, Section 4),
+at float tolerance.
 
 - SCAFFOLD with controls pinned to zero is FedAvg;
 - K = 1, S = N, η_g = 1 and full-batch gradients: FedAvg = SCAFFOLD (I and II) = SGD = GD;

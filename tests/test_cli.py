@@ -2,12 +2,14 @@
 paper protocols, whose numbers must show the paper's findings."""
 
 import csv
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from scaffold_jax import results
@@ -77,14 +79,39 @@ def test_run_end_to_end_writes_every_file(tmp_path, capsys):
     assert summary["compile_seconds"] > 0 and summary["run_seconds"] > 0
     assert summary["environment"]["jax"]
     assert [r["round"] for r in results.read_records(out)] == [0, 2, 4, 6]
-    assert capsys.readouterr().out == ""  # --quiet
+    printed = capsys.readouterr()
+    assert printed.out == "" and "round" not in printed.err and "loading" not in printed.err
 
     # A finished run's folder is refused without --overwrite ...
     assert main(argv) == 1
     assert "already holds a finished run" in capsys.readouterr().err
-    # ... and replaced with it.
-    assert main([*argv, "--overwrite", "--algorithm", "fedavg", "--client-lr", "1.0"]) == 0
+    # ... and replaced with it; without --quiet, progress on stderr (not a terminal here:
+    # plain lines), one per evaluation, after a line for loading and one per compilation.
+    loud = [a for a in argv if a != "--quiet"]
+    if importlib.util.find_spec("tensorboardX"):
+        loud.append("--tensorboard")
+    assert main([*loud, "--overwrite", "--algorithm", "fedavg", "--client-lr", "1.0"]) == 0
     assert json.loads((out / "config.json").read_text())["algorithm"] == "fedavg"
+    printed, err = capsys.readouterr()
+    # The summary names the algorithm's own hyper-parameters only (no μ for FedAvg).
+    assert "hyper-parameters: client_lr=1.0, server_lr=1.0\n" in printed
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["fedavg"]["hparams"] == {"client_lr": 1.0, "server_lr": 1.0}
+    if "--tensorboard" in loud:  # the event files hold every record's metrics
+        from test_results import read_tensorboard_scalars
+
+        scalars = read_tensorboard_scalars(out / "tensorboard")
+        for name in ("test_accuracy", "test_loss", "train_loss"):
+            assert scalars[name] == [
+                (r["round"], float(np.float32(r[name]))) for r in results.read_records(out)
+            ]
+    err = err.splitlines()
+    assert err[0] == "loading fashion_mnist and building the run..."
+    assert err[1].startswith("loading fashion_mnist and building the run: ")
+    assert any(line.startswith("compiling 2 rounds as one program: ") for line in err)
+    rounds = [line for line in err if line.startswith("fedavg: round ")]
+    assert [line.split()[2] for line in rounds] == ["2/6", "4/6", "6/6"]
+    assert all("elapsed" in line and "ETA" in line and "acc=" in line for line in rounds)
 
 
 @pytest.mark.parametrize(
@@ -126,9 +153,10 @@ def test_bad_flags_are_named_errors(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- fig3
-def test_reproduce_fig3_quick_shows_the_papers_findings(tmp_path):
+def test_reproduce_fig3_quick_shows_the_papers_findings(tmp_path, capsys):
     out = tmp_path / "fig3"
     assert main(["reproduce", "fig3", "--quick", "--out", str(out), "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")  # --quiet: no table, no progress
     summary = json.loads((out / "summary.json").read_text())
     horizon = summary["runs"][next(iter(summary["runs"]))].get("last_round", 150)
 
@@ -174,12 +202,18 @@ def test_reproduce_table3_quick_on_fashion_mnist(tmp_path, capsys):
     out = tmp_path / "table3"
     argv = ["reproduce", "table3", "--quick", "--dataset", "fashion_mnist", "--out", str(out)]
     assert main(argv) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["dataset"] == "fashion_mnist"
     assert json.loads((out / "config.json").read_text())["dataset"] == "fashion_mnist"
     target = summary["target"]
     assert target == 0.7
+    # Progress, one plain line per cell (stderr is not a terminal here), after the data.
+    err = err.splitlines()
+    assert err[0] == "loading fashion_mnist..."
+    cells_done = [line for line in err if line.startswith("table3: cell ")]
+    assert [line.split()[2] for line in cells_done] == ["1/4", "2/4", "3/4", "4/4"]
+    assert all("ETA" in line and "eta_l = " in line for line in cells_done)
     cells = {c["method"]: c for c in summary["cells"]}
     assert set(cells) == {"sgd", "scaffold", "fedavg", "fedprox"}
     assert all(c["similarity"] == 0.0 and c["epochs"] == 1 for c in cells.values())
@@ -210,8 +244,30 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
     out = tmp_path / "sweep"
     argv = ["sweep", "--config", str(config), "--algorithms", "scaffold", "fedavg",
             "--lr-grid", "0.1", "0.001", "--seeds", "0", "1", "--target", "0.3",
-            "--out", str(out), "--quiet"]  # fmt: skip
-    assert main(argv) == 0
+            "--out", str(out)]  # fmt: skip
+    tensorboard = importlib.util.find_spec("tensorboardX") is not None
+    assert main([*argv, "--tensorboard"] if tensorboard else argv) == 0
+    if tensorboard:  # one tag per config and metric, every record's value at its round
+        from test_results import read_tensorboard_scalars
+
+        scalars = read_tensorboard_scalars(out / "tensorboard")
+        records = results.read_records(out)
+        # 8 configs x (test_accuracy, test_loss, train_loss, local_loss, seconds)
+        assert len(scalars) == 8 * 5
+        series = "fedavg client_lr=0.1 server_lr=1 seed=1"
+        assert scalars[f"{series}/test_accuracy"] == [
+            (r["round"], float(np.float32(r["test_accuracy"])))
+            for r in records
+            if r["series"] == series
+        ]
+    # Progress over both algorithms' rounds, a line per evaluation (stderr is no terminal).
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "loading fashion_mnist..."
+    swept = [line for line in err if line.startswith("sweep: round ")]
+    assert [line.split()[2] for line in swept] == [f"{r}/20" for r in range(2, 21, 2)]
+    assert "scaffold [1/2]" in swept[0] and "fedavg [2/2]" in swept[-1]
+    assert all("ETA" in line for line in swept)
+    assert sum(line.startswith("compiling") and line.endswith(" s") for line in err) == 4
     assert {"sweep.json", "summary.md", "rounds_to_target.png", "best_curves.png"} <= {
         p.name for p in out.iterdir()
     }
@@ -233,7 +289,9 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
         "the best value may lie above it: extend the grid above 0.1."
         for name in ("scaffold", "fedavg")
     ]
-    assert capsys.readouterr().err.splitlines() == [f"warning: {line}" for line in edges]
+    assert [line for line in err if line.startswith("warning: ")] == [
+        f"warning: {line}" for line in edges
+    ]
     assert json.loads((out / "summary.json").read_text())["edge_of_grid"] == edges
     with open(out / "sweep.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -241,12 +299,13 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
         (name, lr, seed, str(lr == "0.1"))
         for name in ("scaffold", "fedavg") for lr in ("0.1", "0.001") for seed in ("0", "1")
     ]  # fmt: skip
+    argv.append("--quiet")
     assert main(argv) == 1  # a finished sweep is not overwritten silently
     assert "already holds a finished run" in capsys.readouterr().err
 
 
 @needs_fashion
-def test_sweep_json_is_strict_json_when_a_config_diverges(tmp_path):
+def test_sweep_json_is_strict_json_when_a_config_diverges(tmp_path, capsys):
     """A diverged config's losses are NaN: sweep.json writes them as null, so a strict
     parser (one that refuses NaN / Infinity tokens) reads the file."""
     config = tmp_path / "tiny.toml"
@@ -265,6 +324,7 @@ def test_sweep_json_is_strict_json_when_a_config_diverges(tmp_path):
     assert res["diverged_round"][0] == -1 and res["diverged_round"][1] >= 1
     assert None in [r.get("test_loss") for r in res["records"][1]]  # NaN written as null
     assert all(isinstance(r["test_loss"], float) for r in res["records"][0])
+    assert capsys.readouterr() == ("", "")  # --quiet: no table, no progress
 
 
 @pytest.mark.parametrize("terminated", ["run_terminated", "sigterm_exit"])
@@ -300,15 +360,78 @@ def test_other_exits_pass_through_main(monkeypatch):
 
 # ----------------------------------------------------------------------------- diagnose
 @needs_fashion
-def test_diagnose_prints_the_papers_constants(tmp_path, capsys):
+def test_diagnose_prints_the_papers_constants_and_writes_its_folder(tmp_path, capsys):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
-    assert main(["diagnose", "--config", str(config), "--gd-steps", "1", "--num-iters", "5"]) == 0
-    out = capsys.readouterr().out
+    out = tmp_path / "diag"
+    argv = ["diagnose", "--config", str(config), "--num-iters", "5", "--out", str(out)]
+    assert main([*argv, "--gd-steps", "1"]) == 0
+    printed, err = capsys.readouterr()
     for name in ("G at x", "(G, B)", "δ (Hessian dissim.)", "β (smoothness)", "suggested K"):
-        assert name in out
-    beta = float(out.split("β (smoothness)")[1].split()[0])
+        assert name in printed
+    beta = float(printed.split("β (smoothness)")[1].split()[0])
     assert 0 < beta < 1000
+    # Progress on stderr: the data, the gradient steps, each timed stage.
+    err = err.splitlines()
+    assert err[0] == "loading fashion_mnist..."
+    assert any(line.startswith("gradient descent: step 1/1 (100%), ") for line in err)
+    assert any(line.startswith("β (smoothness): 10 clients, 5 power iterations: ") for line in err)
+    # --out: the report as JSON (what was printed) and the (G, B) plot.
+    saved = json.loads((out / "diagnose.json").read_text())
+    assert saved["report"]["num_points"] == 2 and saved["report"]["num_iters"] == 5
+    assert saved["report"]["beta"] == pytest.approx(beta, rel=1e-5)
+    assert (out / "gradient_fit.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    # A folder with a report is kept unless --overwrite; --quiet prints nothing and still
+    # writes the folder; --gd-steps and --client-lr change the path the fit uses.
+    assert main([*argv, "--quiet"]) == 1
+    assert "already holds a finished run" in capsys.readouterr().err
+    quiet = [*argv, "--quiet", "--overwrite", "--gd-steps", "2", "--client-lr", "0.5"]
+    assert main(quiet) == 0
+    assert capsys.readouterr() == ("", "")
+    again = json.loads((out / "diagnose.json").read_text())
+    assert again["report"]["num_points"] == 3 and len(again["report"]["points"]) == 3
+    assert again["report"]["points"][0] == saved["report"]["points"][0]  # the same x
+    assert again["report"]["points"][1] != saved["report"]["points"][1]  # a longer step
+    assert json.loads((out / "config.json").read_text())["client_lr"] == 0.5
+
+
+# Each config flag of diagnose, with a value other than its default.
+_DIAGNOSE_VALUES = {
+    "dataset": ["mnist"], "data_dir": ["/data"], "min_client_examples": ["5"],
+    "client_holdout": ["0.1"], "download": [], "max_train_examples": ["100"],
+    "max_test_examples": ["50"], "partition": ["dirichlet"], "similarity": ["50"],
+    "dirichlet_alpha": ["0.5"], "shards_per_client": ["2"], "model": ["mlp"],
+    "hidden_sizes": ["8", "8"], "resnet_width": ["32"], "lstm_hidden": ["16"],
+    "embed_dim": ["4"], "num_clients": ["7"], "seed": ["3"], "client_lr": ["0.5"],
+}  # fmt: skip
+
+
+def test_every_diagnose_flag_means_something(capsys):
+    """diagnose lists only flags that change what it measures or writes: the data,
+    partition and model it builds (each reaches its config), --gd-steps / --num-iters /
+    --out / --overwrite / --quiet (see the test above); none of run's algorithm, sampling,
+    plan or horizon flags."""
+    import re
+
+    from scaffold_jax.cli import DIAGNOSE_FIELDS, _config, _flag, build_parser
+
+    with pytest.raises(SystemExit):
+        main(["diagnose", "--help"])
+    listed = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
+    own = {"--help", "--config", "--plugin", "--set", "--gd-steps", "--num-iters", "--out",
+           "--overwrite", "--quiet"}  # fmt: skip
+    assert listed == own | {_flag(name) for name in DIAGNOSE_FIELDS}
+    assert set(_DIAGNOSE_VALUES) == set(DIAGNOSE_FIELDS)
+    default = _config(build_parser().parse_args(["diagnose"]), validate=False)
+    for name, value in _DIAGNOSE_VALUES.items():
+        args = build_parser().parse_args(["diagnose", _flag(name), *value])
+        assert getattr(_config(args, validate=False), name) != getattr(default, name), name
+    args = build_parser().parse_args(["diagnose", "--set", "seed=4"])
+    assert _config(args, validate=False).seed == 4
+    # --set of a field diagnose does not use is refused, naming it.
+    assert main(["diagnose", "--set", "rounds=3", "--set", "prox_mu=1"]) == 2
+    assert "--set prox_mu, rounds: diagnose does not use them" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- resume

@@ -103,6 +103,7 @@ def _resume_matches(root, environment, out, reference) -> bool:
     assert proc.returncode == 0, proc.stderr
     records, summary = _comparable(out)
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))  # each exactly once
+    _assert_csv_is_the_records(out)  # rewritten from the kept records, then row by row
     assert (records, summary) == reference["compare"]
     for mine, theirs in zip(_final_state(out), reference["state"], strict=True):
         np.testing.assert_array_equal(mine, theirs)
@@ -132,11 +133,25 @@ MORE_KILL_POINTS = [(0, 1.0), (0, 2.0), (1, 0.0), (3, 0.001), (4, 0.05), (6, 0.0
                     (8, 0.1), (10, 0.0), (11, 0.003), (12, 0.0), (13, 0.0)]  # fmt: skip
 
 
+def _assert_csv_is_the_records(out) -> None:
+    """metrics.csv, written row by row as metrics.jsonl, holds the records so far: all of
+    them, or all but the last when the kill fell between the two files' writes."""
+    import csv
+
+    records = results.read_records(out)
+    with open(Path(out) / results.CSV_FILE, newline="") as f:
+        rows = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    assert len(records) - len(rows) in (0, 1) and len(rows) >= 2
+    assert rows == [{k: str(v) for k, v in r.items()} for r in records[: len(rows)]]
+
+
 @pytest.mark.parametrize(("records", "delay"), KILL_POINTS)
 def test_sigkill_then_resume_is_the_uninterrupted_run(env, reference, records, delay, tmp_path):
     root, environment = env
     code, _ = _kill_after(root, environment, tmp_path / "run", records, delay)
     assert code == -signal.SIGKILL  # it died mid-run
+    if records >= 2:
+        _assert_csv_is_the_records(tmp_path / "run")
     assert _resume_matches(root, environment, tmp_path / "run", reference)
 
 

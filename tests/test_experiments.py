@@ -386,3 +386,24 @@ def test_the_loop_grid_keeps_a_diverged_step_size(tmp_path):
     assert [r.diverged for r in runs] == [False, True]
     assert runs[1].records and runs[1].client_drift.shape == (4,)
     assert experiments.choose(runs, 0.99)[0].client_lr == 0.1
+
+
+def test_fedprox_has_one_default_mu_in_the_api_the_config_and_the_cli(capsys):
+    """FedProx's μ is its declared default everywhere: sj.hparams() leaves it to the
+    algorithm (so sj.fedprox is not FedAvg), the config resolves it, the flag shows it;
+    an algorithm without μ gets none."""
+    import scaffold_jax as sj
+    from scaffold_jax.algorithms import ALGORITHMS
+    from scaffold_jax.cli import main
+
+    declared = ALGORITHMS["fedprox"].hparams["prox_mu"].default
+    assert declared == 1.0
+    problem = sj.models.logistic_regression((4,), 2)
+    sim = sj.Simulation(sj.fedprox(problem.loss_fn), problem, BatchPlan.full(1), 1)
+    assert float(sim.resolve_hparams(sj.hparams(client_lr=0.1))["prox_mu"]) == declared
+    assert float(RunConfig(algorithm="fedprox").resolved_hparams()["prox_mu"]) == declared
+    assert "prox_mu" not in RunConfig(algorithm="scaffold").resolved_hparams()
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"FedProx proximal weight mu (the paper fixes 1) [default: {declared}]" in help_text

@@ -1,4 +1,4 @@
-"""FedNova (Wang et al., NeurIPS 2020; ../shared/ALGORITHMS.md): equals FedAvg when every
+"""FedNova (Wang et al., NeurIPS 2020, arXiv:2007.07481): equals FedAvg when every
 client takes the same number of steps (also under a server optimizer), matches a plain
 per-client reference loop when the step counts differ, handles a client that took no
 step, and runs from the registry, a sweep and the command line."""

@@ -1,4 +1,4 @@
-"""Mime and MimeLite (Karimireddy et al., NeurIPS 2021): the identities of ALGORITHMS.md
+"""Mime and MimeLite (Karimireddy et al., NeurIPS 2021, arXiv:2008.03606): its identities
 (MimeLite with no base optimizer is FedAvg; Mime with K = 1 full batches is MimeLite), the
 engine against a per-client reference loop, the full-data pass, sweeps and the command
 line."""

@@ -144,3 +144,24 @@ def test_notebook_runs_at_small_sizes(name, tmp_path, monkeypatch):
     ]
     assert images, "no plot was produced"
     print(f"{name}: {elapsed:.1f} s")
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_the_repository_url_is_the_packages_in_badges_and_install_cells(name):
+    """One URL, scaffold_jax.REPOSITORY: each notebook's Colab badge points at itself in
+    it, its install cell installs from it with --no-deps (Colab's CUDA jax is kept),
+    and the README and pyproject.toml name it too."""
+    import scaffold_jax
+
+    repo = scaffold_jax.REPOSITORY
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    colab = repo.replace("https://github.com/", "https://colab.research.google.com/github/")
+    assert f"({colab}/blob/main/notebooks/{name})" in nb.cells[0].source
+    install = nb.cells[1].source
+    assert f'SCAFFOLD_JAX_REPOSITORY = "{repo}"' in install
+    assert '%pip install -q --no-deps "scaffold-jax @ git+{SCAFFOLD_JAX_REPOSITORY}.git"' in install
+    assert "OWNER" not in install
+    root = NOTEBOOKS.parent
+    readme = (root / "README.md").read_text()
+    assert f"({colab}/blob/main/notebooks/01_quickstart.ipynb)" in readme
+    assert f'Repository = "{repo}"' in (root / "pyproject.toml").read_text()

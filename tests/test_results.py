@@ -338,6 +338,29 @@ def test_a_killed_run_keeps_every_finished_record(tmp_path):
     assert results.read_summary(tmp_path)["status"] == "running"
 
 
+def test_metrics_csv_holds_every_record_as_soon_as_it_is_written(tmp_path):
+    import csv
+
+    def rows():
+        with open(tmp_path / results.CSV_FILE, newline="") as f:
+            return list(csv.DictReader(f))
+
+    writer = results.RunWriter(tmp_path, {}, plots=())
+    writer.open()
+    writer.record("a", {"round": 0, "test_accuracy": 0.125})
+    writer.record("a", {"round": 5, "test_accuracy": 0.25})
+    assert rows() == [
+        {"series": "a", "round": "0", "test_accuracy": "0.125"},
+        {"series": "a", "round": "5", "test_accuracy": "0.25"},
+    ]
+    # A record with a new field: the header grows, the earlier rows leave it empty.
+    writer.record("a", {"round": 10, "test_accuracy": 0.5, "error": 0.1})
+    assert [r["error"] for r in rows()] == ["", "", "0.1"]
+    writer.reset_records([{"round": 0, "test_accuracy": 0.125}], "a")  # a resume cuts back
+    assert rows() == [{"series": "a", "round": "0", "test_accuracy": "0.125"}]
+    writer.close("interrupted")
+
+
 def test_a_torn_last_line_is_ignored(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"round": 0}\n{"round": 5}\n{"rou')
     assert results.read_records(tmp_path) == [{"round": 0}, {"round": 5}]
@@ -613,3 +636,75 @@ def test_a_plot_that_cannot_be_written_never_fails_a_finished_run(tmp_path, monk
         summary = writer.finish()
     assert summary["status"] == "finished" == results.read_summary(tmp_path)["status"]
     assert "could not write accuracy.png" in capsys.readouterr().err
+
+
+def test_the_environment_names_the_git_commit_and_the_library_versions(monkeypatch):
+    import subprocess
+    from pathlib import Path
+
+    import flax
+    import numpy as np
+    import optax
+
+    env = results.environment()
+    assert (env["flax"], env["optax"], env["numpy"]) == (
+        flax.__version__, optax.__version__, np.__version__
+    )  # fmt: skip
+    assert env["jax"] and env["jaxlib"] and env["python"].count(".") == 2
+    root = Path(results.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True)
+    in_checkout = head.returncode == 0 and (root / ".git").exists()
+    assert env["git_commit"] == (head.stdout.decode().strip() if in_checkout else None)
+
+    # No git (or not a checkout): None, never an error.
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    results.git_revision.cache_clear()
+    monkeypatch.setattr(results.subprocess, "run", no_git)
+    try:
+        assert results.environment()["git_commit"] is None
+        assert results.git_revision() == {"git_commit": None, "git_dirty": None}
+    finally:
+        results.git_revision.cache_clear()
+
+
+def read_tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` of the event files in ``directory``, parsed with
+    tensorboardX's protobufs (TFRecord framing: length, CRC, event, CRC)."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_sink_writes_one_scalar_per_metric_with_the_round_as_step(tmp_path):
+    pytest.importorskip("tensorboardX")
+    records = [
+        {"series": "a", "round": 0, "test_accuracy": 0.125, "test_loss": 2.5, "seconds": 0.0},
+        {"series": "a", "round": 5, "test_accuracy": 0.75, "test_loss": 0.5, "seconds": 1.5},
+    ]
+    sink = results.TensorBoardSink(tmp_path)
+    for record in records:
+        sink(record)
+    # Flushed per record: readable before close (a killed run keeps its events).
+    assert read_tensorboard_scalars(tmp_path / "tensorboard")["test_accuracy"] == [
+        (0, 0.125), (5, 0.75)
+    ]  # fmt: skip
+    sink.close()
+    assert read_tensorboard_scalars(tmp_path / "tensorboard") == {
+        name: [(r["round"], r[name]) for r in records]
+        for name in ("test_accuracy", "test_loss", "seconds")
+    }

@@ -258,9 +258,34 @@ def test_nothing_found_lists_every_place_and_every_remedy(tmp_path, monkeypatch)
     assert str(tmp_path / "sys") in msg and str(tmp_path / "cache" / "fashion_mnist.npz") in msg
     assert "TFDS (" in msg and "not prepared" in msg
     assert "apt-get install dataset-fashion-mnist" in msg
-    assert "SCAFFOLD_JAX_DATA_DIR" in msg and "--data-dir" in msg
-    assert "allow_download=True" in msg
+    assert "SCAFFOLD_JAX_DATA_DIR" in msg and "data_dir=..." in msg
+    assert "allow_download=True" in msg and "--download" not in msg  # the API's terms
     assert sources.NIST_EMNIST_URL in msg
+    # The command line says the same in its own terms.
+    cli = err.value.for_cli()
+    assert "--download" in cli and "--data-dir" in cli and "allow_download" not in cli
+    assert cli.replace("--download", "").replace("--data-dir", "") == msg.replace(
+        "load(..., allow_download=True)", ""
+    ).replace("data_dir=...", "")
+
+
+def test_a_missing_dataset_tells_cli_users_the_flag_and_no_absl_warning(tmp_path, capfd):
+    pytest.importorskip("tensorflow_datasets")
+    from scaffold_jax.cli import main
+
+    out = tmp_path / "run"
+    argv = ["run", "--dataset", "cifar10", "--out", str(out), "--quiet"]
+    env = {"TFDS_DATA_DIR": str(tmp_path / "tfds"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.setattr(sources, "default_cache_dir", lambda: tmp_path / "cache")
+        assert main(argv) == 1
+    err = capfd.readouterr().err
+    assert "could not find the cifar10 dataset" in err
+    assert "let TFDS download it: --download (download was not allowed" in err
+    assert "allow_download" not in err and "WARNING:absl" not in err
+    assert "dataset_info.json" not in err
 
 
 # ------------------------------------------------------------------ TFDS (mocked) and cache
@@ -364,12 +389,12 @@ def test_an_unreadable_cache_is_rebuilt_with_a_warning(tmp_path, damage):
 
 
 def test_a_failed_download_says_not_found_with_every_way_to_get_the_data(tmp_path, monkeypatch):
-    """Offline, TFDS's download fails with whatever its transport raises (here the
-    ModuleNotFoundError seen on this machine); load() reports it among the places looked."""
+    """Offline, TFDS's download fails with whatever its transport raises; load() reports
+    it among the places looked, blaming the connection."""
     tfds = pytest.importorskip("tensorflow_datasets")
 
     def offline(*args, **kwargs):
-        raise ModuleNotFoundError("No module named 'importlib_resources'")
+        raise ConnectionError("Failed to resolve 'storage.googleapis.com'")
 
     monkeypatch.setattr(tfds, "data_source", offline)
     with pytest.raises(FileNotFoundError) as info:
@@ -377,8 +402,27 @@ def test_a_failed_download_says_not_found_with_every_way_to_get_the_data(tmp_pat
             "emnist/balanced", cache_dir=tmp_path, tfds_data_dir=tmp_path, allow_download=True
         )
     msg = str(info.value)
-    assert "could not download emnist/balanced" in msg and "importlib_resources" in msg
+    assert "could not download emnist/balanced (ConnectionError: Failed to resolve" in msg
+    assert "check the internet connection" in msg
     assert sources.NIST_EMNIST_URL in msg  # the other ways are still listed
+
+
+def test_a_missing_download_dependency_is_named_not_the_network(tmp_path, monkeypatch):
+    """tensorflow-datasets imports importlib_resources to download on every Python but
+    declares it for Python < 3.9 only: the message names the module and the fix."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError(
+            "No module named 'importlib_resources'", name="importlib_resources"
+        )
+
+    monkeypatch.setattr(tfds, "data_source", missing)
+    with pytest.raises(FileNotFoundError) as info:
+        sources.load("cifar10", cache_dir=tmp_path, tfds_data_dir=tmp_path, allow_download=True)
+    msg = str(info.value)
+    assert "it needs the module importlib_resources, which is not installed" in msg
+    assert "pip install importlib_resources" in msg and "internet" not in msg
 
 
 def test_tfds_cifar100_then_a_dirichlet_split_trains_the_cnn(tmp_path):

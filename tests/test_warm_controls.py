@@ -1,4 +1,5 @@
-"""SCAFFOLD with warm-started controls (ALGORITHMS.md): c_i = ∇f_i(x0) for every client
+"""SCAFFOLD with warm-started controls (option I of Algorithm 1's control update, at x0):
+c_i = ∇f_i(x0) for every client
 and c = their mean before round 1; the invariant from the start; rounds to a target that
 no longer depend on the gradient dissimilarity G; the option in configs and Figure 3."""
 

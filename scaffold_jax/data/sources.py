@@ -35,6 +35,7 @@ is one line, ``DATASETS.register("name", DatasetSpec(...))``, in any module (a p
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
 import math
@@ -475,8 +476,10 @@ def load_tfds(
         ) from err
     data_dir = None if data_dir is None else os.fspath(Path(data_dir).expanduser())
     if not download:
-        builder = tfds.builder(name, data_dir=data_dir)
-        if not builder.is_prepared():
+        with _absl_quiet():  # TFDS warns about a missing dataset_info.json: it is missing
+            builder = tfds.builder(name, data_dir=data_dir)
+            prepared = builder.is_prepared()
+        if not prepared:
             raise FileNotFoundError(
                 f"TFDS dataset {name} is not prepared in {builder.data_dir} and download=False."
             )
@@ -489,8 +492,17 @@ def load_tfds(
     except Exception as err:
         if not download or isinstance(err, FileNotFoundError):
             raise
-        # Offline, TFDS fails in many ways (DNS errors, or a ModuleNotFoundError from a
-        # download-only dependency); the caller gets "not found" with what went wrong.
+        if isinstance(err, ImportError):
+            # A dependency TFDS needs only to download: tensorflow-datasets declares
+            # importlib_resources for Python < 3.9 only, yet imports it on every Python.
+            module = getattr(err, "name", None) or str(err)
+            raise FileNotFoundError(
+                f"TFDS could not download {name}: it needs the module {module}, which is not "
+                f"installed ({err}); pip install {module} (the 'data' extra of scaffold-jax "
+                "includes importlib_resources)."
+            ) from err
+        # Offline, TFDS fails in many ways (DNS errors, connection resets); the caller
+        # gets "not found" with what went wrong.
         raise FileNotFoundError(
             f"TFDS could not download {name} ({type(err).__name__}: {err}); check the "
             "internet connection, or get the files another way (see scaffold_jax.data.sources)."
@@ -510,6 +522,18 @@ def load_tfds(
     except OSError as err:  # a read-only home must not make the data unusable
         logger.warning("could not write the cache %s: %s", path, err)
     return ds
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+    """absl's warnings (TFDS logs through it) held back to errors, then restored."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
 
 
 # --------------------------------------------------------------------------------------
@@ -639,12 +663,26 @@ def load(
             return load_tfds(name, tfds_data_dir, cache_dir, download=allow_download)
         except FileNotFoundError as err:
             looked.append(f"TFDS ({err})")
-    raise FileNotFoundError(_not_found_message(name, spec, looked, allow_download))
+    raise DatasetNotFoundError(name, spec, looked, allow_download)
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """No place had the dataset. ``str(err)`` lists every place looked at and the ways to
+    get the data in the API's terms (``allow_download=True``, ``data_dir=...``);
+    :meth:`for_cli` says the same in the command line's (``--download``, ``--data-dir``)."""
+
+    def __init__(self, name: str, spec: DatasetSpec, looked: list[str], allow_download: bool):
+        self.details = (name, spec, list(looked), allow_download)
+        super().__init__(_not_found_message(*self.details, cli=False))
+
+    def for_cli(self) -> str:
+        return _not_found_message(*self.details, cli=True)
 
 
 def _not_found_message(
-    name: str, spec: DatasetSpec, looked: list[str], allow_download: bool
+    name: str, spec: DatasetSpec, looked: list[str], allow_download: bool, cli: bool
 ) -> str:
+    data_dir = "--data-dir" if cli else "data_dir=..."
     lines = [f"could not find the {name} dataset. Looked in:"]
     lines += [f"  - {place}" for place in looked]
     lines.append("Ways to get it:")
@@ -662,18 +700,19 @@ def _not_found_message(
         )
         lines.append(
             f"  (1) {apt}place the IDX files ({files}) in a folder and pass it as "
-            f"--data-dir (data_dir=...) or set {ENV_DATA_DIR};"
+            f"{data_dir} or set {ENV_DATA_DIR};"
         )
     else:
         lines.append(f"  (1) {name} has no IDX distribution; use TFDS (2);")
     lines.append(
-        "  (2) go online and let TFDS download it: load(..., allow_download=True)"
+        "  (2) go online and let TFDS download it: "
+        + ("--download" if cli else "load(..., allow_download=True)")
         + (" (download was not allowed this time);" if not allow_download else ";")
     )
     if name.startswith("emnist/"):
         lines.append(
             f"  (3) download gzip.zip from {NIST_EMNIST_URL}, unzip it into a folder (it "
-            "unpacks into gzip/) and pass that folder as data_dir / --data-dir."
+            f"unpacks into gzip/) and pass that folder as {data_dir}."
         )
     else:
         lines.append(

@@ -36,6 +36,7 @@ import optax
 
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.layout import SingleDevice
+from scaffold_jax.local import CLIENT_AXIS
 from scaffold_jax.tree import (
     all_finite,
     set_rows,
@@ -61,15 +62,26 @@ FULL_DATA = BatchPlan.full(1)
 
 
 def over_clients(fn: Callable, args: PyTree, chunk: int | None):
-    """``fn`` over the leading client axis of ``args``: one ``vmap``, or ``lax.map`` in
-    chunks of ``chunk`` clients (None: all at once)."""
+    """``fn`` over the leading client axis of ``args``: one ``vmap`` (named
+    :data:`~scaffold_jax.local.CLIENT_AXIS`), or a ``lax.map`` over chunks of ``chunk``
+    clients, each chunk one such vmap (None: all at once)."""
+    vmapped = jax.vmap(fn, axis_name=CLIENT_AXIS)
     if chunk is None:
-        return jax.vmap(fn)(*args)
+        return vmapped(*args)
     if chunk == 1:
-        # Not batch_size=1: that vmaps the body over an axis of one, whose batched dots
+        # Not chunks of one: that vmaps the body over an axis of one, whose batched dots
         # and convolutions XLA's CPU backend runs slower than the plain ones.
         return jax.lax.map(lambda a: fn(*a), args)
-    return jax.lax.map(lambda a: fn(*a), args, batch_size=chunk)
+    # lax.map(batch_size=) would vmap the chunks without the axis name: chunk by hand.
+    num = jax.tree.leaves(args)[0].shape[0]
+    whole = num - num % chunk
+    head = jax.tree.map(lambda a: a[:whole].reshape(whole // chunk, chunk, *a.shape[1:]), args)
+    out = jax.lax.map(lambda a: vmapped(*a), head)
+    out = jax.tree.map(lambda a: a.reshape(whole, *a.shape[2:]), out)
+    if whole == num:
+        return out
+    tail = vmapped(*jax.tree.map(lambda a: a[whole:], args))
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, tail)
 
 
 def check_count(

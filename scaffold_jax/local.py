@@ -21,6 +21,10 @@ import optax
 from scaffold_jax.tree import masked_mean
 from scaffold_jax.types import Array, Batch, PyTree
 
+#: The name of the engine's vmap over the clients of a chunk: the local loop of each client
+#: stops with the longest of them (:func:`local_sgd`).
+CLIENT_AXIS = "clients"
+
 # (params y, the step's batch, its mask, the step's key) -> the offset added to the
 # gradient at y (the step uses g + correction(y, batch, mask, key)); FedProx reads only y,
 # Mime the batch and the key too (its gradient at x sees the same dropout as the one at y).
@@ -131,13 +135,29 @@ def local_sgd(
     # clients loops only as long as its longest client. The empty steps skipped were
     # no-ops, so the result is the padded computation's.
     has_data = jnp.sum(mask, axis=tuple(range(1, mask.ndim))) > 0
-    last = jnp.max(jnp.where(has_data, jnp.arange(mask.shape[0], dtype=jnp.int32), -1))
+    last = _longest_of_chunk(
+        jnp.max(jnp.where(has_data, jnp.arange(mask.shape[0], dtype=jnp.int32), -1))
+    )
     opt_state = () if optimizer is None else optimizer.init(params)
     zero = jnp.zeros((), jnp.int32)
     carry = (zero, params, opt_state, jnp.zeros((), jnp.float32), zero)
     _, y, _, loss_sum, num_steps = jax.lax.while_loop(lambda c: c[0] <= last, step, carry)
     mean_loss = loss_sum / jnp.maximum(num_steps, 1).astype(jnp.float32)
     return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss)
+
+
+def _longest_of_chunk(last: Array) -> Array:
+    """The largest ``last`` over the clients vmapped side by side (the engine's
+    :data:`CLIENT_AXIS`), or ``last`` itself for a client run alone.
+
+    With the bound the same for every client of a chunk, the loop's counter and condition
+    are not batched: a vmapped while loop with a per-client condition would ``select``
+    every carried value (the params) between the step and no step, at every step.
+    """
+    try:
+        return jax.lax.pmax(last, CLIENT_AXIS)
+    except NameError:  # not inside the engine's vmap over clients: one client alone
+        return last
 
 
 def flatten_steps(batches: Batch, mask: Array) -> tuple[Batch, Array]:

@@ -36,7 +36,13 @@ def _format_seconds(seconds: float) -> str:
 def _interactive(stream: TextIO) -> bool:
     """A terminal, or a notebook (whose stderr is no tty, but whose tqdm draws a widget)."""
     isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty()) or "ipykernel" in sys.modules
+    if isatty and isatty():
+        return True
+    # A running kernel, not merely an imported ipykernel module (libraries import it to
+    # probe for notebooks, and a batch job's log must still get plain lines).
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and hasattr(shell, "kernel")
 
 
 class Progress:

@@ -78,3 +78,12 @@ def test_the_example_config_is_valid_and_documented():
     assert config.resolved_options()["scaffold_option"] == "II"
     reference = (ROOT / "docs" / "config.md").read_text()
     assert all(f"| `{key}` |" in reference for key in values)
+
+
+def test_the_readme_opens_with_exactly_the_two_commands():
+    """The set-up contract: README.md's first code block is `make demo` and `make test`."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("```", 2)[1]
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert commands == ["make demo", "make test"]
+    assert readme.index("```") < readme.index("\n\n", readme.index("# scaffold_jax")) + 3

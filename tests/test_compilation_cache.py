@@ -42,8 +42,17 @@ def test_a_second_identical_run_compiles_nothing_new(tmp_path):
     assert [r["round"] for r in results.read_records(tmp_path / "second")] == [0, 2, 4]
     for name in ("rounds_to_target", "final"):
         assert same[0].get(name) == same[1].get(name)
-    _run(tmp_path, "uncached", tmp_path / "other", "--no-compile-cache")
-    assert _entries(tmp_path / "other") == []
+
+
+def test_no_compile_cache_leaves_the_cache_off(monkeypatch, tmp_path):
+    """``main`` turns the cache on before anything compiles, unless --no-compile-cache."""
+    from scaffold_jax import cli
+
+    calls = []
+    monkeypatch.setattr(compilation_cache, "enable", lambda: calls.append(1))
+    argv = ["run", "--rounds", "0", "--out", str(tmp_path / "x"), "--quiet"]  # refused
+    assert cli.main(argv) == 2 and calls == [1]
+    assert cli.main([*argv, "--no-compile-cache"]) == 2 and calls == [1]
 
 
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from test_cli import TINY, needs_fashion
 
 from scaffold_jax import compilation_cache, results
@@ -29,6 +30,7 @@ def _entries(folder):
     return sorted(p.name for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
 
 
+@pytest.mark.slow  # two fresh command-line processes (~10 s); the flag is tested in-process
 @needs_fashion
 def test_a_second_identical_run_compiles_nothing_new(tmp_path):
     cache = tmp_path / "cache"

@@ -103,9 +103,13 @@ def test_notebook_is_valid_clean_and_colab_ready(name):
 
 @pytest.mark.parametrize(
     "name",
-    # 04 (Shakespeare: two LSTM programs, 17 s) runs with `pytest -m slow`; the char LSTM on
-    # Shakespeare runs in the default suite through the command line (test_natural_runs).
-    [pytest.param(n, marks=pytest.mark.slow) if n.startswith("04") else n for n in sorted(SMALL)],
+    # 04 (Shakespeare: two LSTM programs, 17 s) and 03 (a vmapped sweep over many clients,
+    # 15-20 s) run with `pytest -m slow`; the char LSTM on Shakespeare runs in the default
+    # suite through the command line (test_natural_runs), sweeps through test_sweep.
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n.startswith(("03", "04")) else n
+        for n in sorted(SMALL)
+    ],
 )
 def test_notebook_runs_at_small_sizes(name, tmp_path, monkeypatch):
     # The kernel inherits the environment: datasets it builds are cached here, not in

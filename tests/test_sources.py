@@ -425,6 +425,7 @@ def test_a_missing_download_dependency_is_named_not_the_network(tmp_path, monkey
     assert "pip install importlib_resources" in msg and "internet" not in msg
 
 
+@pytest.mark.slow  # compiles the CNN (~12 s); cifar10 through TFDS's mock data stays
 def test_tfds_cifar100_then_a_dirichlet_split_trains_the_cnn(tmp_path):
     """CIFAR-100 through TFDS (mocked: the real one needs the network), split with the
     Dirichlet partitioner, trained with the CNN on 32×32×3 images for one round."""

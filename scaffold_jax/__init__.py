@@ -2,7 +2,7 @@
 
 SCAFFOLD (Karimireddy et al. 2020), FedAvg, FedProx, large-batch SGD, FedDyn, FedNova,
 Mime and MimeLite, with server (FedOpt) and local optimizers. Client state is stacked
-along a leading client axis, the local steps are a ``lax.scan`` vmapped across the sampled
+along a leading client axis, the local steps are a ``lax.while_loop`` vmapped across the sampled
 clients, and a whole round (many rounds, in fact) compiles into one XLA program.
 """
 

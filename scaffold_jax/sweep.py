@@ -4,7 +4,7 @@ The paper tunes η_l per algorithm and every claim needs several seeds. A sweep 
 configs (hyper-parameters × seeds) runs the whole simulation under ``jax.vmap`` over a
 config axis: every leaf of the state gains leading config axes, the hyper-parameters are
 arrays, the root keys one per seed, and the dataset is shared (``in_axes=None``). The
-rounds between two evaluations are one ``lax.scan`` of the vmapped round inside one ``jit``
+rounds between two evaluations are one loop of the vmapped round inside one ``jit``
 whose carry is donated, so C configs × R rounds cost one compilation and run as one
 program, driven by the same host loop as a single run (:func:`scaffold_jax.loop.drive`).
 

@@ -114,9 +114,18 @@ def _resume_matches(root, environment, out, reference) -> bool:
 def _kill_after(root, environment, out, records: int, delay: float, sig=signal.SIGKILL):
     """Starts a run, waits for ``records`` records (0: for ``delay`` seconds from the
     start), then ``delay`` seconds more, and sends ``sig``."""
+    # A shell that started the tests in the background (`make test &`) ignores SIGINT in
+    # them, and Python keeps an inherited SIG_IGN: the run gets Python's own SIGINT
+    # handler first, as when started from a terminal (not a preexec_fn: that forks a
+    # multithreaded JAX process).
+    python, _, module, *args = _argv(root, out)
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv = [{module!r}, *sys.argv[1:]]; runpy.run_module({module!r}, run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        _argv(root, out), env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        [python, "-c", start, *args], env=environment, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while records and _lines(out) < records and proc.poll() is None:

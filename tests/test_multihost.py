@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 2
@@ -145,6 +146,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two jax.distributed processes and a reference (~14 s)
 def test_two_processes_match_one(tmp_path):
     """Two jax processes (4 devices) run one simulation; both equal a one-process run."""
     port = free_port()

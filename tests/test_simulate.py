@@ -503,7 +503,9 @@ def test_skewed_clients_sorted_into_chunks_equal_the_padded_round():
     plan = sj.BatchPlan.epochs(batch_size=4, num_epochs=2)
     hp = sj.hparams(client_lr=0.2, server_lr=0.9)
     x, c, c_i, ids = reference_run("scaffold", problem, data, plan, 7, hp, 2, 2, option=2)
-    for chunk in (None, 1, 3):  # 3: two chunks of 3 and a remainder of 1
+    # 1: one client at a time (no vmap); 3: two sorted chunks of 3 and a remainder of 1.
+    # (All S in one vmap under an epochs plan: test_engine_matches_per_client_reference_loop.)
+    for chunk in (1, 3):
         sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, plan, 7, client_chunk=chunk)
         result = sim.run(data, hp, num_rounds=2, seed=2)
         np.testing.assert_array_equal(result.client_ids, ids)

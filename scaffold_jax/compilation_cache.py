@@ -20,9 +20,10 @@ import jax
 ENV = "SCAFFOLD_JAX_COMPILE_CACHE"
 _OFF = ("", "0", "off", "false", "no")
 
-#: Programs that compile faster than this are not worth a file (jit of small host-side
-#: helpers); the round and evaluation programs take a second or more.
-MIN_COMPILE_SECONDS = 0.2
+#: Every program is kept, however fast it compiled: a threshold would make what a second
+#: run finds depend on how loaded the machine was during the first (the evaluation
+#: compiles in 0.1-0.3 s), and the small ones cost a few KiB each.
+MIN_COMPILE_SECONDS = 0.0
 
 
 def default_directory() -> Path | None:

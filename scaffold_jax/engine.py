@@ -521,14 +521,16 @@ class Simulation:
             return self.algorithm.client_update(hparams, server_in, row, batches, mask, client_key)
 
         work = (work_ids, keys, rows_in)
-        if chunk is not None and self.plan.steps_vary:
-            # Clients of similar step counts side by side: a vmapped chunk's local loop runs
-            # as long as its longest client (local_sgd stops after the last non-empty step),
-            # so sorting by steps keeps the padded steps few (benchmarks/README.md, W6).
+        # Clients of similar step counts side by side: a vmapped chunk's local loop runs as
+        # long as its longest client (local_sgd stops after the last non-empty step), so
+        # sorting by steps keeps the padded steps few (benchmarks/README.md, W6). Clients
+        # run one at a time, or all in one vmap, gain nothing from it.
+        sort = chunk is not None and chunk > 1 and self.plan.steps_vary
+        if sort:
             order = jnp.argsort(-self.plan.local_steps(data.counts[work_ids]), stable=True)
             work = jax.tree.map(lambda a: a[order], work)
         new_rows, outputs = over_clients(client_work, work, chunk)
-        if chunk is not None and self.plan.steps_vary:
+        if sort:
             back = jnp.argsort(order)
             new_rows, outputs = jax.tree.map(lambda a: a[back], (new_rows, outputs))
         outputs = outputs._replace(weight=weights)

@@ -254,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
 DIAGNOSE_FIELDS = (
     "dataset", "data_dir", "min_client_examples", "client_holdout", "download",
     "max_train_examples", "max_test_examples", "partition", "similarity", "dirichlet_alpha",
-    "shards_per_client", "model", "hidden_sizes", "resnet_width", "lstm_hidden", "embed_dim",
-    "num_clients", "seed", "client_lr",
+    "shards_per_client", "model", "hidden_sizes", "resnet_width", "resnet_norm", "state_policy",
+    "lstm_hidden", "embed_dim", "num_clients", "seed", "client_lr",
 )  # fmt: skip
 
 

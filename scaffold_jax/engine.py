@@ -11,6 +11,10 @@ A round is one pure function ``round(hparams, state, data, key) -> (state, metri
    at x and the server takes their mean; then draw each client's batches and run
    ``vmap(client_update)`` over the S clients;
 3. aggregate with the algorithm's pure ``server_update``; scatter the new rows back.
+   A model's running statistics (``SimState.model``, BatchNorm's) go to every sampled
+   client's local steps (the server's, or the client's own row) and come back averaged
+   with the round's weights, or written back to the clients' rows
+   (``Problem.state_policy``).
 
 An algorithm's ``warm_start`` pass (SCAFFOLD's warm controls) runs once over all N
 clients when the initial state is built (:meth:`Simulation.warm_start_fn`).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -36,7 +41,7 @@ import optax
 
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.layout import SingleDevice
-from scaffold_jax.local import CLIENT_AXIS
+from scaffold_jax.local import CLIENT_AXIS, takes
 from scaffold_jax.tree import (
     all_finite,
     set_rows,
@@ -46,8 +51,10 @@ from scaffold_jax.tree import (
     weighted_mean,
 )
 from scaffold_jax.types import (
+    STATE_POLICIES,
     Algorithm,
     HParams,
+    ModelState,
     Problem,
     PyTree,
     SimState,
@@ -117,19 +124,38 @@ MAX_SEED = 2**32 - 1
 SEED_WHY = " (jax.random.key keeps only the low 32 bits: a larger seed repeats a smaller one)"
 
 
-def initial_state(algorithm: Algorithm, params: PyTree, num_clients: int) -> SimState:
+def initial_state(
+    algorithm: Algorithm, params: PyTree, num_clients: int, problem: Problem | None = None
+) -> SimState:
     """The initial :class:`SimState` as a pure (traceable) function: server state from
-    ``params``, the single-client state broadcast to a ``[N, ...]`` table, round 0."""
+    ``params``, the single-client state broadcast to a ``[N, ...]`` table, round 0, and
+    the running statistics of ``problem``'s model (when it keeps any) as its
+    ``state_policy`` says: the server's, or one copy per client."""
+
+    def table(tree):
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), tree)
+
     server, client = algorithm.init(params)
+    model = None
+    if problem is not None and problem.model_state is not None:
+        stats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), problem.model_state)
+        model = (
+            {"server": stats} if problem.state_policy == "average" else {"clients": table(stats)}
+        )
     return SimState(
         server=jax.tree.map(jnp.asarray, server),
-        clients=jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), client),
+        clients=table(client),
         round=jnp.zeros((), jnp.int32),
+        model=model,
     )
 
 
 def init_state(
-    algorithm: Algorithm, params: PyTree, num_clients: int, layout: Any = None
+    algorithm: Algorithm,
+    params: PyTree,
+    num_clients: int,
+    layout: Any = None,
+    problem: Problem | None = None,
 ) -> SimState:
     """:func:`initial_state`, built by one jitted program directly in ``layout``.
 
@@ -145,7 +171,7 @@ def init_state(
     layout.check_num_clients(num_clients)
 
     def build(params):
-        return initial_state(algorithm, params, num_clients)
+        return initial_state(algorithm, params, num_clients, problem)
 
     shardings = layout.state_shardings(jax.eval_shape(build, params))
     if jax.process_count() == 1:
@@ -289,14 +315,18 @@ def balanced_chunk(num: int, chunk: int) -> int | None:
     return -(-num // -(-num // chunk))
 
 
-def heldout_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
-    """``test_loss`` and ``test_accuracy`` of ``params`` on ``data.test`` (when present)."""
+def heldout_metrics(sim: Simulation, params: PyTree, data, model=None) -> dict[str, jax.Array]:
+    """``test_loss`` and ``test_accuracy`` of ``params`` on ``data.test`` (when present);
+    a model with running statistics uses :meth:`Simulation.mean_statistics`."""
     test = getattr(data, "test", None)
     if test is None:
         return {}
-    out = {"test_loss": jnp.mean(sim.per_example(sim.problem.loss_fn, params, test))}
+    if model is not None:
+        model = {"server": sim.mean_statistics(model, data)}
+    out = {"test_loss": jnp.mean(sim.per_example(sim.problem.loss_fn, params, test, model))}
     if sim.problem.accuracy_fn is not None:
-        out["test_accuracy"] = jnp.mean(sim.per_example(sim.problem.accuracy_fn, params, test))
+        correct = sim.per_example(sim.problem.accuracy_fn, params, test, model)
+        out["test_accuracy"] = jnp.mean(correct)
     return out
 
 
@@ -305,7 +335,7 @@ TRAIN_EVAL_EXAMPLES = 4096
 subsample; :func:`train_objective`)."""
 
 
-def train_objective(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
+def train_objective(sim: Simulation, params: PyTree, data, model=None) -> dict[str, jax.Array]:
     """``train_loss``, the federated objective f(x) = (1/N) Σ_i f_i(x) (Σ_i n_i f_i / Σ_i n_i
     under ``weighting="num_examples"``), over the training examples of materialised data.
 
@@ -313,15 +343,16 @@ def train_objective(sim: Simulation, params: PyTree, data) -> dict[str, jax.Arra
     estimated on a FIXED uniform subsample of m examples (the same at every evaluation, so
     curves compare like with like), each weighted by n/m times its weight in f (1/(N n_i)
     or 1/n): an unbiased estimate, at m/n of the cost of the full pass. ``None``: every
-    example, the exact objective.
+    example, the exact objective. Under the ``"local"`` statistics policy every example
+    is evaluated with its own client's statistics.
     """
     if not hasattr(data, "examples"):
         return {}
     n = jax.tree.leaves(data.examples)[0].shape[0]
     m = sim.train_eval_examples
     if m is None or m >= n:
-        losses = sim.per_example(sim.problem.loss_fn, params, data.examples)
         owner = jnp.repeat(jnp.arange(data.num_clients), data.counts, total_repeat_length=n)
+        losses = sim.per_example(sim.problem.loss_fn, params, data.examples, model, owner)
         sums = jax.ops.segment_sum(losses, owner, num_segments=data.num_clients)
         if sim.weighting == "num_examples":
             return {"train_loss": jnp.sum(sums) / n}
@@ -330,28 +361,29 @@ def train_objective(sim: Simulation, params: PyTree, data) -> dict[str, jax.Arra
     # example's client is found from the clients' sorted row offsets.
     index = np.sort(np.random.default_rng(0).choice(n, m, replace=False)).astype(np.int32)
     examples = jax.tree.map(lambda a: a[index], data.examples)
-    losses = sim.per_example(sim.problem.loss_fn, params, examples)
+    owner = jnp.searchsorted(data.offsets, index, side="right") - 1
+    losses = sim.per_example(sim.problem.loss_fn, params, examples, model, owner)
     if sim.weighting == "num_examples":
         return {"train_loss": jnp.mean(losses)}
-    owner = jnp.searchsorted(data.offsets, index, side="right") - 1
     weight = 1.0 / (data.num_clients * data.counts[owner].astype(jnp.float32))
     return {"train_loss": (n / m) * jnp.sum(weight * losses)}
 
 
-def client_metrics(sim: Simulation, params: PyTree, data) -> dict[str, jax.Array]:
+def client_metrics(sim: Simulation, params: PyTree, data, model=None) -> dict[str, jax.Array]:
     """Per-client accuracy of ``params`` on each client's own test examples
     (``data.client_test``; nothing when the data has none): over the clients with at least
     one test example, the mean (each client counts once), the example-weighted mean, the
     standard deviation, and ``client_accuracy_worst10``, the mean of the worst 10% of
     clients (⌈0.1 · clients⌉ of them). One pass over the client test examples, chunked
-    like every evaluation, plus a segment sum."""
+    like every evaluation, plus a segment sum. Under the ``"local"`` statistics policy
+    each client is evaluated with its own statistics (FedBN's evaluation)."""
     tests = getattr(data, "client_test", None)
     if tests is None or sim.problem.accuracy_fn is None:
         return {}
     counts = data.client_test_counts
-    correct = sim.per_example(sim.problem.accuracy_fn, params, tests)
-    n, num_clients = correct.shape[0], counts.shape[0]
+    n, num_clients = jax.tree.leaves(tests)[0].shape[0], counts.shape[0]
     owner = jnp.repeat(jnp.arange(num_clients), counts, total_repeat_length=n)
+    correct = sim.per_example(sim.problem.accuracy_fn, params, tests, model, owner)
     hits = jax.ops.segment_sum(correct, owner, num_segments=num_clients)
     has = counts > 0
     num = jnp.sum(has).astype(jnp.float32)
@@ -506,6 +538,11 @@ class Simulation:
             # for with a copy of the whole table.
             clients = set_rows(clients, ids, rows)
         rows_in = layout.constrain(rows, "sampled")
+        # The model's running statistics: the server's (every client starts from them) or
+        # each sampled client's own row.
+        model = state.model or {}
+        stats_rows = take_rows(model["clients"], ids) if "clients" in model else None
+        stats_in = layout.constrain(stats_rows, "sampled")
         chunk = self.resolve_client_chunk(data)
         weights, total_weight = self.weights(data, ids)
         server_in = state.server
@@ -514,13 +551,19 @@ class Simulation:
                 self.algorithm.pre_round, state.server, rows_in, work_ids, weights, data, chunk
             )
 
-        def client_work(client_id, client_key, row):
+        def client_work(client_id, client_key, row, stats):
             # Batches are drawn inside each client's work so that a chunk gathers only its
             # own clients' examples (the working set stays chunk-sized).
             batches, mask = data.client_batches(client_id, client_key, self.plan)
-            return self.algorithm.client_update(hparams, server_in, row, batches, mask, client_key)
+            extra = {}
+            if state.model is not None:
+                stats = model["server"] if stats is None else stats
+                extra["model_state"] = ModelState(stats, self.problem.update_state)
+            return self.algorithm.client_update(
+                hparams, server_in, row, batches, mask, client_key, **extra
+            )
 
-        work = (work_ids, keys, rows_in)
+        work = (work_ids, keys, rows_in, stats_in)
         # Clients of similar step counts side by side: a vmapped chunk's local loop runs as
         # long as its longest client (local_sgd stops after the last non-empty step), so
         # sorting by steps keeps the padded steps few (benchmarks/README.md, W6). Clients
@@ -534,6 +577,14 @@ class Simulation:
             back = jnp.argsort(order)
             new_rows, outputs = jax.tree.map(lambda a: a[back], (new_rows, outputs))
         outputs = outputs._replace(weight=weights)
+        new_model = None
+        if state.model is not None:
+            stats_out = layout.constrain(outputs.model_state.value, "replicated")
+            if "server" in model:
+                new_model = {"server": weighted_mean(stats_out, weights)}
+            else:
+                new_model = {"clients": stats_out}
+            outputs = outputs._replace(model_state=None)
         server = self.algorithm.server_update(hparams, server_in, outputs, total_weight)
         new_rows = layout.constrain(new_rows, "replicated")
         metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
@@ -546,13 +597,18 @@ class Simulation:
         # update, so it overflows rounds before the state does).
         metrics["server_finite"] = all_finite(server)
         if diverged is not None:
-            finite = metrics["server_finite"] & all_finite(new_rows)
+            finite = metrics["server_finite"] & all_finite((new_rows, new_model))
             keep = finite & ~diverged
             server = optax.tree.where(keep, server, state.server)
             new_rows = optax.tree.where(keep, new_rows, rows)
+            if new_model is not None:
+                kept = {"server": model["server"]} if "server" in model else {"clients": stats_rows}
+                new_model = optax.tree.where(keep, new_model, kept)
             metrics["finite"] = finite
         clients = set_rows(clients, ids, new_rows)
-        new_state = SimState(server=server, clients=clients, round=state.round + 1)
+        if new_model is not None and "clients" in new_model:
+            new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"])}
+        new_state = SimState(server=server, clients=clients, round=state.round + 1, model=new_model)
         return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
 
     def weights(self, data, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -665,19 +721,45 @@ class Simulation:
 
         return repeat_rounds(body, state, num_rounds, stop)
 
-    def evaluate_fn(self, server_state: PyTree, data) -> dict[str, jax.Array]:
+    def evaluate_fn(self, server_state: PyTree, data, model: PyTree = None) -> dict[str, jax.Array]:
         """Centralised metrics of the server model x: every evaluator's, merged (by default
-        ``test_loss`` / ``test_accuracy`` on ``data.test`` and ``train_loss``)."""
+        ``test_loss`` / ``test_accuracy`` on ``data.test`` and ``train_loss``).
+
+        ``model``: the state's running statistics (``SimState.model``), for a problem that
+        keeps them; an evaluator with a ``model`` parameter gets them (the built-in ones
+        evaluate in inference mode with them, see :meth:`per_example`), others do not."""
+        if model is None and self.problem.model_state is not None:
+            raise ValueError(
+                "the model keeps running statistics: evaluate it with them, "
+                "evaluate(state.server, data, state.model)."
+            )
         params = self.algorithm.server_params(server_state)
         out: dict[str, jax.Array] = {}
         for evaluator in self.evaluators:
-            out.update(evaluator(self, params, data))
+            extra = {"model": model} if takes(evaluator, "model") else {}
+            out.update(evaluator(self, params, data, **extra))
         return out
 
-    def per_example(self, fn: Callable, params: PyTree, examples: PyTree) -> jax.Array:
+    def per_example(
+        self,
+        fn: Callable,
+        params: PyTree,
+        examples: PyTree,
+        model: PyTree = None,
+        owner: jax.Array | None = None,
+    ) -> jax.Array:
         """``fn(params, batch) -> [B]`` over all examples in chunks of
-        ``eval_batch_size`` (``lax.map``), without copying the data."""
+        ``eval_batch_size`` (``lax.map``), without copying the data.
+
+        With the running statistics ``model`` (``SimState.model``) it is called as
+        ``fn(params, batch, state=...)``, in inference mode: with the server's statistics
+        (``"average"``), with each example's own client's (``"local"``, given each
+        example's client ``owner``: every example is then evaluated alone, vmapped), or,
+        (for a test set of nobody's, pass ``{"server": mean_statistics(model, data)}``).
+        """
         n = jax.tree.leaves(examples)[0].shape[0]
+        if model is not None:
+            return self._per_example_with_stats(fn, params, examples, model, owner)
         size = min(self.eval_batch_size, n)
         num_chunks = math.ceil(n / size)
 
@@ -697,12 +779,45 @@ class Simulation:
         tail = values[-1, num_chunks * size - n :]
         return jnp.concatenate([head, tail])
 
+    def mean_statistics(self, model: PyTree, data) -> PyTree:
+        """The running statistics a model of nobody's is evaluated with: the server's, or
+        under the ``"local"`` policy the clients' mean (uniform, or weighted by n_i under
+        ``weighting="num_examples"``)."""
+        if "server" in model:
+            return model["server"]
+        weights, _ = self.weights(data, jnp.arange(data.num_clients, dtype=jnp.int32))
+        return weighted_mean(model["clients"], weights)
+
+    def _per_example_with_stats(self, fn, params, examples, model, owner):
+        if "server" in model:
+            return self.per_example(partial(fn, state=model["server"]), params, examples)
+        table = model["clients"]
+        if owner is None:
+            raise ValueError(
+                "per_example with every client's own statistics needs each example's "
+                "client (owner=); for examples of nobody's, pass {'server': "
+                "simulation.mean_statistics(model, data)}."
+            )
+
+        def each(params, batch):
+            def one(example):
+                stats = take_rows(table, example["owner"][None])
+                stats = jax.tree.map(lambda a: a[0], stats)
+                single = jax.tree.map(lambda a: a[None], example["example"])
+                return fn(params, single, state=stats)[0]
+
+            return jax.vmap(one)(batch)
+
+        return self.per_example(each, params, {"example": examples, "owner": owner})
+
     # ----------------------------------------------------------------- the host-side API
     def init(self, data) -> SimState:
         """Checks the set-up against ``data`` and returns the initial :class:`SimState`,
         placed in this simulation's layout."""
         self.check(data)
-        state = init_state(self.algorithm, self.problem.params, data.num_clients, self.layout)
+        state = init_state(
+            self.algorithm, self.problem.params, data.num_clients, self.layout, self.problem
+        )
         if self.algorithm.warm_start is None:
             return state
         shardings = self.layout.state_shardings(state)  # reads only the structure
@@ -714,7 +829,7 @@ class Simulation:
         what a checkpoint is restored into, already placed."""
         self.layout.check_num_clients(num_clients)
         like = jax.eval_shape(
-            lambda: initial_state(self.algorithm, self.problem.params, num_clients)
+            lambda: initial_state(self.algorithm, self.problem.params, num_clients, self.problem)
         )
         shardings = self.layout.state_shardings(like)
         if shardings is None:
@@ -739,6 +854,7 @@ class Simulation:
                 f"clients_per_round (S) = {self.clients_per_round} exceeds the number of "
                 f"clients N = {num_clients}; use S <= N."
             )
+        self._check_model_state()
         self._check_memory(data)
         counts = np.asarray(data.counts)
         if counts.min() < 1:
@@ -754,12 +870,38 @@ class Simulation:
         self._check_problem_fits(data)
         self._check_labels(data)
 
+    def _check_model_state(self) -> None:
+        """Refuses a model with running statistics that this simulation cannot carry."""
+        problem = self.problem
+        if problem.model_state is None:
+            return
+        if problem.state_policy not in STATE_POLICIES:
+            raise ValueError(
+                f"Problem.state_policy={problem.state_policy!r} is unknown; use one of "
+                f"{STATE_POLICIES}."
+            )
+        if problem.update_state is None:
+            raise ValueError(
+                "the problem has a model_state but no update_state: give "
+                "update_state(params, state, batch, mask) -> state, the running statistics "
+                "after a training forward pass (models.classification_problem builds it for "
+                "a flax module)."
+            )
+        if not takes(self.algorithm.client_update, "model_state"):
+            raise ValueError(
+                f"{self.algorithm.name}'s client_update has no model_state parameter, so it "
+                "cannot train a model with running statistics (BatchNorm's): add "
+                "model_state=None to it and pass it to local_update / local_sgd (which "
+                "advance it and return it in ClientOutput.model_state), or use a model "
+                "without them (GroupNorm, LayerNorm)."
+            )
+
     def _check_memory(self, data) -> None:
         """Refuses, before anything is compiled or allocated, a client table larger than the
         memory available for it (shapes from ``jax.eval_shape``: no allocation)."""
         num_clients = data.num_clients
         like = jax.eval_shape(
-            lambda: initial_state(self.algorithm, self.problem.params, num_clients)
+            lambda: initial_state(self.algorithm, self.problem.params, num_clients, self.problem)
         )
         table = tree_bytes(like.clients)
         mesh = getattr(self.layout, "mesh", None)

@@ -44,6 +44,7 @@ from scaffold_jax.models import MODELS
 from scaffold_jax.progress import Progress
 from scaffold_jax.registry import PLUGIN_HINT, Registry, RegistryUnion, load_plugins
 from scaffold_jax.types import (
+    STATE_POLICIES,
     STEP_SIZES,
     Algorithm,
     HParam,
@@ -179,6 +180,19 @@ class RunConfig:
     model: str = _opt("logreg", "model", "str", MODELS)
     hidden_sizes: list[int] = _opt([256, 256], "MLP hidden layer widths", "ints")
     resnet_width: int = _opt(64, "ResNet-18: channels of the first stage (even)", "int")
+    resnet_norm: str = _opt(
+        "group",
+        "ResNet-18: GroupNorm, or BatchNorm with running statistics (see --state-policy)",
+        "str",
+        models.RESNET_NORMS,
+    )
+    state_policy: str = _opt(
+        "average",
+        "a model's running statistics (BatchNorm's): averaged over the sampled clients like "
+        "the params, or kept by each client as its own (FedBN's statistics)",
+        "str",
+        STATE_POLICIES,
+    )
     lstm_hidden: int = _opt(256, "char LSTM: units of each LSTM layer", "int")
     embed_dim: int = _opt(8, "char LSTM: width of the character embedding", "int")
     num_clients: int = _opt(
@@ -318,6 +332,14 @@ class RunConfig:
             )
         for name in ("resnet_width", "lstm_hidden", "embed_dim"):
             check.integer(name, getattr(self, name), low=1)
+        check.choice("resnet_norm", self.resnet_norm, models.RESNET_NORMS)
+        if check.choice("state_policy", self.state_policy, STATE_POLICIES):
+            if self.state_policy != "average" and not self._keeps_statistics():
+                errors.append(
+                    f"state_policy = {self.state_policy!r} applies to a model with running "
+                    "statistics (resnet18 with resnet_norm = 'batch', or a plugin model "
+                    f"that takes state_policy); model = {self.model!r} keeps none."
+                )
         check.type("data_dir", self.data_dir, str, "a folder path", optional=True)
         check.type("download", self.download, bool, "true or false")
         check.integer("max_train_examples", self.max_train_examples, low=1, optional=True)
@@ -471,6 +493,13 @@ class RunConfig:
         if declared.choices is not None and parsed not in declared.choices:
             return check.choice(name, value, declared.choices)
         return True
+
+    def _keeps_statistics(self) -> bool:
+        """Whether the model may keep running statistics: resnet18 with BatchNorm, or a
+        (plugin) model that takes ``state_policy``."""
+        if self.model == "resnet18":
+            return self.resnet_norm == "batch"
+        return self.model in MODELS and "state_policy" in MODELS[self.model].options
 
     def _validate_partition(self, check: _Checker, errors: list[str]) -> None:
         # The fields' own ranges; which partitioner takes which field is the registry's.

@@ -155,7 +155,20 @@ def state_shardings(state: SimState, mesh: Mesh) -> SimState:
         server=jax.tree.map(lambda _: rep, state.server),
         clients=jax.tree.map(lambda _: rows, state.clients),
         round=rep,
+        model=_model_tree(state.model, rep, rows),
     )
+
+
+def _model_tree(model, replicated, rows):
+    """``SimState.model`` with every leaf replaced: the server's statistics by
+    ``replicated``, a per-client table's by ``rows``."""
+    if model is None:
+        return None
+    out = {}
+    for where, tree in model.items():
+        sharding = replicated if where == "server" else rows
+        out[where] = jax.tree.map(lambda _, s=sharding: s, tree)
+    return out
 
 
 def data_shardings(data: Any, mesh: Mesh, examples: str = "auto") -> Any:
@@ -297,11 +310,7 @@ class ClientMesh:
         :class:`SimState`: table rows split, server and round replicated)."""
         wsc = jax.lax.with_sharding_constraint
         if kind == "state":
-            return SimState(
-                server=wsc(tree.server, _replicated(self.mesh)),
-                clients=wsc(tree.clients, _rows(self.mesh)),
-                round=wsc(tree.round, _replicated(self.mesh)),
-            )
+            return jax.tree.map(wsc, tree, state_shardings(tree, self.mesh))
         if kind == "sampled":
             return wsc(tree, _rows(self.mesh))
         if kind == "replicated":

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from scaffold_jax.tree import masked_mean
-from scaffold_jax.types import Array, Batch, PyTree
+from scaffold_jax.types import Array, Batch, ModelState, PyTree
 
 #: The name of the engine's vmap over the clients of a chunk: the local loop of each client
 #: stops with the longest of them (:func:`local_sgd`).
@@ -38,28 +38,42 @@ class LocalResult(NamedTuple):
       num_steps: int32, the number of steps actually taken (steps whose mask is empty are
         skipped). SCAFFOLD option II divides by this K, not by the padded K.
       mean_loss: the mean minibatch loss over the steps taken, at the params before each step.
+      model_state: the :class:`~scaffold_jax.types.ModelState` after the steps taken (None
+        when none was given).
     """
 
     num_steps: Array
     mean_loss: Array
+    model_state: ModelState | None = None
+
+
+def takes(fn, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` (False for a builtin or C callable, which
+    has no keyword to pass)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def takes_key(loss_fn) -> bool:
     """Whether ``loss_fn`` has a ``key`` parameter: a stochastic loss (dropout) that the
     local steps call as ``loss_fn(params, batch, key=k)`` with a fresh key every step, and
     evaluation as ``loss_fn(params, batch)`` (deterministic)."""
-    try:
-        return "key" in inspect.signature(loss_fn).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: no keyword to pass
-        return False
+    return takes(loss_fn, "key")
 
 
 def batch_loss(loss_fn, params: PyTree, batch: Batch, mask: Array, key=None) -> Array:
     """Masked mean of the per-example losses: padded slots contribute nothing. ``key``
-    goes to a loss that takes one (:func:`takes_key`); others ignore it."""
+    goes to a loss that takes one (:func:`takes_key`), and the mask to a loss with a
+    ``mask`` parameter (a BatchNorm model's, whose batch statistics must leave the padded
+    slots out); others get neither."""
+    extra = {}
     if key is not None and takes_key(loss_fn):
-        return masked_mean(loss_fn(params, batch, key=key), mask)
-    return masked_mean(loss_fn(params, batch), mask)
+        extra["key"] = key
+    if takes(loss_fn, "mask"):
+        extra["mask"] = mask
+    return masked_mean(loss_fn(params, batch, **extra), mask)
 
 
 def batch_grad(
@@ -80,6 +94,7 @@ def local_sgd(
     offset: PyTree | None = None,
     optimizer: optax.GradientTransformation | None = None,
     key: Array | None = None,
+    model_state: ModelState | None = None,
 ) -> tuple[PyTree, LocalResult]:
     """Runs K masked steps ``y ← y − η_l · T(∇f_i(y; batch) + offset + correction(y, ...))``.
 
@@ -104,6 +119,9 @@ def local_sgd(
         round) and advances only on the steps taken (an empty step leaves it as it was).
       key: the client's key for this round; step k's loss gets ``fold_in(key, k)`` when it
         takes a key (:func:`takes_key`, e.g. dropout). None: no key is passed.
+      model_state: the model's running statistics (BatchNorm's), advanced at every step
+        taken by the forward pass at the step's params y on its batch; None: a stateless
+        model.
 
     Returns:
       The final params y and a :class:`LocalResult`.
@@ -112,7 +130,7 @@ def local_sgd(
         key = None  # nothing to split per step: the loss is deterministic
 
     def step(carry):
-        k, y, opt_state, loss_sum, taken = carry
+        k, y, opt_state, loss_sum, taken, stats = carry
         batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), batches)
         batch_mask = jax.lax.dynamic_index_in_dim(mask, k, keepdims=False)
         step_key = None if key is None else jax.random.fold_in(key, k)
@@ -125,9 +143,14 @@ def local_sgd(
         if optimizer is not None:
             grad, new_state = optimizer.update(grad, opt_state, y)
             opt_state = optax.tree.where(active, new_state, opt_state)
+        if stats is not None:
+            # The statistics of the batch at y, as the model's training step records them:
+            # the same forward pass as the gradient's, which costs nothing measurable on
+            # top of it (benchmarks/bench_model_state.py: 1.00x of frozen statistics).
+            stats = optax.tree.where(active, stats.advance(y, batch, batch_mask, step_key), stats)
         y_next = optax.tree.where(active, optax.tree.add_scale(y, -client_lr, grad), y)
         loss_sum = loss_sum + jnp.where(active, loss.astype(jnp.float32), 0.0)
-        return k + 1, y_next, opt_state, loss_sum, taken + active.astype(jnp.int32)
+        return k + 1, y_next, opt_state, loss_sum, taken + active.astype(jnp.int32), stats
 
     # The loop runs to this client's last non-empty step, not over all K padded steps: a
     # client of an epochs plan takes E·ceil(n_i / B) steps, and the engine runs clients of
@@ -140,10 +163,12 @@ def local_sgd(
     )
     opt_state = () if optimizer is None else optimizer.init(params)
     zero = jnp.zeros((), jnp.int32)
-    carry = (zero, params, opt_state, jnp.zeros((), jnp.float32), zero)
-    _, y, _, loss_sum, num_steps = jax.lax.while_loop(lambda c: c[0] <= last, step, carry)
+    carry = (zero, params, opt_state, jnp.zeros((), jnp.float32), zero, model_state)
+    _, y, _, loss_sum, num_steps, model_state = jax.lax.while_loop(
+        lambda c: c[0] <= last, step, carry
+    )
     mean_loss = loss_sum / jnp.maximum(num_steps, 1).astype(jnp.float32)
-    return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss)
+    return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss, model_state=model_state)
 
 
 def _longest_of_chunk(last: Array) -> Array:

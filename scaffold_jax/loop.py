@@ -567,8 +567,8 @@ class _SingleRun:
         return lambda state, key, n: program(hp, state, data, key, stop=np.int32(n))
 
     def compile_evaluate(self, state):
-        program = self.simulation.evaluate.lower(state.server, self.data).compile()
-        return lambda state: program(state.server, self.data)
+        program = self.simulation.evaluate.lower(state.server, self.data, state.model).compile()
+        return lambda state: program(state.server, self.data, state.model)
 
     def round_of(self, state):
         return int(state.round)

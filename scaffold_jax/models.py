@@ -32,7 +32,7 @@ import jax.random as jr
 import optax
 
 from scaffold_jax.registry import Registry
-from scaffold_jax.types import Problem
+from scaffold_jax.types import STATE_POLICIES, Problem
 
 
 def _features(x: jax.Array) -> jax.Array:
@@ -106,6 +106,8 @@ def classification_problem(
     key,
     input_dtype=jnp.float32,
     train_arg: str | None = None,
+    mask_arg: str | None = None,
+    state_policy: str = "average",
 ) -> Problem:
     """Wraps a flax classifier into a :class:`Problem` with cross-entropy loss.
 
@@ -121,35 +123,56 @@ def classification_problem(
         local steps call it in training mode with a fresh ``"dropout"`` key every step
         (:func:`scaffold_jax.local.takes_key`), evaluation without a key, in inference
         mode.
+      mask_arg: the name of the module's argument that takes the ``[B]`` boolean mask of
+        the real examples in training mode, for a module with BatchNorm (which it passes
+        on as ``nn.BatchNorm(...)(h, mask=...)``, broadcast to ``h``'s shape), so that the
+        padded slots of a client's batch (copies of its first example) stay out of the
+        batch statistics. None: the module takes no mask, and a batch with padding
+        (a client with fewer than B examples, an epoch's last batch) computes its
+        statistics over the padded slots too.
+      state_policy: for a module that keeps running statistics (BatchNorm's
+        ``batch_stats``): ``"average"`` or ``"local"``
+        (:data:`scaffold_jax.types.STATE_POLICIES`, :attr:`Problem.state_policy`).
+
+    Every collection of ``module`` besides ``params`` (BatchNorm's ``batch_stats``) is the
+    problem's :attr:`~Problem.model_state`: updated by every local step (flax's
+    ``mutable=``), never differentiated, kept across clients as ``state_policy`` says,
+    and used in evaluation (inference mode). Such a module needs ``train_arg``.
 
     Raises:
-      ValueError: the module keeps state besides its params (BatchNorm's
-        ``batch_stats``), which a :class:`Problem` cannot carry yet; the message names
-        the GroupNorm/LayerNorm alternative.
+      ValueError: a module with running statistics but no ``train_arg``, or an unknown
+        ``state_policy``.
     """
+    if state_policy not in STATE_POLICIES:
+        raise ValueError(f"state_policy={state_policy!r} is unknown; use one of {STATE_POLICIES}.")
     mode = {} if train_arg is None else {train_arg: False}
     variables = module.init(key, jnp.zeros((1, *input_shape), input_dtype), **mode)
     extra = sorted(k for k in variables if k != "params")
-    if extra:
+    if extra and train_arg is None:
         raise ValueError(
-            f"{type(module).__name__} keeps state besides its params ({', '.join(extra)}: "
-            "BatchNorm's running statistics, for example), which a scaffold_jax Problem does "
-            "not carry: the engine averages and differentiates params only. Use GroupNorm or "
-            "LayerNorm instead (flax.linen.GroupNorm; the registered resnet18 does), which "
-            "need no running statistics and are the usual choice in federated learning "
-            "(Hsieh et al. 2020)."
+            f"{type(module).__name__} keeps running statistics ({', '.join(extra)}: "
+            "BatchNorm's, for example), which the local steps update in training mode and "
+            "evaluation reads in inference mode: give classification_problem(..., "
+            "train_arg=...) the name of the module's training-mode argument (e.g. "
+            "'train', passed on as nn.BatchNorm(use_running_average=not train)), and "
+            "mask_arg=... for exact batch statistics. GroupNorm or LayerNorm need "
+            "neither (the registered resnet18 uses GroupNorm)."
         )
     params = variables["params"]
+    if not extra:
 
-    def logits_of(params, x, key=None):
-        if train_arg is None:
-            return module.apply({"params": params}, x)
-        if key is None:
-            return module.apply({"params": params}, x, **{train_arg: False})
-        return module.apply({"params": params}, x, **{train_arg: True}, rngs={"dropout": key})
+        def logits_of(params, x, key=None):
+            if train_arg is None:
+                return module.apply({"params": params}, x)
+            if key is None:
+                return module.apply({"params": params}, x, **{train_arg: False})
+            return module.apply({"params": params}, x, **{train_arg: True}, rngs={"dropout": key})
 
-    num_classes = getattr(module, "num_classes", None)
-    return _classifier(params, logits_of, num_classes, stochastic=train_arg is not None)
+        num_classes = getattr(module, "num_classes", None)
+        return _classifier(params, logits_of, num_classes, stochastic=train_arg is not None)
+    return _stateful_classifier(
+        module, params, {k: variables[k] for k in extra}, train_arg, mask_arg, state_policy
+    )
 
 
 def _classifier(params, logits_of, num_classes, stochastic: bool = False) -> Problem:
@@ -172,6 +195,58 @@ def _classifier(params, logits_of, num_classes, stochastic: bool = False) -> Pro
         loss_fn=cross_entropy if stochastic else deterministic,
         accuracy_fn=accuracy_fn,
         num_classes=num_classes,
+    )
+
+
+def _stateful_classifier(module, params, model_state, train_arg, mask_arg, state_policy):
+    """The :class:`Problem` of a flax module with running statistics (see
+    :func:`classification_problem`): training-mode loss and state update through
+    ``mutable=``, inference-mode loss and accuracy with ``state=``."""
+    collections = tuple(model_state)
+    initial = model_state
+
+    def train(params, state, x, mask=None, key=None):
+        # In training mode the outputs do not depend on the running statistics (BatchNorm
+        # normalises with the batch's own), only the statistics written back do.
+        kwargs = {train_arg: True}
+        if mask_arg is not None and mask is not None:
+            kwargs[mask_arg] = mask > 0
+        # Dropout needs a key in training mode; a full-data pass (SCAFFOLD's option I and
+        # warm start, Mime's full gradient) takes none and gets a fixed one.
+        rngs = {"dropout": jax.random.key(0) if key is None else key}
+        return module.apply(
+            {"params": params, **state}, x, **kwargs, rngs=rngs, mutable=list(collections)
+        )
+
+    def infer(params, state, x):
+        return module.apply({"params": params, **state}, x, **{train_arg: False})
+
+    def loss_fn(params, batch, key=None, mask=None, state=None):
+        if state is None:
+            logits, _ = train(params, initial, batch["x"], mask, key)
+        else:
+            logits = infer(params, state, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    def accuracy_fn(params, batch, state=None):
+        if state is None:
+            logits, _ = train(params, initial, batch["x"])
+        else:
+            logits = infer(params, state, batch["x"])
+        return (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
+
+    def update_state(params, state, batch, mask, key=None):
+        _, new = train(params, state, batch["x"], mask, key)
+        return dict(new)
+
+    return Problem(
+        params=params,
+        loss_fn=loss_fn,
+        accuracy_fn=accuracy_fn,
+        num_classes=getattr(module, "num_classes", None),
+        model_state=initial,
+        update_state=update_state,
+        state_policy=state_policy,
     )
 
 
@@ -200,9 +275,10 @@ def nnx_classification_problem(model, num_classes: int | None = None) -> Problem
     if jax.tree.leaves(rest):
         raise ValueError(
             f"{type(model).__name__} keeps state besides its nnx.Param s (BatchNorm statistics "
-            "or an nnx.Rngs stream, for example), which a scaffold_jax Problem does not carry; "
-            "use GroupNorm or LayerNorm, and a linen module with classification_problem("
-            "..., train_arg=...) for dropout."
+            "or an nnx.Rngs stream, for example), which nnx_classification_problem does not "
+            "carry; use GroupNorm or LayerNorm, or a linen module with "
+            "classification_problem(..., train_arg=..., mask_arg=...) for BatchNorm "
+            "statistics or dropout."
         )
 
     def logits_of(params, x, key=None):
@@ -449,18 +525,32 @@ class CNN(nn.Module):
         return Dense(self.num_classes, name="output")(h)
 
 
+RESNET_NORMS = ("group", "batch")
+
+
+def _norm(kind: str, groups: int, name: str, train: bool, mask):
+    """ResNet's normalisation layer as a function of ``h``: GroupNorm, or BatchNorm with
+    batch statistics over the real examples of ``mask`` in training (running ones in
+    inference; PyTorch's momentum 0.1 and epsilon)."""
+    if kind == "group":
+        return nn.GroupNorm(num_groups=groups, epsilon=1e-5, name=name)
+    norm = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, name=name)
+    return lambda h: norm(h, mask=None if mask is None else mask[:, None, None, None])
+
+
 class BasicBlock(nn.Module):
-    """ResNet's basic block with GroupNorm: conv3x3 (stride) - GN - ReLU - conv3x3 - GN,
-    plus the input (through a 1x1 conv and GN where the stride or width changes), ReLU."""
+    """ResNet's basic block: conv3x3 (stride) - norm - ReLU - conv3x3 - norm, plus the
+    input (through a 1x1 conv and norm where the stride or width changes), ReLU."""
 
     features: int
     strides: int
     groups: int
+    norm: str = "group"
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = False, mask=None):
         def norm(name):
-            return nn.GroupNorm(num_groups=self.groups, epsilon=1e-5, name=name)
+            return _norm(self.norm, self.groups, name, train, mask)
 
         s = (self.strides, self.strides)
         h = Conv(self.features, (3, 3), s, padding=1, use_bias=False, name="conv_0")(x)
@@ -494,29 +584,36 @@ class ResNet18(nn.Module):
     No running statistics: the params are the whole state, which is what makes the model
     fit federated averaging. Other image sizes work too (the pooling is global).
 
+    ``norm="batch"`` puts BatchNorm back (the network Hsieh et al. compare against): its
+    running statistics are then the problem's model state, averaged or kept per client
+    (:func:`resnet18`'s ``state_policy``).
+
     Attributes:
       num_classes: number of classes.
       width: channels of the stem and the first stage (64 in the paper).
       groups: GroupNorm groups per layer.
+      norm: ``"group"`` or ``"batch"`` (:data:`RESNET_NORMS`).
     """
 
     num_classes: int
     width: int = 64
     groups: int = 2
+    norm: str = "group"
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = False, mask=None):
         h = _images(x, "resnet18")
         h = Conv(self.width, (3, 3), padding=1, use_bias=False, name="stem")(h)
-        h = nn.relu(nn.GroupNorm(num_groups=self.groups, epsilon=1e-5, name="stem_norm")(h))
+        h = nn.relu(_norm(self.norm, self.groups, "stem_norm", train, mask)(h))
         for stage, (multiple, strides) in enumerate(zip((1, 2, 4, 8), (1, 2, 2, 2), strict=True)):
             for block in range(2):
                 h = BasicBlock(
                     self.width * multiple,
                     strides if block == 0 else 1,
                     self.groups,
+                    self.norm,
                     name=f"stage_{stage}_block_{block}",
-                )(h)
+                )(h, train, mask)
         return Dense(self.num_classes, name="output")(jnp.mean(h, axis=(1, 2)))
 
 
@@ -591,10 +688,16 @@ def cnn(input_shape: Sequence[int], num_classes: int, *, key=None) -> Problem:
 
 
 def resnet18(
-    input_shape: Sequence[int], num_classes: int, *, key=None, resnet_width: int = 64
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    key=None,
+    resnet_width: int = 64,
+    resnet_norm: str = "group",
+    state_policy: str = "average",
 ) -> Problem:
     """ResNet-18 with GroupNorm (2 groups per layer; see :class:`ResNet18`) for images
-    ``(H, W)`` or ``(H, W, C)``, e.g. CIFAR's ``(32, 32, 3)``.
+    ``(H, W)`` or ``(H, W, C)``, e.g. CIFAR's ``(32, 32, 3)``, or with BatchNorm.
 
     Args:
       input_shape: shape of one image.
@@ -602,12 +705,22 @@ def resnet18(
       key: PRNG key of the initial params (default ``jax.random.key(0)``).
       resnet_width: channels of the first stage (64: the paper's ResNet-18); the stages
         have 1, 2, 4 and 8 times as many. Even, for the 2 GroupNorm groups.
+      resnet_norm: ``"group"`` (GroupNorm) or ``"batch"`` (BatchNorm, exact over each
+        batch's real examples, with running statistics kept as ``state_policy`` says).
+      state_policy: ``"average"`` or ``"local"`` (:attr:`Problem.state_policy`), for
+        ``resnet_norm="batch"``.
     """
     _check_shape(input_shape, num_classes)
     _image_shape(input_shape, "resnet18")
     width = _positive_int("resnet_width", resnet_width, even=True)
+    if resnet_norm not in RESNET_NORMS:
+        raise ValueError(f"resnet_norm={resnet_norm!r} is unknown; use one of {RESNET_NORMS}.")
+    module = ResNet18(num_classes, width=width, norm=resnet_norm)
+    key = jr.key(0) if key is None else key
+    if resnet_norm == "group":
+        return classification_problem(module, input_shape, key)
     return classification_problem(
-        ResNet18(num_classes, width=width), input_shape, jr.key(0) if key is None else key
+        module, input_shape, key, train_arg="train", mask_arg="mask", state_policy=state_policy
     )
 
 
@@ -671,7 +784,10 @@ MODELS: Registry[ModelSpec] = Registry("model")
 MODELS.register("logreg", ModelSpec(logistic_regression, "logistic regression"))
 MODELS.register("mlp", ModelSpec(mlp, "MLP", ("hidden_sizes",)))
 MODELS.register("cnn", ModelSpec(cnn, "CNN"))
-MODELS.register("resnet18", ModelSpec(resnet18, "ResNet-18 (GroupNorm)", ("resnet_width",)))
+MODELS.register(
+    "resnet18",
+    ModelSpec(resnet18, "ResNet-18", ("resnet_width", "resnet_norm", "state_policy")),
+)
 MODELS.register("char_lstm", ModelSpec(char_lstm, "char LSTM", ("lstm_hidden", "embed_dim")))
 
 

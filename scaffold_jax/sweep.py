@@ -194,7 +194,9 @@ def config_bytes(simulation: Simulation, data) -> int:
     the batch counted at float32 width.
     """
     state = jax.eval_shape(
-        lambda: initial_state(simulation.algorithm, simulation.problem.params, data.num_clients)
+        lambda: initial_state(
+            simulation.algorithm, simulation.problem.params, data.num_clients, simulation.problem
+        )
     )
     batches, _ = jax.eval_shape(
         lambda: data.client_batches(jnp.int32(0), jr.key(0), simulation.plan)
@@ -259,6 +261,9 @@ class SweepResult:
         keeps its last finite state).
       client_states: the final client tables ``[C, N, ...]`` (numpy) when asked for with
         ``keep_client_states=True``, else None.
+      model_states: the final running statistics of a model that keeps them
+        (``SimState.model``, leaves ``[C, ...]``; a per-client table only with
+        ``keep_client_states=True``), else None.
       client_ids: int32 ``[C, R, S]``, the clients sampled in every round (−1 once diverged).
       round_metrics: per-round metrics, each ``[C, R]`` (NaN once diverged).
       compile_seconds: compiling the round program(s) and the evaluation.
@@ -278,6 +283,7 @@ class SweepResult:
     diverged_round: np.ndarray
     server_states: PyTree = None
     client_states: PyTree = None
+    model_states: PyTree = None
     client_ids: np.ndarray | None = None
     round_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     compile_seconds: float = 0.0
@@ -358,8 +364,8 @@ class Sweep:
         self.run_rounds = jax.jit(
             self.run_rounds_fn, static_argnames=("num_rounds",), donate_argnums=(1,)
         )
-        per_seed = jax.vmap(simulation.evaluate_fn, in_axes=(0, None))
-        self.evaluate = jax.jit(jax.vmap(per_seed, in_axes=(0, None)))
+        per_seed = jax.vmap(simulation.evaluate_fn, in_axes=(0, None, 0))
+        self.evaluate = jax.jit(jax.vmap(per_seed, in_axes=(0, None, 0)))
 
     @classmethod
     def of(cls, simulation: Simulation) -> Sweep:
@@ -414,8 +420,8 @@ class Sweep:
             metrics = {k: jnp.where(diverged, _frozen(k, v), v) for k, v in metrics.items()}
             return SweepCarry(state, diverged, diverged_round), metrics
 
-        in_group = SweepCarry(SimState(server=0, clients=0, round=None), 0, 0)
-        per_seed = SweepCarry(SimState(server=0, clients=0, round=0), 0, 0)
+        in_group = SweepCarry(SimState(server=0, clients=0, round=None, model=0), 0, 0)
+        per_seed = SweepCarry(SimState(server=0, clients=0, round=0, model=0), 0, 0)
         group = jax.vmap(one_config, in_axes=(0, in_group, None), out_axes=(in_group, 0))
         step = jax.vmap(group, in_axes=(0, per_seed, 0), out_axes=(per_seed, 0))
 
@@ -431,17 +437,12 @@ class Sweep:
         shape = (num_seeds, group_size)
 
         def build(params, data):
-            state = sim.warm_start_fn(initial_state(sim.algorithm, params, data.num_clients), data)
+            state = sim.warm_start_fn(
+                initial_state(sim.algorithm, params, data.num_clients, sim.problem), data
+            )
+            copies = jax.tree.map(lambda a: jnp.broadcast_to(a, shape + a.shape), state)
             return SweepCarry(
-                state=SimState(
-                    server=jax.tree.map(
-                        lambda a: jnp.broadcast_to(a, shape + a.shape), state.server
-                    ),
-                    clients=jax.tree.map(
-                        lambda a: jnp.broadcast_to(a, shape + a.shape), state.clients
-                    ),
-                    round=jnp.zeros((num_seeds,), jnp.int32),
-                ),
+                state=copies._replace(round=jnp.zeros((num_seeds,), jnp.int32)),
                 diverged=jnp.zeros(shape, bool),
                 diverged_round=jnp.full(shape, -1, jnp.int32),
             )
@@ -607,6 +608,8 @@ class Sweep:
         result.server_states = stack([o["server"] for o in outputs])
         if keep_client_states:
             result.client_states = stack([o["clients"] for o in outputs])
+        if outputs[0]["model"] is not None:
+            result.model_states = stack([o["model"] for o in outputs])
         result.client_ids = np.stack([o["client_ids"] for o in outputs])
         result.round_metrics = {
             k: np.stack([o["metrics"][k] for o in outputs]) for k in outputs[0]["metrics"]
@@ -686,8 +689,8 @@ class _Chunk:
 
     def compile_evaluate(self, carry):
         evaluate, data = self.sweep.evaluate, self.data
-        evaluate.lower(carry.state.server, data).compile()
-        return lambda carry: evaluate(carry.state.server, data)
+        evaluate.lower(carry.state.server, data, carry.state.model).compile()
+        return lambda carry: evaluate(carry.state.server, data, carry.state.model)
 
     def records(self, carry, metrics, round, seconds):
         diverged_round = np.asarray(carry.diverged_round)
@@ -726,6 +729,11 @@ class _Chunk:
         metrics = {k: np.concatenate([s[k] for s in segments]) for k in segments[0]}
         server = jax.device_get(carry.state.server)
         clients = jax.device_get(carry.state.clients) if self.keep_clients else None
+        model = carry.state.model
+        if model is not None and ("server" in model or self.keep_clients):
+            model = jax.device_get(model)
+        else:
+            model = None
         diverged_round = np.asarray(carry.diverged_round)
         out = {}
         for a, b, j in self.slots:
@@ -735,6 +743,7 @@ class _Chunk:
                 "clients": None
                 if clients is None
                 else jax.tree.map(lambda x, a=a, b=b: x[a, b], clients),
+                "model": jax.tree.map(lambda x, a=a, b=b: x[a, b], model),
                 "client_ids": metrics["client_ids"][:, a, b],
                 "metrics": {k: v[:, a, b] for k, v in metrics.items() if k != "client_ids"},
             }

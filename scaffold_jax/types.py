@@ -6,6 +6,7 @@ edge"); only :mod:`scaffold_jax.engine` (and :mod:`scaffold_jax.layout`) know th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -253,12 +254,16 @@ class ClientOutput(NamedTuple):
       weight: aggregation weight, a float32 scalar. Clients report 1; the engine replaces
         it by the client's number of examples when ``weighting="num_examples"``.
       metrics: float32 scalars averaged over the sampled clients by the engine.
+      model_state: the :class:`ModelState` after the local steps, for a problem with
+        running statistics (the one ``client_update`` was given, advanced by the steps
+        taken); None for a stateless problem.
     """
 
     delta_params: PyTree
     delta_control: PyTree
     weight: Array
     metrics: dict[str, Array]
+    model_state: ModelState | None = None
 
 
 class FullDataPass(NamedTuple):
@@ -290,7 +295,11 @@ class Algorithm(NamedTuple):
         single client (the engine broadcasts it to ``[N, ...]``).
       client_update: ``client_update(hparams, server_state, client_state, batches, mask,
         key) -> (client_state, ClientOutput)`` with ``batches`` ``[K, B, ...]`` and ``mask``
-        ``[K, B]`` (1.0 for a real example, 0.0 for padding).
+        ``[K, B]`` (1.0 for a real example, 0.0 for padding). For a problem with running
+        statistics the engine also passes ``model_state=`` (a :class:`ModelState`), which
+        the algorithm hands to its local steps and returns, advanced, in
+        ``ClientOutput.model_state``; an algorithm whose ``client_update`` has no
+        ``model_state`` parameter cannot train such a model (the simulation says so).
       server_update: ``server_update(hparams, server_state, outputs, total_weight) ->
         server_state`` where ``outputs`` carry a leading ``[S]`` axis and ``total_weight``
         is the sum of the weights of ALL N clients (N under uniform weighting), which is
@@ -323,11 +332,49 @@ class SimState(NamedTuple):
       server: the algorithm's server state (unbatched).
       clients: the client table; every leaf has a leading ``[N, ...]`` client axis.
       round: int32 scalar, the number of rounds completed.
+      model: the model's running statistics (:attr:`Problem.model_state`), kept by the
+        engine beside the algorithm's state: ``{"server": state}`` under the ``"average"``
+        policy, ``{"clients": table}`` (every leaf ``[N, ...]``) under ``"local"``; None
+        for a stateless problem.
     """
 
     server: PyTree
     clients: PyTree
     round: Array
+    model: PyTree = None
+
+
+#: How the running statistics of a model (BatchNorm's) are kept across clients: averaged
+#: over the sampled clients like the params (what FedAvg over every model buffer does), or
+#: kept by each client as its own (FedBN's statistics; Li et al., ICLR 2021).
+STATE_POLICIES = ("average", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """A model's running statistics as they travel through one client's local steps.
+
+    A pytree whose leaves are ``value``'s; ``update`` is static (part of the structure).
+
+    Attributes:
+      value: the statistics, e.g. flax's ``{"batch_stats": ...}``.
+      update: ``update(params, value, batch, mask[, key]) -> value``: the statistics after
+        one training step's forward pass at ``params`` on ``batch`` (the real examples of
+        ``mask``; ``key`` the step's dropout key, for an update that takes one), i.e.
+        :attr:`Problem.update_state`.
+    """
+
+    value: PyTree
+    update: Callable[..., PyTree]
+
+    def advance(self, params: PyTree, batch: Batch, mask: Array, key=None) -> ModelState:
+        extra = {} if key is None else {"key": key}
+        return dataclasses.replace(
+            self, value=self.update(params, self.value, batch, mask, **extra)
+        )
+
+
+jax.tree_util.register_dataclass(ModelState, data_fields=["value"], meta_fields=["update"])
 
 
 class Problem(NamedTuple):
@@ -345,9 +392,27 @@ class Problem(NamedTuple):
       num_classes: for a classifier of integer labels ``batch["y"]``, the number of
         classes C; the simulation then refuses data whose labels fall outside [0, C)
         (the cross-entropy would silently read outside the logits). None: not checked.
+      model_state: the initial running statistics of a model that keeps them (flax's
+        ``{"batch_stats": ...}`` of a BatchNorm model), or None for a stateless one. Such
+        a problem's ``loss_fn`` is the TRAINING-mode loss (batch statistics), called with
+        ``mask=`` (the real examples, so padded slots stay out of the statistics) where
+        it has that parameter; ``loss_fn`` and ``accuracy_fn`` called with ``state=`` are
+        the evaluation-mode ones (running statistics).
+      update_state: ``update_state(params, state, batch, mask, key=None) -> state``: the
+        running statistics after one training forward pass (None for a stateless
+        problem). The local solver applies it at every step taken, at the params and with
+        the dropout key the step's gradient is taken with.
+      state_policy: how the statistics are kept across clients (:data:`STATE_POLICIES`):
+        ``"average"`` (every sampled client starts from the server's statistics, which
+        become the weighted mean of theirs after the round) or ``"local"`` (each client
+        keeps its own, FedBN's statistics; the BatchNorm scale and bias are params and
+        are still aggregated by the algorithm).
     """
 
     params: PyTree
     loss_fn: Callable[[PyTree, Batch], Array]
     accuracy_fn: Callable[[PyTree, Batch], Array] | None = None
     num_classes: int | None = None
+    model_state: PyTree = None
+    update_state: Callable[..., PyTree] | None = None
+    state_policy: str = "average"

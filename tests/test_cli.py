@@ -404,7 +404,8 @@ _DIAGNOSE_VALUES = {
     "client_holdout": ["0.1"], "download": [], "max_train_examples": ["100"],
     "max_test_examples": ["50"], "partition": ["dirichlet"], "similarity": ["50"],
     "dirichlet_alpha": ["0.5"], "shards_per_client": ["2"], "model": ["mlp"],
-    "hidden_sizes": ["8", "8"], "resnet_width": ["32"], "lstm_hidden": ["16"],
+    "hidden_sizes": ["8", "8"], "resnet_width": ["32"], "resnet_norm": ["batch"],
+    "state_policy": ["local"], "lstm_hidden": ["16"],
     "embed_dim": ["4"], "num_clients": ["7"], "seed": ["3"], "client_lr": ["0.5"],
 }  # fmt: skip
 

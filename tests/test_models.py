@@ -293,7 +293,7 @@ def test_a_few_sgd_steps_fit_a_tiny_separable_batch(name):
 def test_the_models_are_registered_with_their_options():
     assert {"cnn", "resnet18", "char_lstm"} <= set(models.MODELS)
     assert models.MODELS["cnn"].options == ()
-    assert models.MODELS["resnet18"].options == ("resnet_width",)
+    assert models.MODELS["resnet18"].options == ("resnet_width", "resnet_norm", "state_policy")
     assert models.MODELS["char_lstm"].options == ("lstm_hidden", "embed_dim")
     problem = mcmahan_cnn()  # models.build("cnn", (28, 28), 10, key=jr.key(0))
     assert count(problem.params) == 1_663_370
@@ -426,13 +426,13 @@ class _BatchNormNet(nn.Module):
         return nn.Dense(3)(nn.BatchNorm(use_running_average=True)(h))
 
 
-def test_a_batchnorm_model_is_refused_pointing_to_groupnorm():
+def test_a_batchnorm_model_without_a_training_mode_argument_is_refused_naming_it():
     import scaffold_jax as sj
 
-    with pytest.raises(
-        ValueError, match=r"keeps state besides its params \(batch_stats.*GroupNorm"
-    ):
+    with pytest.raises(ValueError, match=r"running statistics \(batch_stats.*train_arg="):
         sj.models.classification_problem(_BatchNormNet(), (4,), jr.key(0))
+    with pytest.raises(ValueError, match="state_policy='fedbn' is unknown"):
+        sj.models.classification_problem(_BatchNormNet(), (4,), jr.key(0), state_policy="fedbn")
 
 
 # ----------------------------------------------------------------------- the convolution

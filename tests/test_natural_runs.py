@@ -77,6 +77,11 @@ def test_a_natural_dataset_brings_its_clients():
         ({"dataset": "shakspeare"}, r"dataset = 'shakspeare' is invalid: it must be one of .*"
                                     r"fashion_mnist.*shakespeare, femnist"),
         ({"model": "resnet18", "resnet_width": 0}, r"resnet_width = 0 is invalid"),
+        ({"model": "resnet18", "resnet_norm": "layer"}, r"resnet_norm = 'layer' is invalid"),
+        ({"model": "cnn", "state_policy": "local"},
+         r"state_policy = 'local' applies to a model with running statistics .* 'cnn' keeps"),
+        ({"model": "resnet18", "state_policy": "local"}, r"model = 'resnet18' keeps none"),
+        ({"state_policy": "fedbn"}, r"state_policy = 'fedbn' is invalid"),
     ],
 )  # fmt: skip
 def test_invalid_natural_configs_name_the_problem(fields, message):
@@ -123,3 +128,26 @@ def test_fashion_mnist_with_the_cnn_runs_from_the_command_line(tmp_path):
     assert [r["round"] for r in records] == [0, 2]
     assert records[-1]["train_loss"] < records[0]["train_loss"]
     assert json.loads((out / "config.json").read_text())["model"] == "cnn"
+
+
+@needs_fashion
+@pytest.mark.slow
+def test_a_batchnorm_resnet_keeps_each_clients_statistics_from_the_command_line(tmp_path):
+    out = tmp_path / "resnet_bn"
+    argv = [
+        "run", "--dataset", "fashion_mnist", "--model", "resnet18", "--resnet-width", "4",
+        "--resnet-norm", "batch", "--state-policy", "local", "--max-train-examples", "120",
+        "--max-test-examples", "50", "--num-clients", "4", "--clients-per-round", "2",
+        "--batch-plan", "fixed", "--batch-size", "10", "--local-steps", "2",
+        "--client-holdout", "0.2", "--rounds", "2", "--eval-every", "1",
+        "--client-lr", "0.05", "--quiet", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    records = results.read_records(out)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert all(np.isfinite(r["client_accuracy_mean"]) for r in records)
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["resnet_norm"], saved["state_policy"]) == ("batch", "local")
+    more = [("3" if a == "2" and argv[i - 1] == "--rounds" else a) for i, a in enumerate(argv)]
+    assert main([*more, "--resume"]) == 0
+    assert [r["round"] for r in results.read_records(out)] == [0, 1, 2, 3]

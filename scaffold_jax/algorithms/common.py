@@ -71,9 +71,10 @@ def local_update(
     offset: PyTree | None = None,
     optimizer: optax.GradientTransformation | None = None,
     key=None,
+    model_state=None,
 ):
     """K corrected local steps from x (see :func:`~scaffold_jax.local.local_sgd` for
-    ``correction``, ``offset``, ``optimizer`` and ``key``).
+    ``correction``, ``offset``, ``optimizer``, ``key`` and ``model_state``).
 
     Returns:
       ``(y, output, info)``: the final params, a :class:`ClientOutput` without controls
@@ -89,6 +90,7 @@ def local_update(
         offset,
         optimizer,
         key,
+        model_state,
     )
     delta = optax.tree.sub(y, server_params)
     output = ClientOutput(
@@ -99,6 +101,7 @@ def local_update(
             "local_loss": info.mean_loss,
             "local_steps": info.num_steps.astype(jnp.float32),
         },
+        model_state=info.model_state,
     )
     return y, output, info
 

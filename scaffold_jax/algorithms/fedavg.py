@@ -49,12 +49,14 @@ def fedavg(
     server_optimizer = transformation(server_optimizer)
     local_optimizer = transformation(local_optimizer)
 
-    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+    def client_update(
+        hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
+    ):
         # The batches already carry the client's randomness; the key is for a loss that
         # takes one (dropout).
         _, output, _ = local_update(
             loss_fn, hparams, server_state.params, batches, mask, optimizer=local_optimizer,
-            key=key,
+            key=key, model_state=model_state,
         )  # fmt: skip
         return client_state, output
 

@@ -80,7 +80,9 @@ def feddyn(
         opt_state = init_server_optimizer(server_optimizer, params)
         return FedDynServerState(params, zeros, opt_state), FedDynClientState(g=zeros)
 
-    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+    def client_update(
+        hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
+    ):
         x, g_i = server_state.params, client_state.g
 
         def dynamic(y, batch, batch_mask, step_key):
@@ -98,6 +100,7 @@ def feddyn(
             correction=dynamic,
             offset=optax.tree.scale(-1.0, g_i),
             key=key,
+            model_state=model_state,
         )
         g_plus = optax.tree.add_scale(g_i, -hparams.alpha, output.delta_params)
         return FedDynClientState(g=g_plus), output

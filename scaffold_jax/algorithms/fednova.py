@@ -87,9 +87,11 @@ def fednova(
     """
     server_optimizer = transformation(server_optimizer)
 
-    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+    def client_update(
+        hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
+    ):
         _, output, info = local_update(
-            loss_fn, hparams, server_state.params, batches, mask, key=key
+            loss_fn, hparams, server_state.params, batches, mask, key=key, model_state=model_state
         )
         metrics = {**output.metrics, LOCAL_STEPS: info.num_steps.astype(jnp.float32)}
         return client_state, output._replace(metrics=metrics)

@@ -43,7 +43,9 @@ def fedprox(
     server_optimizer = transformation(server_optimizer)
     local_optimizer = transformation(local_optimizer)
 
-    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+    def client_update(
+        hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
+    ):
         x = server_state.params
 
         def proximal(y, batch, batch_mask, step_key):
@@ -51,7 +53,15 @@ def fedprox(
             return optax.tree.scale(hparams.prox_mu, optax.tree.sub(y, x))
 
         _, output, _ = local_update(
-            loss_fn, hparams, x, batches, mask, proximal, optimizer=local_optimizer, key=key
+            loss_fn,
+            hparams,
+            x,
+            batches,
+            mask,
+            proximal,
+            optimizer=local_optimizer,
+            key=key,
+            model_state=model_state,
         )
         return client_state, output
 

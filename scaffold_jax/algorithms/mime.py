@@ -93,7 +93,9 @@ def _mime(loss_fn, name, corrected, base_optimizer, server_optimizer) -> Algorit
     def receive(server_state, mean_gradient):
         return server_state._replace(control=mean_gradient)
 
-    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+    def client_update(
+        hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
+    ):
         x, c = server_state.params, server_state.control
 
         def svrg(y, batch, batch_mask, step_key):
@@ -110,6 +112,7 @@ def _mime(loss_fn, name, corrected, base_optimizer, server_optimizer) -> Algorit
             correction=svrg if corrected else None,
             optimizer=frozen(base, server_state.base_state),
             key=key,
+            model_state=model_state,
         )
         return client_state, output
 

@@ -185,13 +185,17 @@ def scaffold(
         client = ScaffoldClientState(control=_encode(optax.tree.zeros_like(params), control_dtype))
         return server, client
 
-    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+    def client_update(
+        hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
+    ):
         x, c = server_state.params, server_state.control
         c_i = _decode(client_state.control)
 
         # Every local gradient is corrected by the same c - c_i.
         offset = optax.tree.sub(c, c_i)
-        y, output, info = local_update(loss_fn, hparams, x, batches, mask, offset=offset, key=key)
+        y, output, info = local_update(
+            loss_fn, hparams, x, batches, mask, offset=offset, key=key, model_state=model_state
+        )
         if option == 2:
             steps = jnp.maximum(info.num_steps, 1).astype(jnp.float32)
             c_plus = optax.tree.add_scale(

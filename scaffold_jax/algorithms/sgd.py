@@ -28,7 +28,9 @@ def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = N
     """Large-batch SGD: one gradient per sampled client over all its ``[K, B]`` batches."""
     server_optimizer = transformation(server_optimizer)
 
-    def client_update(hparams: HParams, server_state, client_state, batches, mask, key):
+    def client_update(
+        hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
+    ):
         flat, flat_mask = flatten_steps(batches, mask)
         loss, grad = batch_grad(loss_fn, server_state.params, flat, flat_mask, key)
         output = ClientOutput(
@@ -36,6 +38,10 @@ def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = N
             delta_control=(),
             weight=jnp.ones((), jnp.float32),
             metrics={"local_loss": loss, "local_steps": jnp.ones((), jnp.float32)},
+            # One large-batch step: the statistics of its batch at x.
+            model_state=None
+            if model_state is None
+            else model_state.advance(server_state.params, flat, flat_mask),
         )
         return client_state, output
 

@@ -1146,6 +1146,9 @@ def check_resumable(folder: Path, config: dict[str, Any]) -> None:
     """Refuses ``--resume`` of a folder that holds a run of another configuration."""
     saved = json.loads((folder / results.CONFIG_FILE).read_text())
     config = json.loads(json.dumps(config, default=str))  # tuples as lists, as saved
+    # A setting the run's version did not have yet ran at its default.
+    defaults = json.loads(json.dumps(dataclasses.asdict(RunConfig()), default=str))
+    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     diffs = [
         f"{k}: {saved.get(k)!r} in the run, {v!r} now"
         for k, v in config.items()

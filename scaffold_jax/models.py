@@ -170,7 +170,7 @@ def classification_problem(
 
         num_classes = getattr(module, "num_classes", None)
         return _classifier(params, logits_of, num_classes, stochastic=train_arg is not None)
-    return _stateful_classifier(
+    return _linen_stateful(
         module, params, {k: variables[k] for k in extra}, train_arg, mask_arg, state_policy
     )
 
@@ -198,29 +198,37 @@ def _classifier(params, logits_of, num_classes, stochastic: bool = False) -> Pro
     )
 
 
-def _stateful_classifier(module, params, model_state, train_arg, mask_arg, state_policy):
-    """The :class:`Problem` of a flax module with running statistics (see
-    :func:`classification_problem`): training-mode loss and state update through
-    ``mutable=``, inference-mode loss and accuracy with ``state=``."""
-    collections = tuple(model_state)
-    initial = model_state
+def _linen_stateful(module, params, model_state, train_arg, mask_arg, state_policy):
+    """The :class:`Problem` of a linen module with running statistics (see
+    :func:`classification_problem`): training mode through ``mutable=``."""
+    collections = list(model_state)
 
     def train(params, state, x, mask=None, key=None):
-        # In training mode the outputs do not depend on the running statistics (BatchNorm
-        # normalises with the batch's own), only the statistics written back do.
         kwargs = {train_arg: True}
         if mask_arg is not None and mask is not None:
             kwargs[mask_arg] = mask > 0
         # Dropout needs a key in training mode; a full-data pass (SCAFFOLD's option I and
         # warm start, Mime's full gradient) takes none and gets a fixed one.
         rngs = {"dropout": jax.random.key(0) if key is None else key}
-        return module.apply(
-            {"params": params, **state}, x, **kwargs, rngs=rngs, mutable=list(collections)
+        logits, new = module.apply(
+            {"params": params, **state}, x, **kwargs, rngs=rngs, mutable=collections
         )
+        return logits, dict(new)
 
     def infer(params, state, x):
         return module.apply({"params": params, **state}, x, **{train_arg: False})
 
+    num_classes = getattr(module, "num_classes", None)
+    return _stateful_classifier(params, model_state, train, infer, num_classes, state_policy)
+
+
+def _stateful_classifier(params, initial, train, infer, num_classes, state_policy) -> Problem:
+    """The :class:`Problem` of a classifier with running statistics, from ``train(params,
+    state, x, mask, key) -> (logits, new_state)`` (training mode: batch statistics over
+    the real examples of ``mask``) and ``infer(params, state, x) -> logits``."""
+
+    # In training mode the outputs do not depend on the running statistics (BatchNorm
+    # normalises with the batch's own): the initial ones stand in where none are given.
     def loss_fn(params, batch, key=None, mask=None, state=None):
         if state is None:
             logits, _ = train(params, initial, batch["x"], mask, key)
@@ -236,32 +244,42 @@ def _stateful_classifier(module, params, model_state, train_arg, mask_arg, state
         return (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
 
     def update_state(params, state, batch, mask, key=None):
-        _, new = train(params, state, batch["x"], mask, key)
-        return dict(new)
+        return train(params, state, batch["x"], mask, key)[1]
 
     return Problem(
         params=params,
         loss_fn=loss_fn,
         accuracy_fn=accuracy_fn,
-        num_classes=getattr(module, "num_classes", None),
+        num_classes=num_classes,
         model_state=initial,
         update_state=update_state,
         state_policy=state_policy,
     )
 
 
-def nnx_classification_problem(model, num_classes: int | None = None) -> Problem:
+def nnx_classification_problem(
+    model, num_classes: int | None = None, mask_arg: str | None = None,
+    state_policy: str = "average",
+) -> Problem:  # fmt: skip
     """A flax NNX classifier (``model(x) -> [B, num_classes]`` logits) as a
     :class:`Problem`: split ONCE into its graph and its ``nnx.Param`` state, which is the
     params pytree the engine carries; the loss merges them back inside the step.
 
+    A model with BatchNorm keeps its ``nnx.BatchStat`` s as the problem's
+    :attr:`~Problem.model_state` (see :func:`classification_problem`): the local steps run
+    it in training mode (``model.train()``), evaluation in ``model.eval()``.
+
     Args:
-      model: an ``nnx.Module`` whose only state is its ``nnx.Param`` s.
+      model: an ``nnx.Module`` whose state is ``nnx.Param`` s (and ``nnx.BatchStat`` s).
       num_classes: C, for the label check (read from ``model.num_classes`` when absent).
+      mask_arg: the name of the model's argument that takes the ``[B]`` boolean mask of
+        the real examples in training (passed on as ``nnx.BatchNorm(...)(h, mask=...)``),
+        or None.
+      state_policy: ``"average"`` or ``"local"``, for a model with BatchNorm.
 
     Raises:
-      ValueError: the model has other state (BatchNorm statistics, an ``nnx.Rngs`` for
-        dropout), which a Problem does not carry.
+      ValueError: the model has other state (an ``nnx.Rngs`` stream for dropout), which a
+        Problem does not carry, or an unknown ``state_policy``.
 
     Examples:
       >>> from flax import nnx
@@ -271,23 +289,41 @@ def nnx_classification_problem(model, num_classes: int | None = None) -> Problem
     """
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if state_policy not in STATE_POLICIES:
+        raise ValueError(f"state_policy={state_policy!r} is unknown; use one of {STATE_POLICIES}.")
+    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
     if jax.tree.leaves(rest):
         raise ValueError(
-            f"{type(model).__name__} keeps state besides its nnx.Param s (BatchNorm statistics "
-            "or an nnx.Rngs stream, for example), which nnx_classification_problem does not "
-            "carry; use GroupNorm or LayerNorm, or a linen module with "
-            "classification_problem(..., train_arg=..., mask_arg=...) for BatchNorm "
-            "statistics or dropout."
+            f"{type(model).__name__} keeps state besides its nnx.Param s and nnx.BatchStat s "
+            "(an nnx.Rngs stream for dropout, for example), which nnx_classification_problem "
+            "does not carry; use a linen module with classification_problem(..., "
+            "train_arg=...) for dropout (it gets a fresh key every local step)."
         )
-
-    def logits_of(params, x, key=None):
-        del key  # deterministic: the model holds no rng stream
-        return nnx.merge(graphdef, params, rest)(x)
-
     if num_classes is None:
         num_classes = getattr(model, "num_classes", None)
-    return _classifier(params, logits_of, num_classes)
+    if not jax.tree.leaves(stats):
+
+        def logits_of(params, x, key=None):
+            del key  # deterministic: the model holds no rng stream
+            return nnx.merge(graphdef, params, stats, rest)(x)
+
+        return _classifier(params, logits_of, num_classes)
+
+    def train(params, state, x, mask=None, key=None):
+        del key  # no rng stream (refused above)
+        # A copy: training mode writes the new statistics into the merged model's
+        # variables, which must be this trace's own.
+        model = nnx.merge(graphdef, params, state, rest, copy=True)
+        model.train()
+        kwargs = {} if mask_arg is None or mask is None else {mask_arg: mask > 0}
+        return model(x, **kwargs), nnx.state(model, nnx.BatchStat)
+
+    def infer(params, state, x):
+        model = nnx.merge(graphdef, params, state, rest)
+        model.eval()
+        return model(x)
+
+    return _stateful_classifier(params, stats, train, infer, num_classes, state_policy)
 
 
 def logistic_regression(

@@ -249,6 +249,29 @@ def test_a_resume_with_other_settings_is_refused_naming_the_field(
     assert "holds another run" in err and f"{field}:" in err
 
 
+def test_a_run_of_a_version_without_the_newer_settings_resumes(env, reference, tmp_path):
+    """A config.json written before a setting existed (here the model-statistics ones)
+    resumes: the missing setting ran at its default."""
+    import shutil
+
+    root, _ = env
+    out = tmp_path / "run"
+    shutil.copytree(reference["out"], out)
+    saved = json.loads((out / "config.json").read_text())
+    for key in ("resnet_norm", "state_policy"):
+        del saved[key]
+    (out / "config.json").write_text(json.dumps(saved))
+    code = main(["run", "--config", str(root / "tiny.toml"), "--out", str(out), "--resume",
+                 "--quiet"])  # fmt: skip
+    assert code == 0
+    # A setting that differs from its default is still refused.
+    saved["partition_seed"] = 11
+    (out / "config.json").write_text(json.dumps(saved))
+    code = main(["run", "--config", str(root / "tiny.toml"), "--out", str(out), "--resume",
+                 "--quiet"])  # fmt: skip
+    assert code == 2
+
+
 def test_another_runs_checkpoint_copied_in_is_refused(env, reference, tmp_path, capsys):
     """The config matches, but the newest checkpoint belongs to a run on other data."""
     root, environment = env

@@ -135,6 +135,47 @@ def test_a_fedavg_round_equals_the_per_client_reference_loop(policy):
         assert float(jnp.max(jnp.abs(mean[a] - mean[b]))) > 0.1
 
 
+def test_an_nnx_batchnorm_model_runs_the_round_of_the_same_linen_model():
+    """The same network as BNNet written in NNX, from the same initial values: one round
+    gives the same params and statistics (each policy's state layout alike)."""
+    from flax import nnx
+
+    class NNXNet(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 6, rngs=rngs)
+            self.bn = nnx.BatchNorm(6, momentum=0.8, rngs=rngs)
+            self.out = nnx.Linear(6, 3, rngs=rngs)
+
+        def __call__(self, x, mask=None):
+            h = self.bn(self.lin(x), mask=None if mask is None else mask[:, None])
+            return self.out(nnx.relu(h))
+
+    _, data = make_data()
+    linen = make_problem("local")
+    model = NNXNet(nnx.Rngs(0))
+    p = linen.params
+    for layer, name in ((model.lin, "Dense_0"), (model.out, "Dense_1")):
+        layer.kernel[...], layer.bias[...] = p[name]["kernel"], p[name]["bias"]
+    model.bn.scale[...], model.bn.bias[...] = p["BatchNorm_0"]["scale"], p["BatchNorm_0"]["bias"]
+    ours = sj.models.nnx_classification_problem(model, 3, mask_arg="mask", state_policy="local")
+    out = {}
+    for name, problem in (("linen", linen), ("nnx", ours)):
+        sim = sj.Simulation(sj.fedavg(problem.loss_fn), problem, PLAN, clients_per_round=2)
+        state, _ = sim.round(sj.hparams(client_lr=LR), sim.init(data), data, jr.key(3))
+        out[name] = state
+    lin, nx = out["linen"], out["nnx"]
+    bn = lin.model["clients"]["batch_stats"]["BatchNorm_0"]
+    pairs = [
+        (nx.server.params["lin"]["kernel"], lin.server.params["Dense_0"]["kernel"]),
+        (nx.server.params["bn"]["scale"], lin.server.params["BatchNorm_0"]["scale"]),
+        (nx.model["clients"]["bn"]["mean"], bn["mean"]),
+        (nx.model["clients"]["bn"]["var"], bn["var"]),
+    ]
+    for got, want in pairs:
+        np.testing.assert_allclose(got[...], want, rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(bn["mean"]))) > 0.1  # the statistics moved
+
+
 def test_padded_slots_stay_out_of_the_statistics():
     """A module given no mask computes its statistics over the padded slots too: the round
     then differs from the reference, which the masked module matches (test above)."""

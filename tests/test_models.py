@@ -530,12 +530,12 @@ def test_an_nnx_model_is_split_once_and_trains_in_the_engine():
     result = sim.run(data, sj.hparams(client_lr=0.3), num_rounds=5, eval_every=5)
     assert result.records[-1]["test_loss"] < result.records[0]["test_loss"]
 
-    class WithBatchNorm(nnx.Module):
+    class WithDropout(nnx.Module):
         def __init__(self, rngs):
-            self.norm = nnx.BatchNorm(5, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
 
         def __call__(self, x):
-            return self.norm(x)
+            return self.drop(x)
 
-    with pytest.raises(ValueError, match="keeps state besides its nnx.Param"):
-        sj.models.nnx_classification_problem(WithBatchNorm(nnx.Rngs(0)), 5)
+    with pytest.raises(ValueError, match="keeps state besides its nnx.Param s and nnx.BatchStat"):
+        sj.models.nnx_classification_problem(WithDropout(nnx.Rngs(0)), 5)

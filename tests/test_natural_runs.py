@@ -63,6 +63,14 @@ def test_a_natural_dataset_brings_its_clients():
                                                      num_clients=7), clients)  # fmt: skip
 
 
+def assert_resumes_for_one_more_round(argv, out):
+    """``argv`` (a finished 2-round run) with ``--rounds 3 --resume`` runs round 3 only:
+    the same clients and data (the identity matches)."""
+    more = [("3" if a == "2" and argv[i - 1] == "--rounds" else a) for i, a in enumerate(argv)]
+    assert main([*more, "--resume"]) == 0
+    assert [r["round"] for r in results.read_records(out)] == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -107,10 +115,7 @@ def test_shakespeare_with_the_char_lstm_runs_and_resumes_from_the_command_line(t
     assert [r["round"] for r in records] == [0, 1, 2]
     assert records[0]["test_loss"] == pytest.approx(np.log(90), rel=0.05)  # uniform start
     assert records[-1]["test_loss"] < records[0]["test_loss"]
-    # More rounds from the checkpoint: the same clients and data (the identity matches).
-    more = [("3" if a == "2" and argv[i - 1] == "--rounds" else a) for i, a in enumerate(argv)]
-    assert main([*more, "--resume"]) == 0
-    assert [r["round"] for r in results.read_records(out)] == [0, 1, 2, 3]
+    assert_resumes_for_one_more_round(argv, out)
 
 
 @needs_fashion
@@ -148,6 +153,4 @@ def test_a_batchnorm_resnet_keeps_each_clients_statistics_from_the_command_line(
     assert all(np.isfinite(r["client_accuracy_mean"]) for r in records)
     saved = json.loads((out / "config.json").read_text())
     assert (saved["resnet_norm"], saved["state_policy"]) == ("batch", "local")
-    more = [("3" if a == "2" and argv[i - 1] == "--rounds" else a) for i, a in enumerate(argv)]
-    assert main([*more, "--resume"]) == 0
-    assert [r["round"] for r in results.read_records(out)] == [0, 1, 2, 3]
+    assert_resumes_for_one_more_round(argv, out)

@@ -579,6 +579,12 @@ class Simulation:
         outputs = outputs._replace(weight=weights)
         new_model = None
         if state.model is not None:
+            if not isinstance(outputs.model_state, ModelState):
+                raise ValueError(
+                    f"{self.algorithm.name}'s client_update took model_state but returned no "
+                    "ClientOutput.model_state: pass it to local_update / local_sgd (which "
+                    "return it advanced) and put that in the output."
+                )
             stats_out = layout.constrain(outputs.model_state.value, "replicated")
             if "server" in model:
                 new_model = {"server": weighted_mean(stats_out, weights)}

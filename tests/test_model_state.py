@@ -283,6 +283,13 @@ def test_an_algorithm_without_a_model_state_parameter_is_refused_naming_the_fix(
     sim = sj.Simulation(base._replace(client_update=client_update), problem, PLAN, 2)
     with pytest.raises(ValueError, match="client_update has no model_state parameter.*local_sgd"):
         sim.init(data)
+
+    def drops_it(hparams, server_state, client_state, batches, mask, key, model_state=None):
+        return base.client_update(hparams, server_state, client_state, batches, mask, key)
+
+    sim = sj.Simulation(base._replace(client_update=drops_it), problem, PLAN, 2)
+    with pytest.raises(ValueError, match="returned no ClientOutput.model_state"):
+        sim.round(sj.hparams(client_lr=LR), sim.init(data), data, jr.key(0))
     sim = sj.Simulation(base, problem, PLAN, 2)
     state = sim.init(data)
     with pytest.raises(ValueError, match=r"evaluate\(state.server, data, state.model\)"):

@@ -1266,9 +1266,13 @@ def run(
             writer.files.append(results.TENSORBOARD_DIR)
         if resume and not restore:
             writer.reset_records([])  # nothing was saved: start again at round 0
+            if board is not None:
+                board.purge_from(0)
 
         def on_restore(records):
             writer.reset_records(records, series)
+            if board is not None:  # the rounds after the checkpoint run again
+                board.purge_from(records[-1]["round"] + 1 if records else 0)
             # The rounds before the checkpoint ran in another process: not in the rate.
             progress.rebase(records[-1]["round"] if records else 0)
 

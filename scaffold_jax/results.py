@@ -1295,7 +1295,12 @@ class TensorBoardSink:
         # tensorboardX's synchronous events writer: its SummaryWriter queues events for a
         # background thread, whose flush() does not wait for them, so a killed run would
         # lose the last ones.
-        self._events = EventsWriter(str(self.directory / "events"))
+        # The nanoseconds make the file name unique (tensorboardX names it by the second:
+        # a second sink in the same second would overwrite the first) and keep files in
+        # the order they were written, which is the order TensorBoard reads them in.
+        self._events = EventsWriter(
+            str(self.directory / "events"), filename_suffix=f".{time.time_ns()}"
+        )
 
     def __call__(self, record: Mapping[str, Any]) -> None:
         from tensorboardX.proto import event_pb2, summary_pb2
@@ -1309,6 +1314,19 @@ class TensorBoardSink:
         ]
         summary = summary_pb2.Summary(value=values)
         self._events.write_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        self._events.flush()
+
+    def purge_from(self, step: int) -> None:
+        """Tells TensorBoard to drop the events of step >= ``step`` written before this
+        call (a ``SessionLog.START`` event, what ``SummaryWriter(purge_step=)`` writes):
+        a run resumed from its checkpoint at round R re-runs rounds R+1, ... whose
+        records the interrupted process may already have written."""
+        from tensorboardX.proto import event_pb2
+
+        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._events.write_event(
+            event_pb2.Event(wall_time=time.time(), step=int(step), session_log=start)
+        )
         self._events.flush()
 
     def close(self) -> None:

@@ -49,6 +49,33 @@ def test_help_works(argv, capsys):
         assert "fig3" in out and "table3" in out and "--quick" in out
 
 
+@needs_fashion
+def test_a_resumed_run_shows_each_round_once_in_tensorboard(tmp_path):
+    """Records after the newest checkpoint are written again by the resumed run: the
+    resume purges them from TensorBoard (its SessionLog.START), as metrics.jsonl drops them."""
+    pytest.importorskip("tensorboardX")
+    import shutil
+
+    from test_results import read_tensorboard_scalars
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    out = tmp_path / "run"
+    argv = ["run", "--config", str(config), "--rounds", "4", "--eval-every", "1",
+            "--checkpoint-every", "2", "--tensorboard", "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    # As if killed after round 4's record, before its checkpoint: resume from round 2.
+    shutil.rmtree(out / "checkpoints" / "4")
+    assert main([*argv, "--resume"]) == 0
+    rounds = [r["round"] for r in results.read_records(out)]
+    assert rounds == [0, 1, 2, 3, 4]
+    shown = read_tensorboard_scalars(out / "tensorboard")["test_accuracy"]
+    assert [step for step, _ in shown] == rounds
+    np.testing.assert_allclose(
+        [v for _, v in shown], [r["test_accuracy"] for r in results.read_records(out)], rtol=1e-6
+    )
+
+
 def test_the_console_script_is_installed():
     # pyproject.toml declares scaffold-jax = "scaffold_jax.cli:main".
     script = os.path.join(os.path.dirname(sys.executable), "scaffold-jax")

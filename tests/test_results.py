@@ -671,7 +671,8 @@ def test_the_environment_names_the_git_commit_and_the_library_versions(monkeypat
 
 def read_tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
     """``{tag: [(step, value), ...]}`` of the event files in ``directory``, parsed with
-    tensorboardX's protobufs (TFRecord framing: length, CRC, event, CRC)."""
+    tensorboardX's protobufs (TFRecord framing: length, CRC, event, CRC), as TensorBoard
+    shows them: a ``SessionLog.START`` at step T drops the earlier events of step >= T."""
     import struct
     from pathlib import Path
 
@@ -685,6 +686,11 @@ def read_tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
             (length,) = struct.unpack("<Q", data[offset : offset + 8])
             event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
             offset += 12 + length + 4
+            if event.session_log.status == event_pb2.SessionLog.START:
+                scalars = {
+                    tag: [(step, v) for step, v in values if step < event.step]
+                    for tag, values in scalars.items()
+                }
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
@@ -708,3 +714,20 @@ def test_tensorboard_sink_writes_one_scalar_per_metric_with_the_round_as_step(tm
         name: [(r["round"], r[name]) for r in records]
         for name in ("test_accuracy", "test_loss", "seconds")
     }
+
+
+def test_a_resumed_run_purges_the_rounds_it_runs_again_from_tensorboard(tmp_path):
+    """The interrupted process logged rounds 0, 5, 10; the checkpoint was at round 5, so
+    the resumed one logs round 10 again (another value): TensorBoard shows it once."""
+    pytest.importorskip("tensorboardX")
+    first = results.TensorBoardSink(tmp_path)
+    for r, acc in ((0, 0.1), (5, 0.5), (10, 0.7)):
+        first({"round": r, "test_accuracy": acc})
+    first.close()
+    resumed = results.TensorBoardSink(tmp_path)
+    resumed.purge_from(6)
+    resumed({"round": 10, "test_accuracy": 0.8})
+    resumed.close()
+    shown = read_tensorboard_scalars(tmp_path / "tensorboard")["test_accuracy"]
+    assert [step for step, _ in shown] == [0, 5, 10]
+    assert [value for _, value in shown] == pytest.approx([0.1, 0.5, 0.8])  # float32

@@ -13,7 +13,6 @@ Examples:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import flax.linen as nn
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import workloads
-from common import write_json
+from common import engine_parser, write_json
 
 import scaffold_jax as sj
 
@@ -63,12 +62,7 @@ def problems() -> dict[str, sj.Problem]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="test-sized data (seconds)")
-    parser.add_argument("--algorithms", nargs="+", default=["scaffold", "fedavg"])
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per program")
-    parser.add_argument("--out", help="write the JSON result here")
-    args = parser.parse_args(argv)
+    args = engine_parser(__doc__).parse_args(argv)
     w = workloads.get_workload("W1", quick=args.quick)
     w = dataclasses.replace(w, model="bn-mlp")
     data = workloads.make_data(w)

@@ -18,21 +18,14 @@ Examples:
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import numpy as np
 import workloads
-from common import write_json
+from common import engine_parser, write_json
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="test-sized data (seconds)")
-    parser.add_argument("--algorithms", nargs="+", default=["scaffold", "fedavg"])
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per program")
-    parser.add_argument("--out", help="write the JSON result here")
-    args = parser.parse_args(argv)
+    args = engine_parser(__doc__).parse_args(argv)
     w = workloads.get_workload("W6", quick=args.quick)
     data, problem = workloads.make_data(w), workloads.make_problem(w)
     counts = np.asarray(data.counts)

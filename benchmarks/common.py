@@ -1,11 +1,24 @@
-"""Helpers shared by the benchmark scripts: peak memory and writing a JSON result."""
+"""Helpers shared by the benchmark scripts: the usual arguments, peak memory and writing a
+JSON result."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 from pathlib import Path
 from typing import Any
+
+
+def engine_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a script that times engine programs interleaved: ``--quick``,
+    ``--algorithms``, ``--repeats`` and ``--out`` (described by ``doc``'s first paragraph)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="test-sized data (seconds)")
+    parser.add_argument("--algorithms", nargs="+", default=["scaffold", "fedavg"])
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per program")
+    parser.add_argument("--out", help="write the JSON result here")
+    return parser
 
 
 def peak_rss_mib() -> float:

@@ -540,8 +540,11 @@ class Simulation:
         rows_in = layout.constrain(rows, "sampled")
         # The model's running statistics: the server's (every client starts from them) or
         # each sampled client's own row.
-        model = state.model or {}
+        model = dict(state.model or {})
         stats_rows = take_rows(model["clients"], ids) if "clients" in model else None
+        if diverged is not None and stats_rows is not None:
+            # As for the client table above: no copy of the statistics table.
+            model["clients"] = set_rows(model["clients"], ids, stats_rows)
         stats_in = layout.constrain(stats_rows, "sampled")
         chunk = self.resolve_client_chunk(data)
         weights, total_weight = self.weights(data, ids)

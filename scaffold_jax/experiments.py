@@ -495,11 +495,13 @@ class RunConfig:
         return True
 
     def _keeps_statistics(self) -> bool:
-        """Whether the model may keep running statistics: resnet18 with BatchNorm, or a
-        (plugin) model that takes ``state_policy``."""
-        if self.model == "resnet18":
-            return self.resnet_norm == "batch"
-        return self.model in MODELS and "state_policy" in MODELS[self.model].options
+        """Whether the model, with this config's options, keeps running statistics (its
+        registry entry says: resnet18 with BatchNorm, a plugin model that takes
+        ``state_policy``)."""
+        if self.model not in MODELS:
+            return False
+        spec = MODELS[self.model]
+        return spec.statistics_with({k: getattr(self, k) for k in spec.options})
 
     def _validate_partition(self, check: _Checker, errors: list[str]) -> None:
         # The fields' own ranges; which partitioner takes which field is the registry's.

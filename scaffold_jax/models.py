@@ -809,11 +809,21 @@ class ModelSpec(NamedTuple):
       display_name: how tables and plots name the model.
       options: the config fields the model takes (e.g. ``RunConfig.hidden_sizes``), passed
         to ``build`` as keywords of the same names.
+      keeps_statistics: ``keeps_statistics(options) -> bool``: whether the model built
+        with these option values keeps running statistics (for which ``state_policy``
+        means something); None: it does exactly when it takes ``state_policy``.
     """
 
     build: Callable[..., Problem]
     display_name: str
     options: tuple[str, ...] = ()
+    keeps_statistics: Callable[[Mapping[str, Any]], bool] | None = None
+
+    def statistics_with(self, options: Mapping[str, Any]) -> bool:
+        """Whether the model built with ``options`` keeps running statistics."""
+        if self.keeps_statistics is not None:
+            return self.keeps_statistics(options)
+        return "state_policy" in self.options
 
 
 MODELS: Registry[ModelSpec] = Registry("model")
@@ -822,7 +832,12 @@ MODELS.register("mlp", ModelSpec(mlp, "MLP", ("hidden_sizes",)))
 MODELS.register("cnn", ModelSpec(cnn, "CNN"))
 MODELS.register(
     "resnet18",
-    ModelSpec(resnet18, "ResNet-18", ("resnet_width", "resnet_norm", "state_policy")),
+    ModelSpec(
+        resnet18,
+        "ResNet-18",
+        ("resnet_width", "resnet_norm", "state_policy"),
+        keeps_statistics=lambda options: options.get("resnet_norm") == "batch",
+    ),
 )
 MODELS.register("char_lstm", ModelSpec(char_lstm, "char LSTM", ("lstm_hidden", "embed_dim")))
 

@@ -97,7 +97,7 @@ def _sampler_seconds(num_clients: int, clients_per_round: int, repeats: int = 3)
     import jax
     import jax.random as jr
 
-    from scaffold_jax.engine import sample_clients
+    from scaffold_jax.sampling import sample_clients
 
     sample = jax.jit(lambda k: sample_clients(k, num_clients, clients_per_round))
     sample(jr.key(0)).block_until_ready()

@@ -1,9 +1,10 @@
 """scaffold_jax: SCAFFOLD and its baselines as a vectorized JAX federated-learning simulator.
 
 SCAFFOLD (Karimireddy et al. 2020), FedAvg, FedProx, large-batch SGD, FedDyn, FedNova,
-Mime and MimeLite, with server (FedOpt) and local optimizers. Client state is stacked
-along a leading client axis, the local steps are a ``lax.while_loop`` vmapped across the sampled
-clients, and a whole round (many rounds, in fact) compiles into one XLA program.
+Mime, MimeLite, Scaffnew and FedExP, with server (FedOpt) and local optimizers. Client state
+is stacked along a leading client axis, the local steps are a ``lax.while_loop`` vmapped
+across the sampled clients, and a whole round (many rounds, in fact) compiles into one XLA
+program.
 """
 
 from scaffold_jax import (
@@ -17,11 +18,22 @@ from scaffold_jax import (
     optimizers,
     sweep,
 )
-from scaffold_jax.algorithms import fedavg, feddyn, fednova, fedprox, mime, mimelite, scaffold, sgd
+from scaffold_jax.algorithms import (
+    fedavg,
+    feddyn,
+    fedexp,
+    fednova,
+    fedprox,
+    mime,
+    mimelite,
+    scaffnew,
+    scaffold,
+    sgd,
+)
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
-from scaffold_jax.engine import Simulation, init_state
+from scaffold_jax.engine import init_state
 from scaffold_jax.layout import ClientMesh, SingleDevice
-from scaffold_jax.loop import DivergenceError, RunResult, RunTerminated
+from scaffold_jax.loop import DivergenceError, RunResult, RunTerminated, Simulation
 from scaffold_jax.types import (
     Algorithm,
     ClientOutput,
@@ -29,6 +41,7 @@ from scaffold_jax.types import (
     HParams,
     ModelState,
     Problem,
+    ServerOutput,
     SimState,
     check_hparams,
     hparams,
@@ -52,6 +65,7 @@ __all__ = [
     "Problem",
     "RunResult",
     "RunTerminated",
+    "ServerOutput",
     "SimState",
     "Simulation",
     "SingleDevice",
@@ -62,6 +76,7 @@ __all__ = [
     "diagnostics",
     "fedavg",
     "feddyn",
+    "fedexp",
     "fednova",
     "fedprox",
     "from_client_arrays",
@@ -74,6 +89,7 @@ __all__ = [
     "mimelite",
     "models",
     "optimizers",
+    "scaffnew",
     "scaffold",
     "sgd",
     "sweep",

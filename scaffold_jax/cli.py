@@ -138,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="set any protocol field (VALUE parsed as JSON when it can be), e.g. "
         "--set delta=0.99 or --set max_train_examples=20000; repeatable",
     )
+    rep.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module (dotted name or .py file) that registers algorithms, models, "
+        "datasets... first, e.g. for --set 'extra_methods=[\"mine\"]'; repeatable",
+    )
     _common(rep)
 
     sw = commands.add_parser(
@@ -252,19 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
 #: model at its initial params, and the step size of the --gd-steps path. The algorithm,
 #: sampling, local plan and horizon do not enter G, B, δ or β, so they have no flags there.
 DIAGNOSE_FIELDS = (
-    "dataset", "data_dir", "min_client_examples", "client_holdout", "download",
-    "max_train_examples", "max_test_examples", "partition", "similarity", "dirichlet_alpha",
-    "shards_per_client", "model", "hidden_sizes", "resnet_width", "resnet_norm", "state_policy",
-    "lstm_hidden", "embed_dim", "num_clients", "seed", "client_lr",
+    "dataset", "data_dir", "client_holdout", "download", "max_train_examples",
+    "max_test_examples", "partition", "model", "num_clients", "seed", "client_lr",
 )  # fmt: skip
+#: Whose declared options mean something to ``diagnose`` (not the algorithms').
+DIAGNOSE_OPTIONS = ("model", "partition", "dataset")
 
 
 def _config_flags(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
     """--config, --plugin, --set, one flag per :class:`RunConfig` field and one per
     hyper-parameter or option a registered algorithm declares (flags override the file).
 
-    ``fields``: only these fields have flags, and no declared hyper-parameter or option
-    does (a command that does not run an algorithm)."""
+    ``fields``: only these fields have flags, and of the declared names only the options
+    of models, partitioners and datasets (a command that does not run an algorithm)."""
     from scaffold_jax import experiments
 
     parser.add_argument("--config", metavar="FILE", help="a .toml or .json config file")
@@ -287,23 +295,27 @@ def _config_flags(parser: argparse.ArgumentParser, fields: Sequence[str] | None 
     defaults = RunConfig()
     declared = {**experiments.declared_hparams(), **experiments.declared_options()}
     if fields is not None:
-        declared = {}
+        declared = experiments.declared_options(DIAGNOSE_OPTIONS)
     for name, spec in declared.items():
-        # Choices are checked with the config (naming the field), not by argparse.
+        # Choices and ranges are checked with the config (naming the field), not argparse.
         choices = getattr(spec, "choices", None)
         help_text = spec.help + (f" ({' | '.join(map(str, choices))})" if choices else "")
         if spec.default is not None:
             help_text += f" [default: {spec.default}]"
+        kind = "float" if isinstance(spec, HParam) else getattr(spec, "kind", "str")
+        extra: dict[str, Any] = {"type": _KIND_TYPES.get(kind, str)}
+        if kind in ("ints", "floats"):
+            extra["nargs"] = "+"
         # An on/off option is a bare flag (``--warm-controls``); it still takes a value.
-        switch = {"nargs": "?", "const": "true"} if getattr(spec, "is_switch", False) else {}
+        if getattr(spec, "is_switch", False):
+            extra = {"type": str, "nargs": "?", "const": "true"}
         parser.add_argument(
             _flag(name),
-            type=float if isinstance(spec, HParam) else str,
-            metavar="X",
+            metavar="N" if kind in ("int", "ints") else "X",
             help=help_text,
             default=argparse.SUPPRESS,
             dest=f"declared:{name}",
-            **switch,
+            **extra,
         )
     for field in dataclasses.fields(RunConfig):
         meta = field.metadata
@@ -498,15 +510,19 @@ _NOT_AXES = {
 
 
 def _setting_fields() -> dict[str, str]:
-    """``{field: kind}`` of the numeric RunConfig fields a sweep takes as an outer axis:
-    data and shape settings (similarity, num_clients, local_epochs...)."""
+    """``{name: kind}`` of the numeric settings a sweep takes as an outer axis: RunConfig's
+    data and shape fields (num_clients, local_epochs...) and the numeric options models,
+    partitioners and datasets declare (similarity, a plugin model's dropout rate...)."""
+    from scaffold_jax import experiments
     from scaffold_jax.types import STEP_SIZES
 
-    return {
+    fields = {
         f.name: f.metadata["kind"]
         for f in dataclasses.fields(RunConfig)
         if f.metadata["kind"] in ("int", "float") and f.name not in (*STEP_SIZES, *_NOT_AXES)
     }
+    options = experiments.declared_options(DIAGNOSE_OPTIONS)
+    return {**fields, **{k: o.kind for k, o in options.items() if o.is_number}}
 
 
 def _split_axes(
@@ -593,15 +609,23 @@ def _sweep_command(args: argparse.Namespace) -> int:
         """The config of one grid: ``setting``'s values, and the hyper-parameters and
         options ``name`` declares."""
         spec = ALGORITHMS[name]
+        algorithm_options = experiments.declared_options(("algorithm",))
         return given.replace(
             algorithm=name,
             hparams={k: v for k, v in given.hparams.items() if k in spec.hparams},
-            options={k: v for k, v in given.options.items() if k in spec.options},
+            options={
+                k: v
+                for k, v in given.options.items()
+                if k in spec.options or k not in algorithm_options
+            },
             **setting,
         ).validate()
 
+    algorithm_options = experiments.declared_options(("algorithm",))
     for table in ("hparams", "options"):
         for key in getattr(given, table):
+            if table == "options" and key not in algorithm_options:
+                continue  # a model's, partitioner's or dataset's: checked with each config
             if not any(key in getattr(ALGORITHMS[n], table) for n in names):
                 raise ConfigError(
                     f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
@@ -686,7 +710,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
             fixed = dict(cfg.hparams)
             # The data is read once per dataset; the subsets and the split are each
             # setting's own (build applies them).
-            source = (cfg.dataset, cfg.data_dir, cfg.min_client_examples)
+            source = (cfg.dataset, cfg.data_dir, json.dumps(cfg.resolved("dataset")))
             if source not in loaded:
                 with progress.phase(f"loading {cfg.dataset}"):
                     loaded[source] = experiments.load_dataset(cfg)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import jax
 
-import scaffold_jax as sj
-from scaffold_jax import results
-from scaffold_jax.data import partition, sources
+from scaffold_jax import algorithms, models, results
+from scaffold_jax.data import BatchPlan, from_partition, partition, sources
+from scaffold_jax.loop import Simulation
+from scaffold_jax.types import hparams
 
 # η_l per method: the fewest rounds to 70% test accuracy over the grid {0.03, 0.1, 0.3, 1, 3}
 # on this split (100 rounds, seed 0; ties broken by final accuracy), as the paper tunes η_l.
@@ -43,8 +44,8 @@ def main(argv=None) -> dict:
 
     ds = sources.load(args.dataset, args.data_dir, allow_download=True)
     parts = partition.similarity_split(ds.train["y"], args.num_clients, args.similarity, args.seed)
-    data = sj.from_partition(ds.train, parts, test=ds.test)
-    problem = sj.models.logistic_regression(ds.train["x"].shape[1:], ds.num_classes)
+    data = from_partition(ds.train, parts, test=ds.test)
+    problem = models.logistic_regression(ds.train["x"].shape[1:], ds.num_classes)
     print(
         f"{ds.name} from {ds.source}: {data.num_examples} training examples over "
         f"{data.num_clients} clients (s = {args.similarity:g}%), {len(ds.test['y'])} test; "
@@ -52,19 +53,19 @@ def main(argv=None) -> dict:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    local_plan = sj.BatchPlan.fraction_of_data(0.2, args.epochs)
+    local_plan = BatchPlan.fraction_of_data(0.2, args.epochs)
     runs = {}
     for name, plan in (
         ("scaffold", local_plan),
         ("fedavg", local_plan),
-        ("sgd", sj.BatchPlan.full(1)),
+        ("sgd", BatchPlan.full(1)),
     ):
-        alg = sj.algorithms.make(name, problem.loss_fn)
-        sim = sj.Simulation(alg, problem, plan, args.clients_per_round)
+        alg = algorithms.make(name, problem.loss_fn)
+        sim = Simulation(alg, problem, plan, args.clients_per_round)
         start = time.perf_counter()
         result = sim.run(
             data,
-            sj.hparams(client_lr=STEP_SIZES[name]),
+            hparams(client_lr=STEP_SIZES[name]),
             num_rounds=args.rounds,
             eval_every=args.eval_every,
             seed=args.seed,

@@ -10,7 +10,9 @@ A round is one pure function ``round(hparams, state, data, key) -> (state, metri
    (Mime), every sampled client first sends a message computed on its whole local data
    at x and the server takes their mean; then draw each client's batches and run
    ``vmap(client_update)`` over the S clients;
-3. aggregate with the algorithm's pure ``server_update``; scatter the new rows back.
+3. aggregate with the algorithm's pure ``server_update``; if the algorithm has a
+   ``client_sync`` step (Scaffnew), every sampled client then updates its row from the new
+   server state; scatter the new rows back.
    A model's running statistics (``SimState.model``, BatchNorm's) go to every sampled
    client's local steps (the server's, or the client's own row) and come back averaged
    with the round's weights, or written back to the clients' rows
@@ -42,6 +44,7 @@ import optax
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import CLIENT_AXIS, takes
+from scaffold_jax.sampling import Sampler, check_sampler, uniform
 from scaffold_jax.tree import (
     all_finite,
     set_rows,
@@ -57,6 +60,7 @@ from scaffold_jax.types import (
     ModelState,
     Problem,
     PyTree,
+    ServerOutput,
     SimState,
     resolve_hparams,
 )
@@ -182,38 +186,26 @@ def init_state(
     return jax.jit(lambda: build(constants), out_shardings=shardings)()
 
 
-def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> jax.Array:
-    """S distinct client ids, uniformly without replacement (int32 ``[S]``).
-
-    Every S-subset of the N clients is equally likely. For S << N this uses Floyd's
-    algorithm (O(S²) work, no O(N) pass; timings in benchmarks/README.md); otherwise a
-    permutation of all N ids.
-    """
-    n, s = num_clients, clients_per_round
-    if s == n or s * s > 16 * n * max(1, n.bit_length()):
-        return jr.permutation(key, n)[:s].astype(jnp.int32)
-    keys = jr.split(key, s)
-
-    def add_one(i, chosen):
-        # Floyd: draw j in [0, t]; take j unless already chosen, in which case take t
-        # (which cannot be chosen yet). Each step keeps the chosen set uniform.
-        t = n - s + i
-        j = jr.randint(keys[i], (), 0, t + 1, dtype=jnp.int32)
-        return chosen.at[i].set(jnp.where(jnp.any(chosen == j), t, j))
-
-    return jax.lax.fori_loop(0, s, add_one, jnp.full((s,), -1, jnp.int32))
-
-
 def client_keys(round_key: jax.Array, ids: jax.Array) -> jax.Array:
     """Per-client keys derived from the client id (``[S]`` keys)."""
     clients_key = jr.split(round_key)[1]
     return jax.vmap(lambda i: jr.fold_in(clients_key, i))(ids)
 
 
-def round_key_and_ids(key, round_index, num_clients, clients_per_round):
+def shared_key(round_key: jax.Array) -> jax.Array:
+    """The key every client of a round shares (``client_update``'s ``round_key=``, e.g.
+    Scaffnew's number of local steps): the round key's third stream, after the two that
+    ``split(round_key)`` gives the sampler and the clients (``split(k)[i]`` is
+    ``fold_in(k, i)``), so it is independent of both."""
+    return jr.fold_in(round_key, 2)
+
+
+def round_key_and_ids(key, round_index, num_clients, clients_per_round, sampler=uniform):
+    """The round's key and its S client ids, drawn by ``sampler`` from the round key's
+    first stream (:mod:`scaffold_jax.sampling`)."""
     round_key = jr.fold_in(key, round_index)
-    ids = sample_clients(jr.split(round_key)[0], num_clients, clients_per_round)
-    return round_key, ids
+    ids = sampler(jr.split(round_key)[0], round_index, num_clients, clients_per_round)
+    return round_key, jnp.asarray(ids, jnp.int32)
 
 
 def repeat_rounds(step: Callable, carry: PyTree, num_rounds: int, stop=None):
@@ -411,8 +403,9 @@ class Simulation:
     Everything that fixes the SHAPE of the program (the algorithm, the batch plan, S, the
     weighting, the layout) is given here; everything that is data (hyper-parameters,
     state, the dataset, the key) is passed to the compiled functions, so changing a step
-    size or the seed never recompiles. :meth:`run` runs them in the host loop
-    (:func:`scaffold_jax.loop.run`).
+    size or the seed never recompiles. The host loop (:func:`scaffold_jax.loop.run`) runs
+    them; ``scaffold_jax.Simulation`` (:class:`scaffold_jax.loop.Simulation`) is this class
+    with a ``run`` method that calls it (the engine knows nothing of the loop above it).
 
     Args:
       algorithm: an :class:`~scaffold_jax.types.Algorithm`.
@@ -435,6 +428,9 @@ class Simulation:
         :data:`TRAIN_EVAL_EXAMPLES`; an unbiased estimate, see :func:`train_objective`), or
         None for all of them. The mean loss of the clients' own local steps is in the
         round metrics (``local_loss``) whatever this is.
+      sampler: which S clients take part in a round, ``sampler(key, round, N, S) -> ids``
+        (:mod:`scaffold_jax.sampling`; default: the paper's uniform sampling without
+        replacement; ``sampling.make(name, options)`` builds a registered one).
 
     Examples:
       >>> import numpy as np, scaffold_jax as sj
@@ -462,6 +458,7 @@ class Simulation:
         layout: Any = None,
         evaluators: Sequence[Callable[..., Mapping[str, jax.Array]]] = DEFAULT_EVALUATORS,
         train_eval_examples: int | None = TRAIN_EVAL_EXAMPLES,
+        sampler: Sampler | None = None,
     ):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
@@ -483,6 +480,7 @@ class Simulation:
                 ) from None
         self.client_chunk = client_chunk
         self.layout = SingleDevice() if layout is None else layout
+        self.sampler = uniform if sampler is None else sampler
         self.evaluators = tuple(evaluators)
         self.train_eval_examples = (
             None
@@ -500,8 +498,9 @@ class Simulation:
         names = (
             "algorithm", "problem", "plan", "clients_per_round", "weighting",
             "eval_batch_size", "client_chunk", "layout", "evaluators", "train_eval_examples",
+            "sampler",
         )  # fmt: skip
-        return Simulation(**{name: changes.get(name, getattr(self, name)) for name in names})
+        return type(self)(**{name: changes.get(name, getattr(self, name)) for name in names})
 
     # ----------------------------------------------------------------- the pure programs
     def round_fn(
@@ -518,12 +517,15 @@ class Simulation:
         scalar). When given, a round whose new server state or new client rows hold a
         NaN/Inf is NOT applied (nor is any round once ``diverged`` is set): the state keeps
         its previous values, only the round counter advances, and the metrics gain
-        ``finite``, whether this round's results were finite. The metrics always hold
-        ``server_finite``, whether the round's new server state is finite.
+        ``finite``, whether this round's results were finite (the rows after the
+        algorithm's ``client_sync`` step included). The metrics always hold
+        ``server_finite``, whether the round's new server state is finite, and the
+        metrics of a ``server_update`` that returns a
+        :class:`~scaffold_jax.types.ServerOutput`.
         """
         num_clients, num_sampled = data.num_clients, self.clients_per_round
         layout = self.layout
-        round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled)
+        round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled, self.sampler)
         # The table is read and written with the REPLICATED ids; the clients' work is split
         # over devices by position in the sampled set (no-ops on one device).
         ids = layout.constrain(ids, "replicated")
@@ -554,15 +556,20 @@ class Simulation:
                 self.algorithm.pre_round, state.server, rows_in, work_ids, weights, data, chunk
             )
 
+        algorithm = self.algorithm
+        common = {}
+        if takes(algorithm.client_update, "round_key"):
+            common["round_key"] = shared_key(round_key)
+
         def client_work(client_id, client_key, row, stats):
             # Batches are drawn inside each client's work so that a chunk gathers only its
             # own clients' examples (the working set stays chunk-sized).
             batches, mask = data.client_batches(client_id, client_key, self.plan)
-            extra = {}
+            extra = dict(common)
             if state.model is not None:
                 stats = model["server"] if stats is None else stats
                 extra["model_state"] = ModelState(stats, self.problem.update_state)
-            return self.algorithm.client_update(
+            return algorithm.client_update(
                 hparams, server_in, row, batches, mask, client_key, **extra
             )
 
@@ -594,7 +601,18 @@ class Simulation:
             else:
                 new_model = {"clients": stats_out}
             outputs = outputs._replace(model_state=None)
-        server = self.algorithm.server_update(hparams, server_in, outputs, total_weight)
+        server = algorithm.server_update(hparams, server_in, outputs, total_weight)
+        server_metrics = {}
+        if isinstance(server, ServerOutput):
+            server, server_metrics = server
+        if algorithm.client_sync is not None:
+            # The sampled clients' step after aggregation, where their rows still are
+            # (split over devices like their local work) and before they are written back.
+            def sync(row, output):
+                return algorithm.client_sync(hparams, server_in, server, row, output)
+
+            synced = (new_rows, layout.constrain(outputs, "sampled"))
+            new_rows = over_clients(sync, synced, chunk)
         new_rows = layout.constrain(new_rows, "replicated")
         metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
         metrics["client_ids"] = ids
@@ -605,6 +623,13 @@ class Simulation:
         # check reports the first round where it is not (the update norm squares the
         # update, so it overflows rounds before the state does).
         metrics["server_finite"] = all_finite(server)
+        taken = sorted(set(server_metrics) & {*metrics, "finite"})
+        if taken:
+            raise ValueError(
+                f"{algorithm.name}'s server_update reports the metric(s) {', '.join(taken)}, "
+                "which the clients or the engine already report: rename them."
+            )
+        metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
         if diverged is not None:
             finite = metrics["server_finite"] & all_finite((new_rows, new_model))
             keep = finite & ~diverged
@@ -863,6 +888,10 @@ class Simulation:
                 f"clients_per_round (S) = {self.clients_per_round} exceeds the number of "
                 f"clients N = {num_clients}; use S <= N."
             )
+        if self.algorithm.check is not None:
+            self.algorithm.check(num_clients, self.clients_per_round, self.weighting)
+        if self.sampler is not uniform:
+            check_sampler(self.sampler, num_clients, self.clients_per_round)
         self._check_model_state()
         self._check_memory(data)
         counts = np.asarray(data.counts)
@@ -1008,17 +1037,3 @@ class Simulation:
         """``hparams`` completed with the algorithm's declared defaults and checked
         (see :func:`scaffold_jax.types.resolve_hparams`)."""
         return resolve_hparams(self.algorithm, hparams)
-
-    def run(self, data, hparams: HParams | Mapping[str, Any], num_rounds: int, *args, **kwargs):
-        """Runs the simulation in the host loop: ``scaffold_jax.loop.run(self, data, hparams,
-        num_rounds, ...)``, with the same arguments (``eval_every``, ``seed``, ``state``,
-        ``callback``, ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``,
-        ``resume``, ...); see there for the schedule, checkpoints and resume, signals and
-        divergence.
-
-        Returns:
-          A :class:`~scaffold_jax.loop.RunResult`.
-        """
-        from scaffold_jax import loop  # the host loop sits above the engine it runs
-
-        return loop.run(self, data, hparams, num_rounds, *args, **kwargs)

@@ -31,18 +31,25 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax import models, results
+from scaffold_jax import models, results, sampling
 from scaffold_jax import sweep as sweep_module
 from scaffold_jax.algorithms import ALGORITHMS
-from scaffold_jax.data import natural, partition, sources
+from scaffold_jax.data import assembly, natural, sources, synthetic
 from scaffold_jax.data.batching import BatchPlan
-from scaffold_jax.data.federated import FederatedData, from_partition, with_client_tests
+from scaffold_jax.data.federated import FederatedData
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
-from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
-from scaffold_jax.loop import DivergenceError
+from scaffold_jax.engine import MAX_SEED, SEED_WHY
+from scaffold_jax.loop import DivergenceError, Simulation
 from scaffold_jax.models import MODELS
 from scaffold_jax.progress import Progress
-from scaffold_jax.registry import PLUGIN_HINT, Registry, RegistryUnion, load_plugins
+from scaffold_jax.registry import (
+    PLUGIN_HINT,
+    ConfigError,
+    Registry,
+    RegistryUnion,
+    factory_kwargs,
+    load_plugins,
+)
 from scaffold_jax.types import (
     STATE_POLICIES,
     STEP_SIZES,
@@ -69,23 +76,39 @@ def declared_hparams() -> dict[str, HParam]:
     return out
 
 
-def declared_options() -> dict[str, Any]:
-    """Every factory option (``{config key: Option}``) a registered algorithm declares."""
+#: Every dataset a config may name: the pooled ones (split over clients by a partitioner)
+#: and the naturally federated ones (their clients come with the data).
+DATASETS = RegistryUnion("dataset", sources.DATASETS, natural.NATURAL_DATASETS, synthetic.FAMILIES)
+
+#: The registries whose entries declare options, by the config key that names the entry.
+OPTION_OWNERS: dict[str, Registry] = {
+    "algorithm": ALGORITHMS,
+    "model": MODELS,
+    "partition": PARTITIONERS,
+    "dataset": DATASETS,
+    "sampler": sampling.SAMPLERS,
+}
+
+
+def declared_options(kinds: Sequence[str] = tuple(OPTION_OWNERS)) -> dict[str, Any]:
+    """Every option (``{config key: Option}``) a registered entry of ``kinds`` declares
+    (the first declaration of a name wins), read at each call: plugins may add some."""
     out: dict[str, Any] = {}
-    for _, spec in ALGORITHMS.items():
-        for name, option in spec.options.items():
-            out.setdefault(name, option)
+    for kind in kinds:
+        for _, entry in OPTION_OWNERS[kind].items():
+            for name, option in entry.options.items():
+                out.setdefault(name, option)
     return out
 
 
-#: Every dataset a config may name: the pooled ones (split over clients by a partitioner)
-#: and the naturally federated ones (their clients come with the data).
-DATASETS = RegistryUnion("dataset", sources.DATASETS, natural.NATURAL_DATASETS)
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names every bad field, its value and the
-    allowed range."""
+def option_owners(name: str) -> list[str]:
+    """The entries that declare the option ``name``, e.g. ``["model 'mlp'"]``."""
+    return [
+        f"{kind} {entry!r}"
+        for kind, registry in OPTION_OWNERS.items()
+        for entry, spec in registry.items()
+        if name in spec.options
+    ]
 
 
 # =====================================================================================
@@ -116,13 +139,16 @@ class RunConfig:
     batches of 0.2 of the client's data, 1 epoch; SGD: one full-batch step), S from
     ``client_fraction`` (default 0.2, the paper's 20%).
 
-    Algorithms declare their own hyper-parameters and factory options (see
-    :mod:`scaffold_jax.algorithms`); a config holds them in the tables ``hparams`` and
-    ``options``, or as top-level keys of the same names (``prox_mu = 0.5``,
-    ``scaffold_option = "I"``), which :meth:`from_dict` moves into those tables. A value for
-    a name the chosen algorithm does not declare is an error, unless it is the default of
-    the algorithm that does (a ``config.json`` of an earlier version holds every such
-    field).
+    Algorithms declare their own hyper-parameters, and every registered algorithm, model,
+    partitioner and dataset declares its own options (:class:`~scaffold_jax.registry.Option`:
+    name, kind, default, help, range); no field here names one of them. A config holds
+    them in the tables ``hparams`` and ``options``, or as top-level keys of the same names
+    (``prox_mu = 0.5``, ``similarity = 50``, ``hidden_sizes = [32]``), which the
+    constructor moves into those tables (``RunConfig(similarity=50).options``), and reads
+    them back as attributes (``config.similarity``: the given value, None when unset). A
+    value for an option the chosen entries do not declare is an error, unless it is the
+    default of the entry that does (a ``config.json`` of an earlier version holds every
+    such field).
 
     A config file (TOML or JSON) holds these fields as top-level keys; an unknown key is
     an error, so a typo never silently falls back to a default. The ``config.json`` a run
@@ -139,13 +165,17 @@ class RunConfig:
         {}, "the algorithm's other declared hyper-parameters, e.g. {prox_mu = 1.0}", "table"
     )
     options: dict[str, Any] = _opt(
-        {}, "the algorithm's factory options, e.g. {scaffold_option = 'I'}", "table"
+        {},
+        "the options the chosen algorithm, model, partitioner and dataset declare, e.g. "
+        "{scaffold_option = 'I', hidden_sizes = [32]}",
+        "table",
     )
     weighting: str = _opt("uniform", "server aggregation weights", "str", WEIGHTINGS)
     dataset: str = _opt(
         "fashion_mnist",
-        "dataset: an image dataset split over clients by the partition, or a naturally "
-        "federated one (shakespeare, femnist) that brings its clients",
+        "dataset: a pooled one split over clients by the partition, a naturally "
+        "federated one (shakespeare, femnist) that brings its clients, or a synthetic "
+        "family generated for N clients (quadratic, synthetic, procedural_synthetic)",
         "str",
         DATASETS,
     )
@@ -154,9 +184,6 @@ class RunConfig:
         "where the dataset is: a folder of IDX files; Shakespeare: Gutenberg's raw_data.txt "
         "(default: the `shakespeare` package's texts); FEMNIST: LEAF JSON or TFF HDF5 files",
         "str",
-    )
-    min_client_examples: int | None = _opt(
-        None, "natural datasets: drop clients with fewer training examples", "int"
     )
     client_holdout: float | None = _opt(
         None,
@@ -172,35 +199,19 @@ class RunConfig:
         None, "use a random subset of this many test examples", "int"
     )
     partition: str | None = _opt(None, "how examples are split over clients", "str", PARTITIONERS)
-    similarity: float | None = _opt(
-        None, "similarity split: percent of i.i.d. data per client, 0..100", "float"
-    )
-    dirichlet_alpha: float | None = _opt(None, "Dirichlet label-skew concentration", "float")
-    shards_per_client: int | None = _opt(None, "label shards per client", "int")
     model: str = _opt("logreg", "model", "str", MODELS)
-    hidden_sizes: list[int] = _opt([256, 256], "MLP hidden layer widths", "ints")
-    resnet_width: int = _opt(64, "ResNet-18: channels of the first stage (even)", "int")
-    resnet_norm: str = _opt(
-        "group",
-        "ResNet-18: GroupNorm, or BatchNorm with running statistics (see --state-policy)",
-        "str",
-        models.RESNET_NORMS,
-    )
-    state_policy: str = _opt(
-        "average",
-        "a model's running statistics (BatchNorm's): averaged over the sampled clients like "
-        "the params, or kept by each client as its own (FedBN's statistics)",
-        "str",
-        STATE_POLICIES,
-    )
-    lstm_hidden: int = _opt(256, "char LSTM: units of each LSTM layer", "int")
-    embed_dim: int = _opt(8, "char LSTM: width of the character embedding", "int")
     num_clients: int = _opt(
         100,
         "number of clients N (a natural dataset: N of its clients, drawn with the partition seed)",
         "int",
     )
     clients_per_round: int | None = _opt(None, "clients sampled per round S", "int")
+    sampler: str = _opt(
+        sampling.DEFAULT_SAMPLER,
+        "which S clients take part in a round",
+        "str",
+        sampling.SAMPLERS,
+    )
     client_fraction: float | None = _opt(
         None, "fraction of clients sampled per round (default 0.2)", "float"
     )
@@ -236,6 +247,25 @@ class RunConfig:
     out: str | None = _opt(None, "output folder (default results/<algorithm>-<dataset>)", "str")
 
     # ------------------------------------------------------------------ construction
+    def __init__(self, **values: Any):
+        values = _route(values, "RunConfig")
+        for field in dataclasses.fields(self):
+            if field.name in values:
+                value = values[field.name]
+            elif field.default_factory is not dataclasses.MISSING:
+                value = field.default_factory()
+            else:
+                value = field.default
+            setattr(self, field.name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # A declared option reads as an attribute: its given value, None when unset.
+        options = self.__dict__.get("options")
+        if not name.startswith("_") and isinstance(options, Mapping):
+            if name in declared_options():
+                return options.get(name)
+        raise AttributeError(f"RunConfig has no field or declared option {name!r}")
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
@@ -247,41 +277,62 @@ class RunConfig:
         Raises:
           ConfigError: unknown keys.
         """
-        values = dict(values)
-        if "plugins" in values and isinstance(values["plugins"], (list, tuple)):
-            _load_plugins(values["plugins"])  # they may declare the names used below
-        tables = {}
-        for table in _TABLES:
-            given = values.pop(table, None)
-            if given is not None and not isinstance(given, Mapping):
-                raise ConfigError(
-                    f"{table} = {given!r} is invalid: it must be a table of names and values."
-                )
-            tables[table] = dict(given or {})
-        hparams, options = tables["hparams"], tables["options"]
-        for name in declared_hparams():
-            if name in values:
-                hparams[name] = values.pop(name)
-        for name in declared_options():
-            if name in values:
-                options[name] = values.pop(name)
-        values["hparams"], values["options"] = hparams, options
-        known = cls.field_names()
-        unknown = [k for k in values if k not in known]
-        if unknown:
-            lines = []
-            for key in unknown:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                lines.append(f"unknown {where} key {key!r}{hint}")
-            raise ConfigError("; ".join(lines) + f". Known keys: {', '.join(known)}.")
-        return cls(**dict(values))
+        return cls(**_route(values, where))
 
     def replace(self, **changes: Any) -> RunConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (fields, or declared hyper-parameters and options by
+        name; an option set to None is unset)."""
+        return RunConfig(**{**self.to_dict(), **changes})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def chosen(self) -> list[tuple[str, str, Mapping[str, Any]]]:
+        """``(kind, name, declared options)`` of the entries this config chooses: its
+        algorithm, model, dataset and (for a pooled dataset) partitioner; unknown names
+        are left out (validation names them)."""
+        out = []
+        named = [("algorithm", self.algorithm), ("sampler", self.sampler)]
+        if not self.brings_problem:
+            named.append(("model", self.model))
+        for kind, name in named:
+            if isinstance(name, str) and name in OPTION_OWNERS[kind]:
+                out.append((kind, name, OPTION_OWNERS[kind][name].options))
+        dataset = self.canonical_dataset()
+        if dataset is not None:
+            out.append(("dataset", dataset, DATASETS[dataset].options))
+            if assembly.kind_of(dataset) == "pooled":
+                kind = self.resolved_partition_kind()
+                if kind in PARTITIONERS:
+                    out.append(("partition", kind, PARTITIONERS[kind].options))
+        return out
+
+    def chose(self, kind: str) -> bool:
+        """Whether this config chooses an entry of ``kind`` (no partitioner for natural or
+        synthetic data, no model for a family that brings its own problem)."""
+        return any(what == kind for what, _, _ in self.chosen())
+
+    def canonical_dataset(self) -> str | None:
+        """The registered name of :attr:`dataset` (aliases resolved), None if unknown."""
+        if not isinstance(self.dataset, str):
+            return None
+        if self.dataset in DATASETS:
+            return self.dataset
+        try:
+            return sources.canonical_name(self.dataset)
+        except ValueError:
+            return None
+
+    def resolved(self, kind: str) -> dict[str, Any]:
+        """The options of the chosen entry of ``kind`` (``"model"``, ``"partition"``...):
+        every one it declares, given or at its default; ``{}`` if it chooses none."""
+        for what, _, declared in self.chosen():
+            if what == kind:
+                return {
+                    name: _parsed(opt, self.options.get(name, opt.default))
+                    for name, opt in declared.items()
+                }
+        return {}
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> RunConfig:
@@ -299,28 +350,21 @@ class RunConfig:
             except ConfigError as err:
                 errors.append(str(err))
         if check.registered("algorithm", self.algorithm, ALGORITHMS):
-            self._validate_algorithm(check, errors)
+            self._validate_hparams(check, errors)
+        self._validate_options(errors)
         for name, value in (("client_lr", self.client_lr), ("server_lr", self.server_lr)):
             check.number(name, value, low=0.0, strict=True, what="finite and > 0", float32=True)
         check.choice("weighting", self.weighting, WEIGHTINGS)
         if check.type("dataset", self.dataset, str, "a dataset name"):
             if self.is_natural:
                 self._validate_natural(errors)
-            else:
-                try:
-                    sources.canonical_name(self.dataset)
-                except ValueError:
-                    errors.append(
-                        f"dataset = {self.dataset!r} is invalid: it must be one of "
-                        f"{', '.join(DATASETS)}; {PLUGIN_HINT}."
-                    )
-                if self.min_client_examples is not None:
-                    errors.append(
-                        f"min_client_examples = {self.min_client_examples!r} applies to "
-                        "naturally federated datasets only "
-                        f"({', '.join(natural.NATURAL_DATASETS)}); remove it."
-                    )
-        check.integer("min_client_examples", self.min_client_examples, low=1, optional=True)
+            elif self.is_synthetic:
+                self._validate_synthetic(errors)
+            elif self.canonical_dataset() is None:
+                errors.append(
+                    f"dataset = {self.dataset!r} is invalid: it must be one of "
+                    f"{', '.join(DATASETS)}; {PLUGIN_HINT}."
+                )
         check.number(
             "client_holdout", self.client_holdout, low=0.0, high=1.0, strict=True,
             optional=True, what="a fraction in (0, 1)",
@@ -330,30 +374,20 @@ class RunConfig:
                 f"client_holdout = {self.client_holdout!r} cannot be set with dataset = "
                 f"{self.dataset!r}: its clients have their own test splits."
             )
-        for name in ("resnet_width", "lstm_hidden", "embed_dim"):
-            check.integer(name, getattr(self, name), low=1)
-        check.choice("resnet_norm", self.resnet_norm, models.RESNET_NORMS)
-        if check.choice("state_policy", self.state_policy, STATE_POLICIES):
-            if self.state_policy != "average" and not self._keeps_statistics():
-                errors.append(
-                    f"state_policy = {self.state_policy!r} applies to a model with running "
-                    "statistics (resnet18 with resnet_norm = 'batch', or a plugin model "
-                    f"that takes state_policy); model = {self.model!r} keeps none."
-                )
+        policy = self.options.get("state_policy") if isinstance(self.options, Mapping) else None
+        if policy in STATE_POLICIES and policy != "average" and not self._keeps_statistics():
+            errors.append(
+                f"state_policy = {policy!r} applies to a model with running statistics "
+                "(resnet18 with resnet_norm = 'batch', or a plugin model that takes "
+                f"state_policy); model = {self.model!r} keeps none."
+            )
         check.type("data_dir", self.data_dir, str, "a folder path", optional=True)
         check.type("download", self.download, bool, "true or false")
         check.integer("max_train_examples", self.max_train_examples, low=1, optional=True)
         check.integer("max_test_examples", self.max_test_examples, low=1, optional=True)
         self._validate_partition(check, errors)
         check.registered("model", self.model, MODELS)
-        if check.type("hidden_sizes", self.hidden_sizes, (list, tuple), "a list of integers"):
-            if not self.hidden_sizes or any(
-                isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in self.hidden_sizes
-            ):
-                errors.append(
-                    f"hidden_sizes = {list(self.hidden_sizes)!r} is invalid: it must be a "
-                    "non-empty list of integers >= 1."
-                )
+        check.registered("sampler", self.sampler, sampling.SAMPLERS)
         if check.integer("num_clients", self.num_clients, low=1):
             if check.integer(
                 "clients_per_round",
@@ -415,7 +449,36 @@ class RunConfig:
     @property
     def is_natural(self) -> bool:
         """Whether :attr:`dataset` is naturally federated (its clients come with it)."""
-        return isinstance(self.dataset, str) and self.dataset in natural.NATURAL_DATASETS
+        return assembly.kind_of(self.dataset) == "natural"
+
+    @property
+    def is_synthetic(self) -> bool:
+        """Whether :attr:`dataset` is a synthetic family (generated for N clients)."""
+        return assembly.kind_of(self.dataset) == "synthetic"
+
+    @property
+    def brings_problem(self) -> bool:
+        """Whether the dataset brings its own problem (the quadratics: no model)."""
+        return self.is_synthetic and synthetic.FAMILIES[self.dataset].brings_problem
+
+    def _validate_synthetic(self, errors: list[str]) -> None:
+        """A synthetic family is generated for N clients: nothing to read, split or subset."""
+        given = [
+            f for f in ("partition", "data_dir", "max_train_examples", "max_test_examples",
+                        "client_holdout", *_partition_fields())
+            if getattr(self, f) is not None
+        ]  # fmt: skip
+        if given:
+            errors.append(
+                f"{', '.join(dict.fromkeys(given))} cannot be set with dataset = "
+                f"{self.dataset!r}: it is generated for num_clients clients from the data seed "
+                "(its own options set it); remove them."
+            )
+        if self.brings_problem and self.model != RunConfig.__dataclass_fields__["model"].default:
+            errors.append(
+                f"model = {self.model!r} cannot be set with dataset = {self.dataset!r}: it "
+                "brings its own loss (no model); remove it."
+            )
 
     def _validate_natural(self, errors: list[str]) -> None:
         """A natural dataset brings its clients: no partition, no example subset."""
@@ -425,6 +488,7 @@ class RunConfig:
                 f"dataset = {self.dataset!r} needs data_dir (--data-dir): {spec.description}."
             )
         given = [f for f in ("partition", *_partition_fields()) if getattr(self, f) is not None]
+        given = list(dict.fromkeys(given))
         if given:
             errors.append(
                 f"{', '.join(given)} cannot be set with dataset = {self.dataset!r}: its clients "
@@ -437,62 +501,99 @@ class RunConfig:
                 "num_clients or min_client_examples instead."
             )
 
-    def _validate_algorithm(self, check: _Checker, errors: list[str]) -> None:
-        """The ``hparams`` and ``options`` tables against what the algorithm declares."""
+    def _validate_hparams(self, check: _Checker, errors: list[str]) -> None:
+        """The ``hparams`` table against what the algorithm declares."""
         spec = ALGORITHMS[self.algorithm]
-        for table, declared_here, everywhere in (
-            ("hparams", spec.hparams, declared_hparams()),
-            ("options", spec.options, declared_options()),
-        ):
-            values = getattr(self, table)
-            if not check.type(table, values, Mapping, "a table of names and values"):
-                continue
-            for name, value in values.items():
-                if name in STEP_SIZES:
-                    errors.append(
-                        f"{table}.{name} is invalid: set the step size {name} as its own field."
-                    )
-                elif name in declared_here:
-                    self._check_declared(check, name, value, declared_here[name])
-                elif name not in everywhere:
-                    errors.append(
-                        f"{table}.{name} is unknown: no registered algorithm declares it "
-                        f"({self.algorithm} takes {', '.join(declared_here) or 'none'})."
-                    )
-                elif not self._check_declared(check, name, value, everywhere[name]):
-                    pass  # out of range: said already
-                elif _parsed(everywhere[name], value) != _parsed(
-                    everywhere[name], _default(everywhere[name])
-                ):
-                    why = spec.refuses.get(name)
-                    takes = ", ".join(k for k in declared_here if k not in STEP_SIZES) or "none"
-                    errors.append(
-                        f"{name} = {value!r} does not apply to algorithm = "
-                        f"{self.algorithm!r}"
-                        + (
-                            f": {why}."
-                            if why
-                            else f", which takes {takes}; remove it or choose an algorithm "
-                            "that declares it."
-                        )
-                    )
+        declared_here, everywhere = spec.hparams, declared_hparams()
+        if not check.type("hparams", self.hparams, Mapping, "a table of names and values"):
+            return
+        for name, value in self.hparams.items():
+            if name in STEP_SIZES:
+                errors.append(
+                    f"hparams.{name} is invalid: set the step size {name} as its own field."
+                )
+            elif name in declared_here:
+                self._check_declared(check, name, value, declared_here[name])
+            elif name not in everywhere:
+                errors.append(
+                    f"hparams.{name} is unknown: no registered algorithm declares it "
+                    f"({self.algorithm} takes {', '.join(declared_here) or 'none'})."
+                )
+            elif self._check_declared(check, name, value, everywhere[name]) and (
+                value != everywhere[name].default
+            ):
+                takes = ", ".join(k for k in declared_here if k not in STEP_SIZES) or "none"
+                errors.append(
+                    f"{name} = {value!r} does not apply to algorithm = {self.algorithm!r}, "
+                    f"which takes {takes}; remove it or choose an algorithm that declares it."
+                )
+
+    def _validate_options(self, errors: list[str]) -> None:
+        """The ``options`` table against what the chosen entries declare: a chosen entry's
+        option is checked against its declaration; another entry's must hold its default
+        (an earlier ``config.json`` holds them all); a name nobody declares is unknown."""
+        if not isinstance(self.options, Mapping):
+            errors.append(
+                f"options = {self.options!r} is invalid: it must be a table of names and values."
+            )
+            return
+        chosen = {name: (kind, entry, opt) for kind, entry, table in self.chosen()
+                  for name, opt in table.items()}  # fmt: skip
+        everywhere = declared_options()
+        for name, value in self.options.items():
+            if name in STEP_SIZES or name in declared_hparams():
+                errors.append(
+                    f"options.{name} is invalid: {name} is a hyper-parameter; set it as "
+                    f"{name} = ... or in the hparams table."
+                )
+            elif name in chosen:
+                _option_error(errors, name, value, chosen[name][2])
+            elif name not in everywhere:
+                close = difflib.get_close_matches(name, list(everywhere), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                errors.append(
+                    f"options.{name} is unknown{hint}: no registered algorithm, model, "
+                    f"partitioner or dataset declares it; {PLUGIN_HINT}."
+                )
+            elif (
+                self.canonical_dataset() is not None
+                and name in _partition_fields()
+                and (assembly.kind_of(self.canonical_dataset()) != "pooled")
+            ):
+                continue  # said by _validate_natural / _validate_synthetic
+            elif _option_error(errors, name, value, everywhere[name]) and _parsed(
+                everywhere[name], value
+            ) != _parsed(everywhere[name], everywhere[name].default):
+                owner_kind, owner = option_owners(name)[0].split(" ", 1)
+                why = ALGORITHMS[self.algorithm].refuses.get(name) if (
+                    self.algorithm in ALGORITHMS
+                ) else None  # fmt: skip
+                mine = [f"{k} = {e!r}" for k, e, _ in self.chosen() if k == owner_kind]
+                owners = [
+                    o.split(" ", 1)[1] for o in option_owners(name) if o.startswith(owner_kind)
+                ]
+                fix = (
+                    f"remove it or set {owner_kind} = {owner}"
+                    if len(owners) == 1
+                    else f"it is an option of {owner_kind} {', '.join(owners)}: remove it or "
+                    "choose one of them"
+                )
+                errors.append(
+                    f"{name} = {value!r} does not apply to {', '.join(mine) or 'this config'}"
+                    + (f": {why}." if why else f"; {fix}.")
+                )
 
     @staticmethod
     def _check_declared(check: _Checker, name: str, value: Any, declared: Any) -> bool:
-        """Checks ``value`` against its declaration; False (with a message) when bad."""
-        if isinstance(declared, HParam):
-            low_ok = "finite and >= 0" if declared.allow_zero else "finite and > 0"
-            return check.number(
-                name, value, low=0.0, strict=not declared.allow_zero, what=low_ok, float32=True
-            )
-        try:
-            parsed = declared.parse(value)
-        except ValueError as err:
-            check.errors.append(f"{name} = {value!r} is invalid: {err}")
-            return False
-        if declared.choices is not None and parsed not in declared.choices:
-            return check.choice(name, value, declared.choices)
-        return True
+        """Checks a hyper-parameter's ``value`` against its declared range; False (with a
+        message) when bad."""
+        what = "finite and >= 0" if declared.allow_zero else "finite and > 0"
+        if declared.maximum is not None:
+            what += f" and <= {declared.maximum:g}"
+        return check.number(
+            name, value, low=0.0, high=declared.maximum, strict=not declared.allow_zero,
+            what=what, float32=True,
+        )  # fmt: skip
 
     def _keeps_statistics(self) -> bool:
         """Whether the model, with this config's options, keeps running statistics (its
@@ -500,38 +601,16 @@ class RunConfig:
         ``state_policy``)."""
         if self.model not in MODELS:
             return False
-        spec = MODELS[self.model]
-        return spec.statistics_with({k: getattr(self, k) for k in spec.options})
+        return MODELS[self.model].statistics_with(self.options)
 
     def _validate_partition(self, check: _Checker, errors: list[str]) -> None:
-        # The fields' own ranges; which partitioner takes which field is the registry's.
-        check.number(
-            "similarity", self.similarity, low=0.0, high=100.0, optional=True,
-            what="a percentage in [0, 100] (0 = label-sorted, 100 = i.i.d.)",
-        )  # fmt: skip
-        check.number(
-            "dirichlet_alpha", self.dirichlet_alpha, low=0.0, strict=True, optional=True,
-            what="finite and > 0",
-        )  # fmt: skip
-        check.integer("shards_per_client", self.shards_per_client, low=1, optional=True)
+        # The options' own ranges are their declarations'; here: which partitioner.
         owner = _partition_fields()
-        given = {f: getattr(self, f) for f in owner if getattr(self, f, None) is not None}
+        given = {f: v for f, v in self.options.items() if f in owner and v is not None} if (
+            isinstance(self.options, Mapping)
+        ) else {}  # fmt: skip
         if self.partition is not None:
-            if not check.registered("partition", self.partition, PARTITIONERS):
-                return
-            takes = PARTITIONERS[self.partition].params
-            for field in takes:
-                if field not in self.field_names():
-                    errors.append(
-                        f"partition = {self.partition!r} takes the field {field!r}, which "
-                        "this config does not have."
-                    )
-            for field, value in given.items():
-                if field not in takes:
-                    errors.append(
-                        f"{field} = {value!r} does not apply to partition = "
-                        f"{self.partition!r}; remove it or set partition = {owner[field]!r}."
-                    )
+            check.registered("partition", self.partition, PARTITIONERS)
         elif len({owner[f] for f in given}) > 1:
             fields = ", ".join(f"{f} = {v!r}" for f, v in given.items())
             errors.append(f"{fields} are conflicting partition settings: give one of them.")
@@ -587,26 +666,20 @@ class RunConfig:
             )
 
     # ------------------------------------------------------------------ resolution
-    def resolved_partition(self) -> tuple[str, dict[str, Any]]:
-        """``(partitioner name, its split keywords)`` after defaults.
+    def resolved_partition_kind(self) -> str:
+        """The partitioner: ``partition``, else the one that declares an option that is
+        set, else :data:`~scaffold_jax.data.partition.DEFAULT_PARTITIONER`."""
+        if self.partition is not None:
+            return self.partition
+        owner = _partition_fields()
+        options = self.options if isinstance(self.options, Mapping) else {}
+        return next((owner[f] for f in options if f in owner), DEFAULT_PARTITIONER)
 
-        The partitioner is ``partition``, else the one that takes the field that is set,
-        else :data:`~scaffold_jax.data.partition.DEFAULT_PARTITIONER`; each of its
-        parameters comes from its config field, or its declared default when the field is
-        unset.
-        """
-        kind = self.partition
-        if kind is None:
-            owner = _partition_fields()
-            kind = next(
-                (owner[f] for f in owner if getattr(self, f, None) is not None),
-                DEFAULT_PARTITIONER,
-            )
-        params = PARTITIONERS[kind].params
-        return kind, {
-            keyword: default if getattr(self, field) is None else getattr(self, field)
-            for field, (keyword, default) in params.items()
-        }
+    def resolved_partition(self) -> tuple[str, dict[str, Any]]:
+        """``(partitioner name, its split keywords)`` after defaults: each option it
+        declares from the config, or its declared default when unset."""
+        kind = self.resolved_partition_kind()
+        return kind, factory_kwargs(PARTITIONERS[kind].options, self.resolved("partition"))
 
     def resolved_plan(self) -> BatchPlan:
         """The :class:`BatchPlan` after defaults (see the class docstring)."""
@@ -663,11 +736,7 @@ class RunConfig:
     def resolved_options(self) -> dict[str, Any]:
         """The algorithm's factory options (``{config key: value}``, parsed, defaults
         filled in; names it does not declare left out)."""
-        spec = ALGORITHMS[self.algorithm]
-        return {
-            name: option.parse(self.options.get(name, option.default))
-            for name, option in spec.options.items()
-        }
+        return self.resolved("algorithm")
 
 
 def config_reference() -> str:
@@ -741,31 +810,97 @@ def config_reference() -> str:
         "",
         "## Declared options",
         "",
-        "Factory options an algorithm declares (they choose its variant, not a number to",
-        "sweep); in the `options` table, at the top level or as a flag.",
+        "Options the registered algorithms, models, partitioners and datasets declare (a",
+        "variant, a width, a concentration...); in the `options` table, at the top level",
+        "(`hidden_sizes = [32]`) or as a flag (`--hidden-sizes 32`). A numeric option of a",
+        "model, partitioner or dataset is an axis of `scaffold-jax sweep --grid`. A value",
+        "for an option the chosen entries do not declare is an error, unless it is that",
+        "option's default. A plugin's entries declare theirs the same way.",
         "",
-        "| key | flag | default | declared by | meaning |",
-        "|---|---|---|---|---|",
+        "| key | flag | type | default | declared by | meaning |",
+        "|---|---|---|---|---|---|",
     ]
     for name, option in declared_options().items():
         meaning = option.help
         if option.choices:
             meaning += ". One of: " + ", ".join(f"`{c}`" for c in option.choices)
+        elif getattr(option, "low", None) is not None or getattr(option, "high", None) is not None:
+            meaning += f" ({option.describe()})"
+        kind = getattr(option, "kind", "str")
+        owners = ", ".join(f"`{o.split(' ', 1)[1][1:-1]}`" for o in option_owners(name))
+        owner_kinds = sorted({o.split(" ", 1)[0] for o in option_owners(name)})
         lines.append(
-            f"| `{name}` | `--{name.replace('_', '-')}` | {cell(option.default)} | "
-            f"{owners('options', name)} | {text(meaning)} |"
+            f"| `{name}` | `--{name.replace('_', '-')}` | {kind} | {cell(option.default)} | "
+            f"{' / '.join(owner_kinds)} {owners} | {text(meaning)} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def _partition_fields() -> dict[str, str]:
-    """Config field -> the first registered partitioner that takes it (read at each call:
+    """Option -> the first registered partitioner that declares it (read at each call:
     a plugin may have registered partitioners since import)."""
     owner: dict[str, str] = {}
     for name, spec in PARTITIONERS.items():
-        for field in spec.params:
+        for field in spec.options:
             owner.setdefault(field, name)
     return owner
+
+
+def _route(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with every declared hyper-parameter and option given by name moved into
+    the ``hparams`` / ``options`` tables (an option given as None is unset); plugins
+    named in ``values`` are imported first (they may declare those names).
+
+    Raises:
+      ConfigError: a table that is not a table, or a key that is neither a field nor a
+        declared name (with the closest known one).
+    """
+    values = dict(values)
+    if "plugins" in values and isinstance(values["plugins"], (list, tuple)):
+        _load_plugins(values["plugins"])
+    tables = {}
+    for table in _TABLES:
+        given = values.pop(table, None)
+        if given is not None and not isinstance(given, Mapping):
+            raise ConfigError(
+                f"{table} = {given!r} is invalid: it must be a table of names and values."
+            )
+        tables[table] = dict(given or {})
+    hparams, options = tables["hparams"], tables["options"]
+    for name in declared_hparams():
+        if name in values:
+            hparams[name] = values.pop(name)
+    for name in declared_options():
+        if name in values:
+            value = values.pop(name)
+            if value is None:
+                options.pop(name, None)
+            else:
+                options[name] = value
+    values["hparams"], values["options"] = hparams, options
+    known = RunConfig.field_names()
+    unknown = [k for k in values if k not in known]
+    if unknown:
+        names = [*known, *declared_hparams(), *declared_options()]
+        lines = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"unknown {where} key {key!r}{hint}")
+        raise ConfigError(
+            "; ".join(lines) + f". Known keys: {', '.join(known)}, and the hyper-parameters "
+            "and options the registered algorithms, models, partitioners and datasets "
+            "declare (docs/config.md)."
+        )
+    return values
+
+
+def _option_error(errors: list[str], name: str, value: Any, declared: Any) -> bool:
+    """Appends why ``value`` is invalid for ``declared``; True when it is valid."""
+    error = declared.error(name, value)
+    if error is not None:
+        errors.append(error)
+    return error is None
 
 
 def _is_number(value: Any) -> bool:
@@ -933,91 +1068,47 @@ class Built(NamedTuple):
     info: dict[str, Any]
 
 
-def subset_dataset(
-    dataset: sources.Dataset,
-    max_train_examples: int | None = None,
-    max_test_examples: int | None = None,
-    seed: int = 0,
-) -> sources.Dataset:
-    """A random subset of a dataset's splits (``numpy.random.default_rng(seed)``), kept in
-    the original order; ``None`` keeps a split whole."""
-    rng = np.random.default_rng(seed)
-
-    def subset(split: dict, limit: int | None) -> dict:
-        n = len(split["y"])
-        if limit is None or limit >= n:
-            return split
-        keep = np.sort(rng.choice(n, size=int(limit), replace=False))
-        return {k: np.asarray(v)[keep] for k, v in split.items()}
-
-    return dataset._replace(
-        train=subset(dataset.train, max_train_examples),
-        test=subset(dataset.test, max_test_examples),
-    )
-
-
 def make_problem(
     model: str,
-    dataset: sources.Dataset,
+    example_shape: Sequence[int] | sources.Dataset,
+    num_classes: int | None = None,
     options: Mapping[str, Any] | None = None,
     seed: int = 0,
 ) -> Problem:
-    """The model registered as ``model`` (:data:`scaffold_jax.models.MODELS`), sized for
-    ``dataset``, as a :class:`Problem`.
+    """The model registered as ``model`` (:data:`scaffold_jax.models.MODELS`) for examples of
+    ``example_shape`` and ``num_classes`` classes (or sized for a pooled dataset given in
+    their place), as a :class:`Problem`.
 
     Args:
       model: a registered model name.
-      dataset: gives the example shape and the number of classes.
-      options: config fields by name, e.g. ``config.to_dict()``; the model takes those it
-        declares (the MLP: ``hidden_sizes``).
+      example_shape: the shape of one example's input, or a dataset to read it from
+        (with its number of classes).
+      num_classes: C (read from the dataset when one is given).
+      options: option values by name; the model takes those it declares (the MLP:
+        ``hidden_sizes``).
       seed: its initial params come from ``jax.random.key(seed)`` (logistic regression
         starts at zero whatever the seed).
     """
-    shape = tuple(np.shape(dataset.train["x"])[1:])
-    return models.build(model, shape, dataset.num_classes, key=jr.key(seed), options=options)
+    if isinstance(example_shape, sources.Dataset):
+        dataset = example_shape
+        example_shape, num_classes = np.shape(dataset.train["x"])[1:], dataset.num_classes
+    return models.build(model, tuple(example_shape), num_classes, key=jr.key(seed),
+                        options=options)  # fmt: skip
 
 
-def load_dataset(config: RunConfig) -> sources.Dataset | natural.ClientDataset:
-    """The dataset ``config`` names, as read: before any subset or split (a natural
-    dataset: all its clients with at least ``min_client_examples`` examples). Handing it to
-    :func:`build` as ``dataset`` skips reading it again, e.g. for every setting of a sweep.
+def load_dataset(config: RunConfig) -> sources.Dataset | natural.ClientDataset | None:
+    """The pooled or natural dataset ``config`` names, as read: before any subset or split
+    (a natural dataset: all its clients, after its options). Handing it to :func:`build`
+    as ``dataset`` skips reading it again, e.g. for every setting of a sweep. None for a
+    synthetic family (generated by :func:`build`).
 
     Raises:
       FileNotFoundError: the dataset is nowhere to be found.
     """
-    if config.is_natural:
-        params = {}
-        if config.min_client_examples is not None:
-            params["min_examples"] = config.min_client_examples
-        return natural.load(config.dataset, config.data_dir, **params)
-    return sources.load(config.dataset, config.data_dir, allow_download=config.download)
-
-
-def natural_clients(config: RunConfig, clients: natural.ClientDataset | None = None):
-    """``(pooled dataset, partition, client tests, "natural", {...})`` of a naturally
-    federated dataset: ``num_clients`` of its clients, drawn with the partition seed (all of them
-    when it has exactly that many), each with its own test examples (the client tests),
-    which pooled are the test set (``max_test_examples`` subsets that pool only).
-
-    Raises:
-      ConfigError: ``num_clients`` above the number of clients the data has.
-    """
-    if clients is None:
-        clients = load_dataset(config)
-    available = clients.num_clients
-    if config.num_clients > available:
-        raise ConfigError(
-            f"num_clients = {config.num_clients} is invalid: {config.dataset} has "
-            f"{available} clients (with min_client_examples = {config.min_client_examples}); "
-            f"it must be at most {available}."
-        )
-    seed = config.resolved_partition_seed()
-    if config.num_clients < available:
-        rng = np.random.default_rng(seed)
-        clients = clients.select(np.sort(rng.choice(available, config.num_clients, replace=False)))
-    dataset = subset_dataset(natural.as_dataset(clients), None, config.max_test_examples, seed)
-    args = {"clients_available": available, "min_client_examples": config.min_client_examples}
-    return dataset, natural.client_indices(clients), clients.client_tests(), "natural", args
+    if config.is_synthetic:
+        return None
+    return assembly.load(config.dataset, config.data_dir, config.resolved("dataset"),
+                         config.download)  # fmt: skip
 
 
 def build(
@@ -1036,29 +1127,27 @@ def build(
         looked and how to get it).
     """
     config.validate()
-    client_tests = None
-    if config.is_natural:
-        dataset, parts, client_tests, kind, args = natural_clients(config, dataset)
-    else:
-        if dataset is None:
-            dataset = load_dataset(config)
-        seed = config.resolved_partition_seed()
-        dataset = subset_dataset(dataset, config.max_train_examples, config.max_test_examples, seed)
-        kind, args = config.resolved_partition()
-        if config.num_clients > len(dataset.train["y"]):
-            raise ConfigError(
-                f"num_clients = {config.num_clients} is invalid: the training set has only "
-                f"{len(dataset.train['y'])} examples; it must be at most that."
-            )
-        split = PARTITIONERS[kind].split
-        parts = split(dataset.train["y"], config.num_clients, seed=seed, **args)
-        if config.client_holdout is not None:
-            parts, held = partition.hold_out(parts, config.client_holdout, seed)
-            client_tests = [{k: np.asarray(v)[ix] for k, v in dataset.train.items()} for ix in held]
-    data = from_partition(dataset.train, parts, test=dataset.test)
-    if client_tests is not None:
-        data = with_client_tests(data, client_tests)
-    problem = make_problem(config.model, dataset, config.to_dict(), config.seed)
+    options = {**config.resolved("dataset"), **config.resolved("partition")}
+    assembled = assembly.assemble(
+        config.canonical_dataset(),
+        num_clients=config.num_clients,
+        seed=config.resolved_partition_seed(),
+        options=options,
+        partitioner=config.resolved_partition_kind() if config.chose("partition") else None,
+        data_dir=config.data_dir,
+        download=config.download,
+        max_train_examples=config.max_train_examples,
+        max_test_examples=config.max_test_examples,
+        client_holdout=config.client_holdout,
+        loaded=dataset,
+    )
+    data = assembled.data
+    problem = assembled.problem
+    if problem is None:
+        problem = make_problem(
+            config.model, assembled.example_shape, assembled.num_classes,
+            config.resolved("model"), config.seed,
+        )  # fmt: skip
     algorithm = ALGORITHMS[config.algorithm].build(problem.loss_fn, **config.resolved_options())
     plan = config.resolved_plan()
     clients_per_round = config.resolved_clients_per_round()
@@ -1069,28 +1158,18 @@ def build(
         clients_per_round,
         config.weighting,
         train_eval_examples=config.train_eval_examples or None,
+        sampler=sampling.make(config.sampler, config.resolved("sampler")),
     )
     num_steps, batch_width = plan.shape(data.max_count)
     info = {
-        "dataset": dataset.name,
-        "dataset_source": dataset.source,
-        "num_train_examples": int(data.num_examples),
-        "num_test_examples": int(len(dataset.test["y"])),
-        "num_classes": int(dataset.num_classes),
-        "partition": {"kind": kind, **args},
-        "labels_per_client_median": float(
-            np.median(
-                partition.summary(dataset.train["y"], parts, dataset.num_classes).labels_per_client
-            )
-        ),
-        "num_clients": int(data.num_clients),
+        **assembled.info,
         "clients_per_round": clients_per_round,
         "batch_plan": dataclasses.asdict(plan),
         "max_local_steps": int(num_steps),
         "max_batch_size": int(batch_width),
     }
     hparams = config.resolved_hparams()
-    return Built(dataset, data, problem, algorithm, plan, simulation, hparams, info)
+    return Built(assembled.dataset, data, problem, algorithm, plan, simulation, hparams, info)
 
 
 # =====================================================================================
@@ -1102,10 +1181,16 @@ RESUMABLE_CHANGES = ("rounds", "eval_every", "targets", "out", "plugins", "train
 
 
 def data_fingerprint(data: FederatedData) -> str:
-    """SHA-256 of a materialised dataset's arrays (examples, counts, test set): two runs
-    on the same fingerprint trained on the same data, client for client."""
+    """SHA-256 of a dataset's arrays (a materialised one's examples, counts and test set; a
+    procedural one's keys, constants and counts): two runs on the same fingerprint trained
+    on the same data, client for client."""
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves((data.examples, data.counts, data.test)):
+    leaves = jax.tree.leaves(
+        (data.examples, data.counts, data.test) if hasattr(data, "examples") else data
+    )
+    for leaf in leaves:
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
         array = np.ascontiguousarray(np.asarray(leaf))
         digest.update(f"{array.dtype}{array.shape}".encode())
         digest.update(array.reshape(-1).view(np.uint8).data)
@@ -1116,7 +1201,6 @@ def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
     """What, beyond the engine's own identity (:func:`scaffold_jax.loop.run_identity`),
     fixes a command-line run's result: the data (name, source, folder, subset sizes,
     partition and a fingerprint of the arrays), the model and the algorithm's options."""
-    model_options = {k: getattr(config, k) for k in models.MODELS[config.model].options}
     return {
         "dataset": built.info["dataset"],
         # A dataset read back from its cache names the cache file: the origin counts.
@@ -1127,7 +1211,7 @@ def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
         "partition": built.info["partition"],
         "data_fingerprint": data_fingerprint(built.data),
         "model": config.model,
-        "model_options": model_options,
+        "model_options": config.resolved("model"),
         "algorithm_options": config.resolved_options(),
     }
 
@@ -1144,13 +1228,27 @@ def _has_checkpoint(directory: Path) -> bool:
     return checkpoint.latest_round(directory) is not None
 
 
+def canonical(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved or current config (plus a sweep's own keys) in the form two equal runs
+    share: every field, and the options of the chosen entries with their defaults filled
+    in (an explicit default equals an omitted one; a ``config.json`` of an earlier version,
+    which held other entries' options at their defaults as fields, equals today's)."""
+    values = json.loads(json.dumps(dict(values), default=str))  # tuples as lists, as saved
+    declared = {*RunConfig.field_names(), *declared_hparams(), *declared_options()}
+    known = {k: v for k, v in values.items() if k in declared}
+    rest = {k: v for k, v in values.items() if k not in declared}
+    config = RunConfig(**known)
+    out = config.to_dict()
+    del out["options"]  # each chosen entry's option is a key of its own, to name it in diffs
+    for kind, _, _ in config.chosen():
+        out.update(config.resolved(kind))
+    return json.loads(json.dumps({**out, **rest}, default=str))
+
+
 def check_resumable(folder: Path, config: dict[str, Any]) -> None:
     """Refuses ``--resume`` of a folder that holds a run of another configuration."""
-    saved = json.loads((folder / results.CONFIG_FILE).read_text())
-    config = json.loads(json.dumps(config, default=str))  # tuples as lists, as saved
-    # A setting the run's version did not have yet ran at its default.
-    defaults = json.loads(json.dumps(dataclasses.asdict(RunConfig()), default=str))
-    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
+    saved = canonical(json.loads((folder / results.CONFIG_FILE).read_text()))
+    config = canonical(config)
     diffs = [
         f"{k}: {saved.get(k)!r} in the run, {v!r} now"
         for k, v in config.items()
@@ -1337,9 +1435,11 @@ def run(
 def built_summary(built: Built) -> str:
     """One line on the data a run was built from (after its loading phase)."""
     info = built.info
+    examples = info.get("num_train_examples")
+    examples = "" if examples is None else f"{examples} training examples over "
     return (
-        f"{info['dataset']}: {info['num_train_examples']} training examples over "
-        f"{info['num_clients']} clients ({info['partition']['kind']} partition)"
+        f"{info['dataset']}: {examples}{info['num_clients']} clients "
+        f"({info['partition']['kind']} partition)"
     )
 
 

@@ -1,7 +1,7 @@
 """The ONE host loop: evaluation cadence, record sinks, checkpoints and resume, signals,
 divergence policy.
 
-Single runs (:func:`run`, what :meth:`Simulation.run <scaffold_jax.engine.Simulation.run>`
+Single runs (:func:`run`, what :meth:`Simulation.run`
 calls), sweeps (:mod:`scaffold_jax.sweep`) and the command line all run their compiled
 programs through :func:`drive`. What differs between them is a :class:`Task`: the compiled
 block of rounds, the evaluation that turns a state into records, and the divergence
@@ -45,7 +45,8 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation, check_count
+from scaffold_jax import engine
+from scaffold_jax.engine import MAX_SEED, SEED_WHY, check_count
 from scaffold_jax.types import HParams, PyTree, SimState, format_hparams
 
 Record = dict[str, Any]
@@ -481,7 +482,9 @@ def drive(
 
 
 # ----------------------------------------------------------------------------- identity
-def run_identity(simulation: Simulation, data, hparams: HParams, seed: int) -> dict[str, Any]:
+def run_identity(
+    simulation: engine.Simulation, data, hparams: HParams, seed: int
+) -> dict[str, Any]:
     """What fixes a single run's trajectory; a resumed run must agree on all of it.
 
     ``hparams`` holds exactly the algorithm's declared hyper-parameters (resolved)."""
@@ -497,41 +500,10 @@ def run_identity(simulation: Simulation, data, hparams: HParams, seed: int) -> d
     return json.loads(json.dumps(identity))  # the form it has after a JSON round trip
 
 
-def _upgrade_identity(saved: dict[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint identity written by an earlier version, in today's terms.
-
-    Identities written before hyper-parameters were declared per algorithm always held
-    ``client_lr``, ``server_lr`` and ``prox_mu``, with ``prox_mu = 0`` for every algorithm
-    that ignored it. A name the current algorithm does not declare is dropped when it held
-    that ignored 0, so such checkpoints resume; any other value stays and makes the
-    comparison fail with its name. Options added since are filled in with the value every
-    earlier run had (:data:`_ADDED_OPTIONS`).
-    """
-    saved = dict(saved)
-    hp, now = dict(saved.get("hparams") or {}), current.get("hparams") or {}
-    for name in [k for k in hp if k not in now]:
-        if name == "prox_mu" and hp[name] == 0.0:
-            del hp[name]
-    saved["hparams"] = hp
-    # Factory options added since (the server and local optimizers, warm controls) are
-    # absent from older identities; their value that reproduces the older runs is taken.
-    options, now = saved.get("algorithm_options"), current.get("algorithm_options")
-    if isinstance(options, dict) and isinstance(now, Mapping):
-        missing = {k: v for k, v in _ADDED_OPTIONS.items() if k in now and k not in options}
-        saved["algorithm_options"] = {**options, **missing}
-    return saved
-
-
-#: Factory options added after checkpoints were first written, with the value every run
-#: had before they existed.
-_ADDED_OPTIONS = {"server_optimizer": "sgd", "local_optimizer": "sgd", "warm_controls": False}
-
-
 def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], where: str) -> None:
     """Raises ValueError naming every difference between two run identities."""
     if saved is None or current is None:
         return  # written by checkpoint.save() directly: nothing to compare
-    saved = _upgrade_identity(saved, current)
 
     def show(key, value):
         if key == "hparams" and isinstance(value, dict):
@@ -555,7 +527,7 @@ def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], whe
 class _SingleRun:
     """A :class:`Task` for one run of a :class:`Simulation`: divergence policy ``raise``."""
 
-    def __init__(self, simulation: Simulation, data, hparams: HParams):
+    def __init__(self, simulation: engine.Simulation, data, hparams: HParams):
         self.simulation, self.data, self.hparams = simulation, data, hparams
 
     def compile_block(self, state, key, num_rounds):
@@ -605,7 +577,7 @@ class _SingleRun:
 
 
 def run(
-    simulation: Simulation,
+    simulation: engine.Simulation,
     data,
     hparams: HParams | Mapping[str, Any],
     num_rounds: int,
@@ -754,3 +726,20 @@ def run(
     finally:
         if checkpointer is not None:
             checkpointer.close()
+
+
+class Simulation(engine.Simulation):
+    """:class:`scaffold_jax.engine.Simulation` (the compiled programs, same arguments)
+    with :meth:`run`, the host loop: what ``scaffold_jax.Simulation`` is."""
+
+    def run(self, data, hparams: HParams | Mapping[str, Any], num_rounds: int, *args, **kwargs):
+        """Runs the simulation in the host loop: :func:`run` ``(self, data, hparams,
+        num_rounds, ...)``, with the same arguments (``eval_every``, ``seed``, ``state``,
+        ``callback``, ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``,
+        ``resume``, ...); see there for the schedule, checkpoints and resume, signals and
+        divergence.
+
+        Returns:
+          A :class:`RunResult`.
+        """
+        return run(self, data, hparams, num_rounds, *args, **kwargs)

@@ -8,7 +8,7 @@ The engine only ever sees the params pytree and the pure functions (flax's funct
 :data:`MODELS` names the models that configs and the command line can ask for
 (``logreg``, ``mlp``, ``cnn``, ``resnet18``, ``char_lstm``). A new model is a function
 returning a :class:`Problem` plus one line, ``MODELS.register("name", ModelSpec(build,
-"Display name", options))``, in any module (a plugin,
+"Display name", {"option": Option(default, help, kind)}))``, in any module (a plugin,
 :func:`scaffold_jax.registry.load_plugins`); :func:`build` makes it from a name.
 
 Examples:
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import optax
 
-from scaffold_jax.registry import Registry
+from scaffold_jax.registry import Option, Registry, factory_kwargs, resolve_options
 from scaffold_jax.types import STATE_POLICIES, Problem
 
 
@@ -807,8 +807,10 @@ class ModelSpec(NamedTuple):
         (a model that starts from fixed params, such as the zero-initialised logistic
         regression, ignores it).
       display_name: how tables and plots name the model.
-      options: the config fields the model takes (e.g. ``RunConfig.hidden_sizes``), passed
-        to ``build`` as keywords of the same names.
+      options: ``{name: Option}``, the options the model declares (the MLP's
+        ``hidden_sizes``), passed to ``build`` as keywords (:attr:`Option.argument`, else
+        the name). The config, the flags, the docs, sweeps and the run identity derive
+        from these declarations.
       keeps_statistics: ``keeps_statistics(options) -> bool``: whether the model built
         with these option values keeps running statistics (for which ``state_policy``
         means something); None: it does exactly when it takes ``state_policy``.
@@ -816,30 +818,63 @@ class ModelSpec(NamedTuple):
 
     build: Callable[..., Problem]
     display_name: str
-    options: tuple[str, ...] = ()
+    options: Mapping[str, Option] = {}
     keeps_statistics: Callable[[Mapping[str, Any]], bool] | None = None
 
     def statistics_with(self, options: Mapping[str, Any]) -> bool:
         """Whether the model built with ``options`` keeps running statistics."""
         if self.keeps_statistics is not None:
-            return self.keeps_statistics(options)
+            return self.keeps_statistics(resolve_options(self.options, options))
         return "state_policy" in self.options
 
 
 MODELS: Registry[ModelSpec] = Registry("model")
 MODELS.register("logreg", ModelSpec(logistic_regression, "logistic regression"))
-MODELS.register("mlp", ModelSpec(mlp, "MLP", ("hidden_sizes",)))
+MODELS.register(
+    "mlp",
+    ModelSpec(
+        mlp,
+        "MLP",
+        {"hidden_sizes": Option([256, 256], "MLP hidden layer widths", "ints", low=1)},
+    ),
+)
 MODELS.register("cnn", ModelSpec(cnn, "CNN"))
 MODELS.register(
     "resnet18",
     ModelSpec(
         resnet18,
         "ResNet-18",
-        ("resnet_width", "resnet_norm", "state_policy"),
+        {
+            "resnet_width": Option(
+                64, "ResNet-18: channels of the first stage (even)", "int", low=2
+            ),
+            "resnet_norm": Option(
+                "group",
+                "ResNet-18: GroupNorm, or BatchNorm with running statistics (see --state-policy)",
+                choices=RESNET_NORMS,
+            ),
+            "state_policy": Option(
+                "average",
+                "a model's running statistics (BatchNorm's): averaged over the sampled "
+                "clients like the params, or kept by each client as its own (FedBN's "
+                "statistics)",
+                choices=STATE_POLICIES,
+            ),
+        },
         keeps_statistics=lambda options: options.get("resnet_norm") == "batch",
     ),
 )
-MODELS.register("char_lstm", ModelSpec(char_lstm, "char LSTM", ("lstm_hidden", "embed_dim")))
+MODELS.register(
+    "char_lstm",
+    ModelSpec(
+        char_lstm,
+        "char LSTM",
+        {
+            "lstm_hidden": Option(256, "char LSTM: units of each LSTM layer", "int", low=1),
+            "embed_dim": Option(8, "char LSTM: width of the character embedding", "int", low=1),
+        },
+    ),
+)
 
 
 def build(
@@ -857,9 +892,9 @@ def build(
       input_shape: shape of one example, e.g. ``(28, 28)``.
       num_classes: number of classes.
       key: PRNG key of the initial params.
-      options: config fields by name (a whole config's, e.g. ``config.to_dict()``, is
-        fine): the model takes those it declares in :attr:`ModelSpec.options`; a declared
-        one that is absent keeps the model's default.
+      options: option values by name (a whole config's options table is fine): the model
+        takes those it declares in :attr:`ModelSpec.options`; a declared one that is
+        absent keeps the model's default.
 
     Raises:
       ValueError: an unknown name (the message lists the registered ones).
@@ -872,5 +907,6 @@ def build(
             f"options must map config fields to values (e.g. config.to_dict()), got "
             f"{type(options).__name__}; model {name!r} takes {list(spec.options)}."
         )
-    taken = {field: options[field] for field in spec.options if field in options}
-    return spec.build(tuple(input_shape), num_classes, key=key, **taken)
+    return spec.build(
+        tuple(input_shape), num_classes, key=key, **factory_kwargs(spec.options, options)
+    )

@@ -28,9 +28,10 @@ import jax
 from scaffold_jax import results
 from scaffold_jax.algorithms import ALGORITHMS, make
 from scaffold_jax.data import partition, sources
+from scaffold_jax.data.assembly import subset_dataset
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import from_partition
-from scaffold_jax.engine import MAX_SEED, SEED_WHY, Simulation
+from scaffold_jax.engine import MAX_SEED, SEED_WHY
 from scaffold_jax.experiments import (
     MODELS,
     ConfigError,
@@ -40,8 +41,8 @@ from scaffold_jax.experiments import (
     choose,
     make_problem,
     run_grid,
-    subset_dataset,
 )
+from scaffold_jax.loop import Simulation
 from scaffold_jax.progress import Progress
 
 
@@ -675,7 +676,9 @@ def reproduce_table(
         dataset, protocol.max_train_examples, protocol.max_test_examples, protocol.seed
     )
     target = table_target(protocol, dataset.name)
-    problem = make_problem(protocol.model, dataset, dataclasses.asdict(protocol), protocol.seed)
+    problem = make_problem(
+        protocol.model, dataset, options=dataclasses.asdict(protocol), seed=protocol.seed
+    )
     # Filled with the chosen series as the cells finish; the plots are drawn at the end.
     panels = {f"s = {s:g}%": [] for s in protocol.similarities}
     plots = tuple(

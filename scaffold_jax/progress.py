@@ -4,7 +4,7 @@ One :class:`Progress` serves every command: ``run`` (rounds), ``sweep`` (rounds 
 algorithms), ``reproduce`` (cells) and ``diagnose`` (gradient steps). Everything goes to
 stderr, so stdout stays clean for tables. On a terminal (or in a notebook) the bar is
 tqdm's, with its rate and ETA; when stderr is a file or a pipe (a batch job's log, a
-test), or tqdm cannot be imported, each update is one plain line instead, e.g.::
+test), each update is one plain line instead, e.g.::
 
     scaffold: round 20/100 (20%), 12.3 s elapsed, 2.1 round/s, ETA 38.1 s, acc=0.612
 
@@ -60,7 +60,7 @@ class Progress:
       leave: keep the finished bar on screen.
       stream: where to write (default ``sys.stderr`` at the time of each write).
       plain: force plain lines (True) or a bar (False); default: a bar on a terminal or
-        in a notebook when tqdm is installed, plain lines otherwise.
+        in a notebook, plain lines otherwise.
     """
 
     def __init__(
@@ -89,12 +89,7 @@ class Progress:
     @property
     def plain(self) -> bool:
         if self._plain is None:
-            try:
-                import tqdm  # noqa: F401
-            except ImportError:
-                self._plain = True
-            else:
-                self._plain = not _interactive(self.stream)
+            self._plain = not _interactive(self.stream)
         return self._plain
 
     # -- lines ---------------------------------------------------------------------

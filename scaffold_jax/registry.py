@@ -22,10 +22,12 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import math
 import sys
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -35,6 +37,177 @@ PLUGIN_HINT = (
 )
 
 
+class ConfigError(ValueError):
+    """An invalid configuration; the message names every bad field, its value and the
+    allowed range."""
+
+
+#: The kinds of value an :class:`Option` takes, and the Python type of one element.
+KINDS = {"int": int, "float": float, "str": str, "bool": bool, "ints": int, "floats": float}
+
+
+class Option(NamedTuple):
+    """An option a registered entry declares (a model's width, a partitioner's α, a
+    dataset's minimum client size, an algorithm's variant): the one description from which
+    the config file, ``--set``, the generated flags, ``docs/config.md``, ``sweep --grid``
+    and the run identity are derived.
+
+    Attributes:
+      default: the value used when none is given.
+      help: one line for ``--help`` and the docs.
+      kind: ``int``, ``float``, ``str``, ``bool``, ``ints`` or ``floats`` (lists).
+      choices: the allowed values, or None for any of the kind.
+      low, high: the allowed range of a number (of every element of a list); None: open.
+      strict: whether ``low`` itself is excluded (``> low`` rather than ``>= low``).
+      argument: the keyword the entry's factory takes it as (default: its name).
+      normalize: maps a given value to its canonical form before it is checked (e.g.
+        SCAFFOLD's option ``2`` to ``"II"``; raises ValueError saying why it refuses one).
+      what: what a valid value is, in words, for messages (default: from the kind and
+        range, :meth:`describe`).
+
+    Examples:
+      >>> opt = Option(0.5, "Dirichlet concentration", "float", low=0.0, strict=True)
+      >>> opt.error("alpha", -1.0)
+      'alpha = -1.0 is invalid: it must be a number > 0.'
+    """
+
+    default: Any
+    help: str = ""
+    kind: str = "str"
+    choices: tuple[Any, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    strict: bool = False
+    argument: str | None = None
+    normalize: Callable[[Any], Any] | None = None
+    what: str | None = None
+
+    @property
+    def is_switch(self) -> bool:
+        """Whether it is an on/off option (the command line gives it as a bare flag)."""
+        return self.kind == "bool"
+
+    @property
+    def is_number(self) -> bool:
+        """Whether it is one number (a sweep may take it as an axis)."""
+        return self.kind in ("int", "float") and self.choices is None
+
+    def parse(self, value: Any) -> Any:
+        """``value`` in its canonical form: normalised, a switch's text as a bool, an int
+        given for a float as a float, a tuple as a list.
+
+        Raises:
+          ValueError: ``normalize`` refuses it (the message says why).
+        """
+        if self.normalize is not None:
+            value = self.normalize(value)
+        if self.kind == "bool" and isinstance(value, (str, int)) and not isinstance(value, bool):
+            words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+            value = words.get(str(value).strip().lower(), value)
+        if self.kind == "float":
+            value = _as_float(value)
+        if self.kind == "floats" and isinstance(value, (list, tuple)):
+            value = [_as_float(v) for v in value]
+        if isinstance(value, tuple):
+            value = list(value)
+        return value
+
+    def error(self, name: str, value: Any) -> str | None:
+        """Why ``value`` is invalid for the option ``name`` (None: it is valid)."""
+        try:
+            parsed = self.parse(value)
+        except (ValueError, TypeError) as err:  # a normaliser's refusal
+            return f"{name} = {value!r} is invalid: {err}"
+        if self.choices is not None:
+            if parsed in self.choices:
+                return None
+            return (
+                f"{name} = {value!r} is invalid: it must be one of "
+                + ", ".join(repr(c) for c in self.choices)
+                + "."
+            )
+        many = self.kind in ("ints", "floats")
+        values = parsed if many and isinstance(parsed, list) else [parsed]
+        if (many and (not isinstance(parsed, list) or not parsed)) or not all(
+            self._fits(v) for v in values
+        ):
+            return f"{name} = {value!r} is invalid: it must be {self.describe()}."
+        return None
+
+    def describe(self) -> str:
+        """What a valid value is, in words ("an integer >= 1", "a list of numbers > 0")."""
+        if self.what is not None:
+            return self.what
+        element = KINDS[self.kind]
+        what = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+        words = what[element]
+        if self.low is not None:
+            words += f" {'>' if self.strict else '>='} {self.low:g}"
+        if self.high is not None:
+            words += f"{' and' if self.low is not None else ''} <= {self.high:g}"
+        if self.kind in ("ints", "floats"):
+            words = "a non-empty list of " + words.replace("an integer", "integers").replace(
+                "a number", "numbers"
+            )
+        return words
+
+    def _fits(self, value: Any) -> bool:
+        element = KINDS[self.kind]
+        if element is bool:
+            return isinstance(value, bool)
+        if element is str:
+            return isinstance(value, str)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if element is int and not isinstance(value, int):
+            return False
+        try:
+            if not math.isfinite(value):
+                return False
+        except OverflowError:  # an int beyond float64
+            return False
+        if self.low is not None and (value < self.low or (self.strict and value == self.low)):
+            return False
+        return self.high is None or value <= self.high
+
+
+def _as_float(value: Any) -> Any:
+    """An int given for a float option as a float (one beyond float64 as it is, for the
+    range check to refuse); anything else as it is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return value
+    return value
+
+
+def check_options(
+    declared: Mapping[str, Option], given: Mapping[str, Any], owner: str
+) -> list[str]:
+    """Errors for ``given`` options against what ``owner`` (e.g. "model 'mlp'") declares:
+    an undeclared name or a value out of range."""
+    errors = []
+    for name, value in given.items():
+        if name not in declared:
+            takes = ", ".join(declared) or "no options"
+            errors.append(f"{owner} has no option {name!r} (it takes {takes}).")
+        elif (error := declared[name].error(name, value)) is not None:
+            errors.append(error)
+    return errors
+
+
+def resolve_options(declared: Mapping[str, Option], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: value}`` of every declared option: the given value (parsed) or its
+    default, in declaration order."""
+    return {name: opt.parse(given.get(name, opt.default)) for name, opt in declared.items()}
+
+
+def factory_kwargs(declared: Mapping[str, Option], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` of the declared options as the factory's keyword arguments."""
+    return {opt.argument or name: values[name] for name, opt in declared.items() if name in values}
+
+
 class Registry(Generic[T]):
     """Entries of one kind by name, in registration order.
 
@@ -42,9 +215,13 @@ class Registry(Generic[T]):
       kind: what the entries are, for messages ("algorithm", "model", ...).
     """
 
+    #: Every registry made, for :func:`snapshot` (weak: a scratch registry may go).
+    _all: weakref.WeakSet[Registry] = weakref.WeakSet()
+
     def __init__(self, kind: str):
         self.kind = kind
         self._entries: dict[str, T] = {}
+        Registry._all.add(self)
 
     def register(self, name: str, entry: T, *, replace: bool = False) -> T:
         """Adds ``entry`` under ``name`` and returns it.
@@ -78,7 +255,7 @@ class Registry(Generic[T]):
         )
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return isinstance(name, str) and name in self._entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
@@ -115,6 +292,33 @@ class RegistryUnion(Registry):
         )
 
 
+class Snapshot(NamedTuple):
+    """Every registry's entries, and the plugin modules imported, at one moment."""
+
+    entries: dict[Registry, dict[str, Any]]
+    plugins: frozenset[str]
+
+
+def snapshot() -> Snapshot:
+    """The entries of every registry and the plugin modules imported so far; hand it to
+    :func:`restore` to undo what was registered since (the tests do around each test)."""
+    plugins = frozenset(n for n in sys.modules if n.startswith(_PLUGIN_PREFIX))
+    return Snapshot({r: dict(r._entries) for r in list(Registry._all)}, plugins)
+
+
+def restore(snap: Snapshot) -> None:
+    """Every registry as it was at ``snap``; plugin modules imported since are forgotten,
+    so loading one again registers its entries again."""
+    for registry, entries in snap.entries.items():
+        registry._entries = dict(entries)
+    for name in [n for n in sys.modules if n.startswith(_PLUGIN_PREFIX)]:
+        if name not in snap.plugins:
+            del sys.modules[name]
+
+
+_PLUGIN_PREFIX = "scaffold_jax_plugin_"
+
+
 def load_plugins(specs: Iterable[str]) -> list[str]:
     """Imports plugin modules so that their entries register themselves.
 
@@ -137,7 +341,7 @@ def load_plugins(specs: Iterable[str]) -> list[str]:
             if spec.endswith(".py"):
                 if not path.is_file():
                     raise ValueError(f"plugin file {spec} does not exist.")
-                name = f"scaffold_jax_plugin_{path.stem}"
+                name = f"{_PLUGIN_PREFIX}{path.stem}"
                 if name not in sys.modules:
                     module_spec = importlib.util.spec_from_file_location(name, path)
                     module = importlib.util.module_from_spec(module_spec)

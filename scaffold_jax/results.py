@@ -422,6 +422,24 @@ def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
 _SWEEP_RECORD_KEYS = frozenset({"round", "seconds", "status", "config", "config_index"})
 
 
+def sweep_rows(result: Any, target: float | None = None) -> list[dict[str, Any]]:
+    """One dict per config of a :class:`~scaffold_jax.sweep.SweepResult`: config, status,
+    diverged round, final metrics and rounds to each target (``target`` or, by default,
+    the result's ``targets``)."""
+    targets = result.targets if target is None else (target,)
+    out = []
+    for j, recs in enumerate(result.records):
+        row = {
+            "config": result.configs[j],
+            "status": recs[-1]["status"],
+            "diverged_round": int(result.diverged_round[j]) if result.diverged[j] else None,
+        }
+        row.update({k: v for k, v in recs[-1].items() if k not in ("config", "status")})
+        row["rounds_to_target"] = {t: rounds_to_target(recs, t) for t in targets}
+        out.append(row)
+    return out
+
+
 def sweep_table(
     results: Mapping[str, Any] | Any,
     target: float | None,
@@ -727,11 +745,9 @@ def environment() -> dict[str, Any]:
     import jax
     import jaxlib
 
-    from scaffold_jax import __version__
-
     devices = jax.devices()
     return {
-        "scaffold_jax": __version__,
+        "scaffold_jax": _version("scaffold-jax"),
         **git_revision(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,

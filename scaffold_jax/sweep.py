@@ -272,7 +272,8 @@ class SweepResult:
       chunk_size: configs per chunk (``g × m``); chunk_shape: ``(g, m)``, seeds × configs
         per seed (see :class:`Sweep`); num_chunks: how many chunks ran.
       bytes_per_config: the estimate the chunk size was chosen from.
-      targets: accuracy targets given to :func:`sweep`; see :meth:`rounds_to_target`.
+      targets: accuracy targets given to :func:`sweep` (:func:`scaffold_jax.results.sweep_rows`
+        reports the rounds to each).
 
     A record's ``seconds`` counts from the start of its chunk, compilation excluded.
     """
@@ -307,31 +308,6 @@ class SweepResult:
     def final(self, name: str) -> np.ndarray:
         """The last record's ``name`` for every config, float64 ``[C]``."""
         return np.asarray([float(r[-1].get(name, np.nan)) for r in self.records])
-
-    def rounds_to_target(self, target: float, metric: str = "test_accuracy") -> list[int | None]:
-        """Per config, the first evaluated round whose ``metric`` ≥ ``target`` (None if
-        never, or only after diverging): :func:`scaffold_jax.results.rounds_to_target`."""
-        from scaffold_jax import results
-
-        return [results.rounds_to_target(r, target, metric) for r in self.records]
-
-    def summary(self, target: float | None = None) -> list[dict[str, Any]]:
-        """One dict per config: config, status, diverged round, final metrics and rounds to
-        each target (``target`` or, by default, :attr:`targets`)."""
-        from scaffold_jax import results
-
-        targets = self.targets if target is None else (target,)
-        out = []
-        for j, recs in enumerate(self.records):
-            row = {
-                "config": self.configs[j],
-                "status": recs[-1]["status"],
-                "diverged_round": int(self.diverged_round[j]) if self.diverged[j] else None,
-            }
-            row.update({k: v for k, v in recs[-1].items() if k not in ("config", "status")})
-            row["rounds_to_target"] = {t: results.rounds_to_target(recs, t) for t in targets}
-            out.append(row)
-        return out
 
 
 # ------------------------------------------------------------------------------ the program
@@ -506,7 +482,7 @@ class Sweep:
           num_rounds: R >= 1.
           eval_every: evaluation period (default R).
           targets: accuracy targets recorded in the result (see
-            :meth:`SweepResult.summary`).
+            :func:`scaffold_jax.results.sweep_rows`).
           configs: one dict per config whose entries are added to the config's record of
             its hyper-parameters and seed (labels).
           max_configs_per_chunk: cap on configs run at once.
@@ -825,7 +801,7 @@ def sweep(
       seeds: ``[C]`` root seeds.
       num_rounds: R.
       eval_every: evaluation period (default R).
-      targets: accuracy targets for :meth:`SweepResult.summary`.
+      targets: accuracy targets for :func:`scaffold_jax.results.sweep_rows`.
       **options: ``configs``, ``max_configs_per_chunk``, ``memory_budget_bytes``,
         ``keep_client_states``, ``callback``, ``checkpoint_dir``, ``phase``, ``progress``...
         of :meth:`Sweep.run`.

@@ -27,11 +27,14 @@ class HParam(NamedTuple):
       help: one line for ``--help`` and the docs.
       allow_zero: whether 0 is allowed (every value must be finite and >= 0; without it,
         > 0).
+      maximum: the largest value allowed (Scaffnew's probability ``comm_prob`` <= 1), or
+        None for no bound.
     """
 
     default: float | None
     help: str = ""
     allow_zero: bool = False
+    maximum: float | None = None
 
 
 #: The step sizes every algorithm takes: η_l (no default) and η_g (1.0 in all of the
@@ -169,9 +172,9 @@ def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> 
     """Raises ValueError for values outside their range (concrete values only).
 
     Without ``declared`` the step sizes must be finite and > 0 and any other value finite
-    and >= 0; with it, each declared value's own range applies. (A value finite as given
-    but beyond float32's range, 1e39, is refused where :class:`HParams` converts it, with
-    the value as given.)
+    and >= 0; with it, each declared value's own range applies (and its ``maximum``). (A
+    value finite as given but beyond float32's range, 1e39, is refused where
+    :class:`HParams` converts it, with the value as given.)
     """
     if not isinstance(hp, HParams):
         raise TypeError(
@@ -182,10 +185,15 @@ def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> 
             continue
         spec = (declared or STEP_SIZES).get(name)
         allow_zero = (name not in STEP_SIZES) if spec is None else spec.allow_zero
+        maximum = None if spec is None else spec.maximum
         value = np.asarray(value, dtype=np.float32)
         bad = ~np.isfinite(value) | (value < 0) | ((value == 0) & (not allow_zero))
+        if maximum is not None:
+            bad |= value > np.float32(maximum)
         if np.any(bad):
             allowed = "finite and >= 0" if allow_zero else "finite and > 0"
+            if maximum is not None:
+                allowed += f" and <= {maximum:g}"
             # float32 digits (0.1, not 0.10000000149011612).
             shown = ", ".join(f"{v:.7g}" for v in value.ravel().tolist())
             shown = shown if value.ndim == 0 else f"[{shown}]"
@@ -250,20 +258,40 @@ class ClientOutput(NamedTuple):
 
     Attributes:
       delta_params: Δy_i = y_i − x (same pytree as the params).
-      delta_control: Δc_i = c_i⁺ − c_i for SCAFFOLD; ``()`` for stateless algorithms.
       weight: aggregation weight, a float32 scalar. Clients report 1; the engine replaces
         it by the client's number of examples when ``weighting="num_examples"``.
-      metrics: float32 scalars averaged over the sampled clients by the engine.
+      metrics: float32 scalars averaged over the sampled clients by the engine, for the
+        round records.
+      message: every array other than ``delta_params`` the client sends the server this
+        round, by name: what the algorithm's ``server_update`` reads beside Δy_i
+        (SCAFFOLD's ``{"delta_control": Δc_i}``, FedNova's ``{"local_steps": τ_i}``);
+        empty for an algorithm that sends Δy_i alone. Each algorithm's module docstring
+        says what it sends. Together with ``delta_params`` it is the client's whole
+        message, e.g. what a differential-privacy wrapper clips.
       model_state: the :class:`ModelState` after the local steps, for a problem with
         running statistics (the one ``client_update`` was given, advanced by the steps
         taken); None for a stateless problem.
     """
 
     delta_params: PyTree
-    delta_control: PyTree
     weight: Array
     metrics: dict[str, Array]
+    message: dict[str, PyTree] = {}  # one shared empty dict: outputs are never mutated
     model_state: ModelState | None = None
+
+
+class ServerOutput(NamedTuple):
+    """A ``server_update`` result with round metrics (it may also return the state alone).
+
+    Attributes:
+      state: the new server state.
+      metrics: float32 scalars of the round, added to the round metrics by name (FedExP's
+        server step size ``fedexp_server_lr``); a name the engine or the clients' metrics
+        already use is refused.
+    """
+
+    state: PyTree
+    metrics: dict[str, Array]
 
 
 class FullDataPass(NamedTuple):
@@ -287,7 +315,7 @@ class FullDataPass(NamedTuple):
 
 
 class Algorithm(NamedTuple):
-    """A federated algorithm as three pure functions written for ONE client.
+    """A federated algorithm as pure functions written for ONE client.
 
     Attributes:
       name: a short name for records ("scaffold", "fedavg", ...).
@@ -299,11 +327,15 @@ class Algorithm(NamedTuple):
         statistics the engine also passes ``model_state=`` (a :class:`ModelState`), which
         the algorithm hands to its local steps and returns, advanced, in
         ``ClientOutput.model_state``; an algorithm whose ``client_update`` has no
-        ``model_state`` parameter cannot train such a model (the simulation says so).
+        ``model_state`` parameter cannot train such a model (the simulation says so). One
+        with a ``round_key`` parameter also gets ``round_key=``, a key that every client
+        of the round shares (Scaffnew's coin), independent of ``key``, of the client
+        sampling and of every other round's.
       server_update: ``server_update(hparams, server_state, outputs, total_weight) ->
-        server_state`` where ``outputs`` carry a leading ``[S]`` axis and ``total_weight``
-        is the sum of the weights of ALL N clients (N under uniform weighting), which is
-        what keeps SCAFFOLD's ``c = Σ w_i c_i / Σ w_i`` invariant exact.
+        server_state`` (or a :class:`ServerOutput` of it and round metrics) where
+        ``outputs`` carry a leading ``[S]`` axis and ``total_weight`` is the sum of the
+        weights of ALL N clients (N under uniform weighting), which is what keeps
+        SCAFFOLD's ``c = Σ w_i c_i / Σ w_i`` invariant exact.
       server_params: ``server_params(server_state) -> params``, the model x to evaluate.
       hparams: the hyper-parameters it reads from ``hparams``, ``{name: HParam}`` (default:
         the step sizes, :data:`STEP_SIZES`). Sweeps, configs, the command line and the
@@ -313,6 +345,16 @@ class Algorithm(NamedTuple):
         and ``server_update`` see. None: no such pass.
       warm_start: a :class:`FullDataPass` ALL N clients make once, before round 1, from the
         initial state (SCAFFOLD's warm-started controls). None: none.
+      client_sync: a step of every sampled client AFTER the server update, in the same
+        round: ``client_sync(hparams, server_before, server_after, client_state, output)
+        -> client_state``, given the server state the client worked from (after
+        ``pre_round``), the new one, the client's state as ``client_update`` returned it
+        and its own :class:`ClientOutput` (with the engine's weight). Scaffnew's control
+        update reads the averaged model there. None: no such step.
+      check: ``check(num_clients, clients_per_round, weighting)`` raising ValueError,
+        naming the fix, for a round shape the algorithm does not support (Scaffnew needs
+        S = N); :meth:`Simulation.check <scaffold_jax.engine.Simulation.check>` calls it.
+        None: every shape is fine.
     """
 
     name: str
@@ -323,6 +365,8 @@ class Algorithm(NamedTuple):
     hparams: Mapping[str, HParam] = STEP_SIZES
     pre_round: FullDataPass | None = None
     warm_start: FullDataPass | None = None
+    client_sync: Callable[..., PyTree] | None = None
+    check: Callable[[int, int, str], None] | None = None
 
 
 class SimState(NamedTuple):

@@ -21,6 +21,24 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import scaffold_jax as sj  # noqa: E402
+from scaffold_jax import registry  # noqa: E402
+
+
+# Registries are process-global: what a test (or a module's fixtures) registers, plugins'
+# entries included, is undone after it, so no test sees another's entries whatever the
+# order or the worker it runs on.
+@pytest.fixture(autouse=True, scope="module")
+def _registries_per_module():
+    snap = registry.snapshot()
+    yield
+    registry.restore(snap)
+
+
+@pytest.fixture(autouse=True)
+def _registries_per_test():
+    snap = registry.snapshot()
+    yield
+    registry.restore(snap)
 
 
 def make_classification_clients(sizes, dim=5, num_classes=3, seed=0, skew=True):

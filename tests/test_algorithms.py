@@ -36,8 +36,8 @@ def pinned_zero_scaffold(loss_fn):
 
     def client_update(hp, server, client, batches, mask, key):
         _, out = alg.client_update(hp, server, client, batches, mask, key)
-        zeros = jax.tree.map(jnp.zeros_like, out.delta_control)
-        return client, out._replace(delta_control=zeros)
+        zeros = jax.tree.map(jnp.zeros_like, out.message)
+        return client, out._replace(message=zeros)
 
     return alg._replace(client_update=client_update)
 
@@ -178,7 +178,7 @@ def plain_bfloat16_scaffold(loss_fn, option):
             _, c_plus = batch_grad(loss_fn, x, *flatten_steps(batches, mask))
         stored = optax.tree.cast(c_plus, jnp.bfloat16)
         delta = optax.tree.sub(optax.tree.cast(stored, jnp.float32), c_i)
-        return client._replace(control=stored), out._replace(delta_control=delta)
+        return client._replace(control=stored), out._replace(message={"delta_control": delta})
 
     return alg._replace(init=init, client_update=client_update)
 
@@ -308,3 +308,36 @@ def test_unknown_scaffold_option_is_rejected(small_problem):
 def test_unsupported_control_dtype_is_rejected(small_problem):
     with pytest.raises(ValueError, match="control_dtype"):
         sj.scaffold(small_problem.loss_fn, control_dtype=jnp.int8)
+
+
+# ----------------------------------------------------------------------------- registry
+def test_an_algorithm_built_from_the_registry_is_named_by_its_key(monkeypatch, small_problem):
+    """A variant registered over scaffold() records its own name, not "scaffold"."""
+    from scaffold_jax.algorithms import ALGORITHMS, make, register
+
+    monkeypatch.setattr(ALGORITHMS, "_entries", dict(ALGORITHMS._entries))
+    spec = register("scaffold_m", lambda loss_fn: sj.scaffold(loss_fn, option=1), "SCAFFOLD-M")
+    assert spec.build(small_problem.loss_fn).name == "scaffold_m"
+    assert make("scaffold_m", small_problem.loss_fn).name == "scaffold_m"
+    assert ALGORITHMS["scaffold"].build(small_problem.loss_fn).name == "scaffold"
+
+
+def test_declared_hyper_parameters_are_known_without_building_and_checked(
+    monkeypatch, small_problem
+):
+    from scaffold_jax.algorithms import ALGORITHMS, register
+    from scaffold_jax.types import STEP_SIZES, HParam
+
+    monkeypatch.setattr(ALGORITHMS, "_entries", dict(ALGORITHMS._entries))
+    built = []
+
+    def factory(loss_fn):
+        built.append(loss_fn)
+        return sj.fedavg(loss_fn)
+
+    spec = register("counted", factory, hparams=STEP_SIZES)
+    assert spec.hparams == STEP_SIZES and not built  # read without building
+    assert spec.build(small_problem.loss_fn).name == "counted" and len(built) == 1
+    wrong = register("wrong", factory, hparams={**STEP_SIZES, "mu": HParam(1.0)})
+    with pytest.raises(ValueError, match="declaring the hyper-parameters.*mu.*make register"):
+        wrong.build(small_problem.loss_fn)

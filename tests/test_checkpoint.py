@@ -495,30 +495,6 @@ def test_sigint_to_a_process_saves_then_exits_and_resume_is_bitwise_identical(
     assert "is corrupt" not in err  # the checkpoint saved on SIGINT is intact
 
 
-# --------------------------------------------------------------------------- before the redesign
-def test_a_checkpoint_written_before_the_redesign_resumes(setup, reference, interrupted, tmp_path):
-    """Checkpoints of earlier versions stored every run's hparams as (client_lr,
-    server_lr, prox_mu = 0); SCAFFOLD declares no prox_mu now. Such a checkpoint resumes
-    and ends bit for bit where the uninterrupted run does."""
-    sim, data, hp = setup
-    with checkpoint.Checkpointer(interrupted["dir"]) as ckpt:
-        restored = ckpt.restore_latest(sim.state_like(data.num_clients))
-    extra = json.loads(json.dumps(restored.extra))
-    assert extra["identity"]["hparams"] == {"client_lr": pytest.approx(0.1), "server_lr": 1.0}
-    extra["identity"]["hparams"]["prox_mu"] = 0.0  # what the earlier versions wrote
-    old = tmp_path / "old"
-    checkpoint.save(old, restored.state, restored.key, extra)
-    result = sim.run(data, hp, checkpoint_dir=old, resume=True, **RUN_ARGS)
-    assert result.resumed_from == restored.round
-    assert_bitwise_equal(leaves(result.state), reference["leaves"])
-    # A prox_mu that meant something (not the ignored 0) is still a different run.
-    extra["identity"]["hparams"]["prox_mu"] = 0.5
-    other = tmp_path / "other"
-    checkpoint.save(other, restored.state, restored.key, extra)
-    with pytest.raises(ValueError, match=r"different run \(hparams: \(.*prox_mu=0.5\) in the"):
-        sim.run(data, hp, checkpoint_dir=other, resume=True, **RUN_ARGS)
-
-
 def test_a_checkpoint_of_the_earlier_in_out_kernels_is_refused_naming_the_shapes(tmp_path):
     """The models store kernels [out, in] now; a checkpoint of the earlier [in, out]
     logistic regression is refused with both shapes, never silently transposed."""

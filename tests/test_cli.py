@@ -427,14 +427,21 @@ def test_diagnose_prints_the_papers_constants_and_writes_its_folder(tmp_path, ca
 
 # Each config flag of diagnose, with a value other than its default.
 _DIAGNOSE_VALUES = {
-    "dataset": ["mnist"], "data_dir": ["/data"], "min_client_examples": ["5"],
-    "client_holdout": ["0.1"], "download": [], "max_train_examples": ["100"],
-    "max_test_examples": ["50"], "partition": ["dirichlet"], "similarity": ["50"],
-    "dirichlet_alpha": ["0.5"], "shards_per_client": ["2"], "model": ["mlp"],
-    "hidden_sizes": ["8", "8"], "resnet_width": ["32"], "resnet_norm": ["batch"],
-    "state_policy": ["local"], "lstm_hidden": ["16"],
-    "embed_dim": ["4"], "num_clients": ["7"], "seed": ["3"], "client_lr": ["0.5"],
+    "dataset": ["mnist"], "data_dir": ["/data"], "client_holdout": ["0.1"], "download": [],
+    "max_train_examples": ["100"], "max_test_examples": ["50"], "partition": ["dirichlet"],
+    "model": ["mlp"], "num_clients": ["7"], "seed": ["3"], "client_lr": ["0.5"],
 }  # fmt: skip
+
+
+def _option_value(option) -> list[str]:
+    """A flag value for a declared option that differs from its (unset) default."""
+    if option.kind == "bool":
+        return []
+    if option.choices:
+        return [str(option.choices[-1])]
+    if option.kind in ("ints", "floats"):
+        return [str(v) for v in option.default]
+    return [str(option.default)]
 
 
 def test_every_diagnose_flag_means_something(capsys):
@@ -444,17 +451,23 @@ def test_every_diagnose_flag_means_something(capsys):
     plan or horizon flags."""
     import re
 
-    from scaffold_jax.cli import DIAGNOSE_FIELDS, _config, _flag, build_parser
+    from scaffold_jax.cli import DIAGNOSE_FIELDS, DIAGNOSE_OPTIONS, _config, _flag, build_parser
+    from scaffold_jax.experiments import declared_options
 
     with pytest.raises(SystemExit):
         main(["diagnose", "--help"])
-    listed = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
+    listed = set(re.findall(r"(?<![\w-])--[a-zA-Z][a-zA-Z-]*", capsys.readouterr().out))
     own = {"--help", "--config", "--plugin", "--set", "--gd-steps", "--num-iters", "--out",
            "--overwrite", "--quiet"}  # fmt: skip
-    assert listed == own | {_flag(name) for name in DIAGNOSE_FIELDS}
+    # The fields, and the options the models, partitioners and datasets declare.
+    fields = {*DIAGNOSE_FIELDS, *declared_options(DIAGNOSE_OPTIONS)}
+    assert listed == own | {_flag(name) for name in fields}
     assert set(_DIAGNOSE_VALUES) == set(DIAGNOSE_FIELDS)
+    values = {**_DIAGNOSE_VALUES, **{
+        k: _option_value(o) for k, o in declared_options(DIAGNOSE_OPTIONS).items()
+    }}  # fmt: skip
     default = _config(build_parser().parse_args(["diagnose"]), validate=False)
-    for name, value in _DIAGNOSE_VALUES.items():
+    for name, value in values.items():
         args = build_parser().parse_args(["diagnose", _flag(name), *value])
         assert getattr(_config(args, validate=False), name) != getattr(default, name), name
     args = build_parser().parse_args(["diagnose", "--set", "seed=4"])

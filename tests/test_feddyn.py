@@ -17,7 +17,7 @@ from scaffold_jax.algorithms import ALGORITHMS, feddyn
 from scaffold_jax.algorithms.common import ServerState
 from scaffold_jax.algorithms.feddyn import FedDynClientState, FedDynServerState
 from scaffold_jax.cli import main
-from scaffold_jax.engine import sample_clients
+from scaffold_jax.sampling import sample_clients
 from scaffold_jax.sweep import grid, sweep
 
 FASHION = "/usr/share/datasets/fashion-mnist"

@@ -19,7 +19,7 @@ from scaffold_jax import results
 from scaffold_jax.algorithms import ALGORITHMS, fednova
 from scaffold_jax.algorithms.fednova import normalized_delta
 from scaffold_jax.cli import main
-from scaffold_jax.engine import sample_clients
+from scaffold_jax.sampling import sample_clients
 from scaffold_jax.sweep import grid, sweep
 from scaffold_jax.types import ClientOutput
 
@@ -170,9 +170,9 @@ def test_with_unequal_local_steps_it_matches_the_reference_and_not_fedavg(
 def _outputs(deltas, taus, weights):
     return ClientOutput(
         delta_params={"w": jnp.asarray(deltas, jnp.float32)},
-        delta_control=(),
         weight=jnp.asarray(weights, jnp.float32),
-        metrics={"local_steps": jnp.asarray(taus, jnp.float32)},
+        metrics={},
+        message={"local_steps": jnp.asarray(taus, jnp.float32)},
     )
 
 

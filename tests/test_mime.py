@@ -17,7 +17,7 @@ import scaffold_jax as sj
 from scaffold_jax import results
 from scaffold_jax.algorithms import ALGORITHMS, mime, mimelite
 from scaffold_jax.cli import main
-from scaffold_jax.engine import sample_clients
+from scaffold_jax.sampling import sample_clients
 from scaffold_jax.sweep import grid, sweep
 
 FASHION = "/usr/share/datasets/fashion-mnist"

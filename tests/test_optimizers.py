@@ -18,8 +18,8 @@ from scaffold_jax import optimizers
 from scaffold_jax.algorithms import ALGORITHMS, feddyn, fednova
 from scaffold_jax.algorithms.common import ServerState
 from scaffold_jax.cli import main
-from scaffold_jax.engine import sample_clients
 from scaffold_jax.experiments import ConfigError, RunConfig
+from scaffold_jax.sampling import sample_clients
 from scaffold_jax.types import ClientOutput
 
 FASHION = "/usr/share/datasets/fashion-mnist"
@@ -142,8 +142,8 @@ def test_fednova_hands_its_normalised_update_to_the_server_optimizer(small_probl
     expect = jax.tree.map(lambda a: np.asarray(a, np.float64), x)
     for _ in range(2):
         deltas = jax.tree.map(lambda a: rng.normal(size=(3, *a.shape)).astype(np.float32), x)
-        outputs = ClientOutput(deltas, (), jnp.ones(3, jnp.float32),
-                               {"local_steps": jnp.asarray(tau)})  # fmt: skip
+        outputs = ClientOutput(deltas, jnp.ones(3, jnp.float32), {},
+                               message={"local_steps": jnp.asarray(tau)})  # fmt: skip
         state = alg.server_update(hp, state, outputs, jnp.float32(3.0))
         tau_eff = tau.mean()
         pseudo = jax.tree.map(lambda d: -tau_eff * np.mean(d / tau[:, None, None]

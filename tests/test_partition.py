@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from scaffold_jax.data import partition as P
 from scaffold_jax.data import sources
+from scaffold_jax.registry import factory_kwargs, resolve_options
 
 FASHION_LABELS = Path("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz")
 FASHION_IMAGES = Path("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
@@ -183,7 +184,7 @@ def test_similarity_split_sizes_are_balanced():
 def test_every_registered_partitioner_covers_the_examples_with_its_defaults(name):
     spec = P.PARTITIONERS[name]
     y = synthetic_labels(n=400)
-    params = {keyword: default for keyword, default in spec.params.values()}
+    params = factory_kwargs(spec.options, resolve_options(spec.options, {}))
     parts = spec.split(y, 10, seed=3, **params)
     assert_exact_cover(parts, len(y), 10)
     again = spec.split(y, 10, seed=3, **params)
@@ -200,7 +201,7 @@ def test_the_registered_partitioners_are_the_functions_of_the_module():
     ]:
         spec = P.PARTITIONERS[name]
         values = {"similarity": 10, "dirichlet_alpha": 0.2, "shards_per_client": 3}
-        params = {keyword: values[field] for field, (keyword, _) in spec.params.items()}
+        params = factory_kwargs(spec.options, {f: values[f] for f in spec.options})
         via_registry = spec.split(y, 5, seed=1, **params)
         assert all(np.array_equal(a, b) for a, b in zip(via_registry, direct, strict=True))
     assert P.DEFAULT_PARTITIONER in P.PARTITIONERS

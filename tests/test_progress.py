@@ -1,8 +1,7 @@
-"""Progress: plain lines (round, elapsed, rate, ETA) off a terminal or without tqdm, a
+"""Progress: plain lines (round, elapsed, rate, ETA) off a terminal, a
 tqdm bar on one, timed phase lines, and silence when disabled."""
 
 import io
-import sys
 
 import pytest
 
@@ -75,13 +74,6 @@ def test_cells_are_one_plain_line_each_with_their_text(monkeypatch):
     assert stream.getvalue() == (
         "table3: cell 1/4 (25%), 1:40 elapsed, 0.01 cell/s, ETA 5:00, SGD E=1 s=0%: 12 rounds\n"
     )
-
-
-def test_without_tqdm_a_terminal_gets_plain_lines(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
-    stream = _Terminal()
-    Progress(4, "fedavg", stream=stream).update(2)
-    assert stream.getvalue().startswith("fedavg: round 2/4 (50%), ")
 
 
 def test_a_terminal_gets_a_tqdm_bar_and_lines_above_it():

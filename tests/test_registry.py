@@ -17,7 +17,7 @@ from scaffold_jax import experiments, models
 from scaffold_jax.data import partition, sources
 from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.models import MODELS, ModelSpec
-from scaffold_jax.registry import PLUGIN_HINT, Registry
+from scaffold_jax.registry import PLUGIN_HINT, Option, Registry
 
 
 @pytest.fixture
@@ -122,7 +122,10 @@ def test_a_registered_partitioner_is_validated_and_built_from_the_config(scratch
     calls = []
     split = functools.partial(halves, calls=calls)
     scratch(partition.PARTITIONERS).register(
-        "halves", partition.PartitionerSpec(split, {"shards_per_client": ("stride", 3)})
+        "halves",
+        partition.PartitionerSpec(
+            split, {"shards_per_client": Option(3, "stride", "int", low=1, argument="stride")}
+        ),
     )
     assert "halves" in choices("partition")
 
@@ -157,12 +160,23 @@ def test_a_registered_partitioner_without_parameters_keeps_the_builtin_inference
     assert RunConfig(partition="halves").validate().resolved_partition() == ("halves", {})
 
 
-def test_a_partitioner_taking_a_field_the_config_lacks_is_a_config_error(scratch):
+def test_a_partitioner_declares_an_option_no_config_field_names(scratch):
+    # A plugin's own option needs no RunConfig field: it is a key, a flag and checked.
     scratch(partition.PARTITIONERS).register(
-        "odd", partition.PartitionerSpec(halves, {"stride_of_clients": ("stride", 1)})
+        "odd",
+        partition.PartitionerSpec(
+            halves, {"stride_of_clients": Option(1, "stride", "int", low=1, argument="stride")}
+        ),
     )
-    with pytest.raises(ConfigError, match="takes the field 'stride_of_clients', which this"):
-        RunConfig(partition="odd").validate()
+    config = RunConfig(partition="odd", stride_of_clients=4)
+    assert config.validate().resolved_partition() == ("odd", {"stride": 4})
+    assert config.stride_of_clients == 4 and "stride_of_clients" not in RunConfig.field_names()
+    with pytest.raises(
+        ConfigError, match="stride_of_clients = 0 is invalid: it must be an integer >= 1"
+    ):
+        RunConfig(partition="odd", stride_of_clients=0).validate()
+    # Setting it picks the partitioner that declares it.
+    assert RunConfig(stride_of_clients=2).validate().resolved_partition()[0] == "odd"
 
 
 # ----------------------------------------------------------------------------- models
@@ -175,7 +189,10 @@ def test_a_registered_model_builds_the_problem_of_a_config(scratch):
 
     with pytest.raises(ConfigError, match="model = 'wide' is invalid"):
         RunConfig(model="wide").validate()
-    scratch(MODELS).register("wide", ModelSpec(wide_logreg, "Wide", ("hidden_sizes",)))
+    scratch(MODELS).register(
+        "wide",
+        ModelSpec(wide_logreg, "Wide", {"hidden_sizes": MODELS["mlp"].options["hidden_sizes"]}),
+    )
     assert "wide" in choices("model")
 
     config = RunConfig(model="wide", hidden_sizes=[3], num_clients=4, clients_per_round=2)

@@ -15,7 +15,7 @@ from conftest import (
 )
 
 import scaffold_jax as sj
-from scaffold_jax.engine import sample_clients
+from scaffold_jax.sampling import sample_clients
 
 
 # --------------------------------------------------------------------------- reference loop

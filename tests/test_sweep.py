@@ -12,6 +12,7 @@ import pytest
 from conftest import assert_trees_close, quadratic_clients
 
 import scaffold_jax as sj
+from scaffold_jax import results
 from scaffold_jax.results import (
     format_summary,
     plot_best_curves,
@@ -140,7 +141,8 @@ def test_a_diverging_config_is_frozen_and_leaves_the_others_untouched(setup, bas
     assert all(np.isnan(r["test_loss"]) for r in poisoned.records[1][1:])
     assert np.all(poisoned.client_ids[1] == -1)
     assert np.all(np.isnan(poisoned.round_metrics["local_loss"][1]))
-    assert poisoned.rounds_to_target(0.0)[1] == 0  # reached at round 0, before diverging
+    # reached at round 0, before diverging
+    assert results.rounds_to_target(poisoned.records[1], 0.0) == 0
 
 
 def test_divergence_mid_run_freezes_the_state_of_the_round_before():
@@ -312,7 +314,7 @@ def test_summary_of_a_real_sweep_and_its_plots(base, tmp_path):
     summary = summarize(result, target)
     best = summary["scaffold"]["best"]
     assert len(best["seeds"]) == 2 and len(summary["scaffold"]["groups"]) == 4
-    rows = result.summary(target)
+    rows = results.sweep_rows(result, target)
     assert rows[0]["status"] == "ok" and target in rows[0]["rounds_to_target"]
     for make in (plot_rounds_to_target, plot_best_curves):
         fig = make({"scaffold": result}, target)

@@ -2,10 +2,12 @@
 
 An entry of :data:`ALGORITHMS` (an :class:`AlgorithmSpec`) says how to build the algorithm
 and what the layers above need to know about it without naming it: its display name, its
-default batch plan, the factory options a config may set, and (from the algorithm itself)
-its declared hyper-parameters. A new algorithm is its own module plus ONE :func:`register`
-call; one defined outside the package registers itself when its module is imported (see
-:mod:`scaffold_jax.registry`).
+default batch plan, the factory options a config may set, and its declared
+hyper-parameters (given to :func:`register`, or read from a built instance). A new
+algorithm is its own module plus ONE :func:`register` call; one defined outside the
+package registers itself when its module is imported (see :mod:`scaffold_jax.registry`).
+An algorithm built from the registry is named by its registry key, which is the name its
+runs record (a variant registered over :func:`scaffold` is not recorded as "scaffold").
 
 Examples:
   >>> from scaffold_jax import algorithms
@@ -24,9 +26,13 @@ import jax.numpy as jnp
 from scaffold_jax import optimizers
 from scaffold_jax.algorithms.fedavg import fedavg
 from scaffold_jax.algorithms.feddyn import feddyn
+from scaffold_jax.algorithms.fedexp import HPARAMS as _FEDEXP_HPARAMS
+from scaffold_jax.algorithms.fedexp import fedexp
 from scaffold_jax.algorithms.fednova import fednova
 from scaffold_jax.algorithms.fedprox import fedprox
 from scaffold_jax.algorithms.mime import DEFAULT_BASE, mime, mimelite
+from scaffold_jax.algorithms.scaffnew import HPARAMS as _SCAFFNEW_HPARAMS
+from scaffold_jax.algorithms.scaffnew import NO_SERVER_OPTIMIZER, scaffnew
 from scaffold_jax.algorithms.scaffold import (
     ScaffoldClientState,
     ScaffoldServerState,
@@ -35,40 +41,8 @@ from scaffold_jax.algorithms.scaffold import (
     scaffold,
 )
 from scaffold_jax.algorithms.sgd import sgd
-from scaffold_jax.registry import Registry
+from scaffold_jax.registry import Option, Registry, factory_kwargs
 from scaffold_jax.types import Algorithm, HParam
-
-
-class Option(NamedTuple):
-    """A factory option a config may set (a ``RunConfig`` field of the same name).
-
-    Attributes:
-      argument: the factory's keyword argument it is passed as.
-      default: its default value.
-      help: one line for ``--help``.
-      choices: the allowed values, or None for any.
-      normalize: maps a given value to its canonical form before it is checked (e.g.
-        SCAFFOLD's option ``2`` to ``"II"``), or None.
-    """
-
-    argument: str
-    default: Any
-    help: str
-    choices: tuple[Any, ...] | None = None
-    normalize: Callable[[Any], Any] | None = None
-
-    def parse(self, value: Any) -> Any:
-        """``value`` in its canonical form (unchanged without ``normalize``).
-
-        Raises:
-          ValueError: ``normalize`` refuses the value (the message says why).
-        """
-        return value if self.normalize is None else self.normalize(value)
-
-    @property
-    def is_switch(self) -> bool:
-        """Whether it is an on/off option (the command line gives it as a bare flag)."""
-        return self.choices == (False, True)
 
 
 class AlgorithmSpec(NamedTuple):
@@ -80,10 +54,17 @@ class AlgorithmSpec(NamedTuple):
       default_plan: the batch-plan kind a config uses when it sets none: ``"fraction"``
         (the paper's batches of 0.2 of the client's data) or ``"full"`` (one full-batch
         gradient, large-batch SGD).
-      options: ``{config field: Option}``, the factory options a config may set.
+      options: ``{name: Option}``, the factory options it declares
+        (:class:`~scaffold_jax.registry.Option`, passed as the keyword
+        :attr:`~scaffold_jax.registry.Option.argument`, else the name).
       refuses: ``{config field: why}`` for options of other algorithms this one does not
         take for a reason worth telling (SCAFFOLD and a local optimizer); a config that
         sets one gets the reason.
+      name: the registry key; an algorithm built here is given it as its ``name`` ("":
+        the factory's own name is kept).
+      declared_hparams: the hyper-parameters every algorithm the factory builds declares,
+        given without building one; None: read them from a built instance (for a factory
+        whose options change them, as FedDyn's server optimizer adds ``server_lr``).
     """
 
     factory: Callable[..., Algorithm]
@@ -91,17 +72,39 @@ class AlgorithmSpec(NamedTuple):
     default_plan: str = "fraction"
     options: Mapping[str, Option] = {}
     refuses: Mapping[str, str] = {}
+    name: str = ""
+    declared_hparams: Mapping[str, HParam] | None = None
 
     @property
     def hparams(self) -> Mapping[str, HParam]:
-        """The hyper-parameters the algorithm declares (read from a built instance)."""
+        """The hyper-parameters the algorithm declares (:attr:`declared_hparams`, or read
+        from an instance built with the default options)."""
+        if self.declared_hparams is not None:
+            return self.declared_hparams
         return self.build(lambda params, batch: jnp.zeros(())).hparams
 
     def build(self, loss_fn, **options: Any) -> Algorithm:
-        """The algorithm for ``loss_fn``; ``options`` are config fields of :attr:`options`
-        (others are ignored, so one config serves every algorithm)."""
-        kwargs = {opt.argument: options[k] for k, opt in self.options.items() if k in options}
-        return self.factory(loss_fn, **kwargs)
+        """The algorithm for ``loss_fn``, named by its registry key; ``options`` are config
+        fields of :attr:`options` (others are ignored, so one config serves every
+        algorithm).
+
+        Raises:
+          ValueError: the built algorithm does not declare the :attr:`declared_hparams`.
+        """
+        return self.named(self.factory(loss_fn, **factory_kwargs(self.options, options)))
+
+    def named(self, algorithm: Algorithm) -> Algorithm:
+        """``algorithm`` (built by :attr:`factory`) with its registry key as its name,
+        checked against :attr:`declared_hparams`."""
+        declared = self.declared_hparams
+        if declared is not None and set(algorithm.hparams) != set(declared):
+            raise ValueError(
+                f"algorithm {self.name or algorithm.name!r} was registered declaring the "
+                f"hyper-parameters {', '.join(declared) or 'none'}, but its factory built one "
+                f"declaring {', '.join(algorithm.hparams) or 'none'}; make register(..., "
+                "hparams=) match what the factory declares, or leave it out."
+            )
+        return algorithm._replace(name=self.name) if self.name else algorithm
 
 
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
@@ -115,12 +118,24 @@ def register(
     options: Mapping[str, Option] | None = None,
     replace: bool = False,
     refuses: Mapping[str, str] | None = None,
+    hparams: Mapping[str, HParam] | None = None,
 ) -> AlgorithmSpec:
-    """Registers an algorithm factory under ``name`` (see :class:`AlgorithmSpec`)."""
+    """Registers an algorithm factory under ``name`` (see :class:`AlgorithmSpec`).
+
+    ``hparams``: the hyper-parameters the factory's algorithms declare, when they do not
+    depend on its options; the registry then knows them without building one, and checks
+    them against every algorithm it builds.
+    """
     if default_plan not in ("fraction", "full"):
         raise ValueError(f"default_plan={default_plan!r} is unknown; use 'fraction' or 'full'.")
     spec = AlgorithmSpec(
-        factory, display_name or name, default_plan, dict(options or {}), dict(refuses or {})
+        factory,
+        display_name or name,
+        default_plan,
+        dict(options or {}),
+        dict(refuses or {}),
+        name,
+        None if hparams is None else dict(hparams),
     )
     return ALGORITHMS.register(name, spec, replace=replace)
 
@@ -129,9 +144,9 @@ def optimizer_option(argument: str, default: str, what: str) -> Option:
     """A factory option naming an optimizer of :mod:`scaffold_jax.optimizers` by spec
     (``"adam:b2=0.99"``), stored in its canonical spelling."""
     return Option(
-        argument,
         default,
         f"{what}: NAME or NAME:PARAM=VALUE,... with NAME one of {optimizers.describe()}",
+        argument=argument,
         normalize=optimizers.canonical,
     )
 
@@ -151,8 +166,10 @@ LOCAL_OPTIMIZER = {
 
 
 def make(name: str, loss_fn, **kwargs):
-    """Builds a registered algorithm by name; ``kwargs`` go to its factory as they are."""
-    return ALGORITHMS[name].factory(loss_fn, **kwargs)
+    """Builds a registered algorithm by name (and named by it); ``kwargs`` go to its
+    factory as they are."""
+    spec = ALGORITHMS[name]
+    return spec.named(spec.factory(loss_fn, **kwargs))
 
 
 register(
@@ -162,25 +179,22 @@ register(
     options={
         **SERVER_OPTIMIZER,
         "scaffold_option": Option(
-            "option",
             "II",
             "SCAFFOLD control update: II (the paper's default) or I",
-            ("I", "II"),
-            option_name,
+            choices=("I", "II"),
+            argument="option",
+            normalize=option_name,
         ),
         "control_dtype": Option(
-            "control_dtype",
             "float32",
             "storage dtype of SCAFFOLD's client controls",
-            ("float32", "bfloat16"),
+            choices=("float32", "bfloat16"),
         ),
         "warm_controls": Option(
-            "warm_controls",
             False,
             "SCAFFOLD: start every c_i at its full-batch gradient at x0 (one pass over all "
             "data) instead of 0",
-            (False, True),
-            lambda v: _switch("warm_controls", v),
+            "bool",
         ),
     },
     refuses={
@@ -216,17 +230,47 @@ _MIME_REFUSES = {
 register("mime", mime, "Mime", options=_BASE, refuses=_MIME_REFUSES)
 register("mimelite", mimelite, "MimeLite", options=_BASE, refuses=_MIME_REFUSES)
 register("sgd", sgd, "SGD", default_plan="full", options=SERVER_OPTIMIZER)
-
-
-def _switch(name: str, value: Any) -> Any:
-    """An on/off option's value as a bool (``true``/``false``, ``1``/``0``, ``yes``/``no``
-    as text); other values are returned as they are, for the choices check to refuse."""
-    if isinstance(value, str):
-        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
-            value.strip().lower(), value
+register(
+    "scaffnew",
+    scaffnew,
+    "Scaffnew",
+    hparams=_SCAFFNEW_HPARAMS,
+    options={
+        # Every built-in has the option; Scaffnew's takes only its default.
+        "server_optimizer": SERVER_OPTIMIZER["server_optimizer"]._replace(
+            normalize=lambda v: _only_sgd(v, NO_SERVER_OPTIMIZER)
         )
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
+    },
+    refuses={
+        "local_optimizer": "Scaffnew's local steps are ProxSkip's plain gradient steps "
+        "corrected by the control h_i",
+    },
+)
+register(
+    "fedexp",
+    fedexp,
+    "FedExP",
+    hparams=_FEDEXP_HPARAMS,
+    options={
+        **SERVER_OPTIMIZER,
+        "average_last_two": Option(
+            False,
+            "FedExP: evaluate the mean of the last two server models (the paper's "
+            "evaluation) instead of the last",
+            "bool",
+        ),
+    },
+    refuses={
+        "local_optimizer": "FedExP's step size rule is derived for FedAvg's plain local SGD",
+    },
+)
+
+
+def _only_sgd(value: Any, why: str) -> str:
+    """An optimizer option that takes only ``"sgd"`` (none): ValueError with ``why``."""
+    value = optimizers.canonical(value)
+    if value != "sgd":
+        raise ValueError(f"{why}; leave it at 'sgd'.")
     return value
 
 
@@ -239,12 +283,14 @@ __all__ = [
     "client_controls",
     "fedavg",
     "feddyn",
+    "fedexp",
     "fednova",
     "fedprox",
     "make",
     "mime",
     "mimelite",
     "register",
+    "scaffnew",
     "scaffold",
     "sgd",
 ]

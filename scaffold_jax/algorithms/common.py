@@ -77,8 +77,8 @@ def local_update(
     ``correction``, ``offset``, ``optimizer``, ``key`` and ``model_state``).
 
     Returns:
-      ``(y, output, info)``: the final params, a :class:`ClientOutput` without controls
-      (weight 1) and the solver's :class:`~scaffold_jax.local.LocalResult`.
+      ``(y, output, info)``: the final params, a :class:`ClientOutput` of Δy_i alone
+      (weight 1, no message) and the solver's :class:`~scaffold_jax.local.LocalResult`.
     """
     y, info = local_sgd(
         loss_fn,
@@ -95,7 +95,6 @@ def local_update(
     delta = optax.tree.sub(y, server_params)
     output = ClientOutput(
         delta_params=delta,
-        delta_control=(),
         weight=jnp.ones((), jnp.float32),
         metrics={
             "local_loss": info.mean_loss,

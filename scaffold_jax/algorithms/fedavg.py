@@ -6,7 +6,8 @@ Networks from Decentralized Data", AISTATS 2017. https://arxiv.org/abs/1602.0562
 With two step sizes (η_l local, η_g global) as in Karimireddy et al. 2020, and optionally an
 optax server optimizer on the pseudo-gradient −Δx (Reddi et al. 2021,
 https://arxiv.org/abs/2003.00295): FedAvgM, FedAdam, FedYogi, and optionally a local
-optax optimizer (momentum, Adam) whose state starts fresh every round.
+optax optimizer (momentum, Adam) whose state starts fresh every round. A client sends Δy_i
+alone (its ``ClientOutput.message`` is empty).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ The server applies ``h ← h − α Σ_S w_i Δy_i / W`` and ``x ← Σ_S w_i y_
 with W the total weight of ALL N clients. With the paper's uniform weights (w_i = 1,
 W = N) that is ``h ← h − α (1/N) Σ_S Δy_i``, and ``h = mean_i g_i`` over all N clients
 holds after every round; with ``weighting="num_examples"`` it keeps
-``h = Σ_i n_i g_i / Σ_i n_i``.
+``h = Σ_i n_i g_i / Σ_i n_i``. A client sends Δy_i alone (its ``ClientOutput.message`` is
+empty): the server's update of h reads nothing else.
 
 α is the declared hyper-parameter ``alpha`` (> 0, default 0.01). FedDyn declares no
 server step size: its server step is the formula above. With g_i ≡ 0 and h ≡ 0 its local

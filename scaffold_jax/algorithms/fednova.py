@@ -20,12 +20,11 @@ weights p_i, as the contract's weights over S say, and adds p_i · 0 to τ_eff.
 With an optax server optimizer (FedOpt, Reddi et al. 2021), the pseudo-gradient is
 ``τ_eff η_l Σ p_i d_i`` and η_g scales the transformation's output, as in FedAvg.
 
-Where τ_i comes from: each client reports it as ``metrics["local_steps"]`` (the solver's
-``LocalResult.num_steps``, which :func:`~scaffold_jax.algorithms.common.local_update`
-already puts there). The engine hands the outputs to ``server_update`` with their leading
-[S] axis, metrics included, before it averages the metrics for its round records. So
-``delta_params`` stays the plain Δy_i that every algorithm sends, and the engine's per-round
-``client_drift`` (mean ‖Δy_i‖) keeps its meaning for FedNova too.
+What a client sends: Δy_i and ``ClientOutput.message = {"local_steps": τ_i}`` (the solver's
+``LocalResult.num_steps``, as float32), which is all the server reads. τ_i is also in the
+client's metrics, as for every algorithm, for the round records. So ``delta_params`` stays
+the plain Δy_i that every algorithm sends, and the engine's per-round ``client_drift``
+(mean ‖Δy_i‖) keeps its meaning for FedNova too.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from scaffold_jax.algorithms.common import (
 from scaffold_jax.tree import weighted_sum
 from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, HParams, PyTree
 
-#: The client metric that carries τ_i (float32) to the server.
+#: The name of τ_i (float32) in a client's message to the server.
 LOCAL_STEPS = "local_steps"
 
 
@@ -53,13 +52,13 @@ def normalized_delta(outputs: ClientOutput) -> PyTree:
 
     Args:
       outputs: the sampled clients' outputs with a leading [S] axis; ``weight`` holds 1 or
-        n_i (the engine's weighting), ``metrics["local_steps"]`` holds τ_i.
+        n_i (the engine's weighting), ``message["local_steps"]`` holds τ_i.
 
     Returns:
       The server model's change Δx before η_g (a pytree like the params, float32). A
       client with τ_i = 0 contributes nothing; if every weight is 0 the change is 0.
     """
-    tau = outputs.metrics[LOCAL_STEPS].astype(jnp.float32)
+    tau = outputs.message[LOCAL_STEPS].astype(jnp.float32)
     weight = outputs.weight.astype(jnp.float32)
     total = jnp.sum(weight)
     p = jnp.where(total > 0, weight / jnp.where(total > 0, total, 1.0), 0.0)
@@ -93,8 +92,9 @@ def fednova(
         _, output, info = local_update(
             loss_fn, hparams, server_state.params, batches, mask, key=key, model_state=model_state
         )
-        metrics = {**output.metrics, LOCAL_STEPS: info.num_steps.astype(jnp.float32)}
-        return client_state, output._replace(metrics=metrics)
+        return client_state, output._replace(
+            message={LOCAL_STEPS: info.num_steps.astype(jnp.float32)}
+        )
 
     def server_update(hparams: HParams, state: ServerState, outputs: ClientOutput, total_weight):
         del total_weight  # p_i are normalised over the sampled set

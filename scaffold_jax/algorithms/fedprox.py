@@ -4,8 +4,8 @@ Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, "Federated Optimization in Heteroge
 Networks", MLSys 2020. https://arxiv.org/abs/1812.06127
 
 Client i minimises ``f_i(y) + (μ/2)‖y − x‖²`` with K SGD steps; the server averages as
-FedAvg does. μ is the declared hyper-parameter ``prox_mu`` (default 1, as the SCAFFOLD
-paper fixes it).
+FedAvg does, and a client sends Δy_i alone (its ``ClientOutput.message`` is empty). μ is
+the declared hyper-parameter ``prox_mu`` (default 1, as the SCAFFOLD paper fixes it).
 """
 
 from __future__ import annotations

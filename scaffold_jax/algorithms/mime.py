@@ -25,6 +25,9 @@ MimeLite's (each Mime client steps along ``B(c)``, the mean of MimeLite's ``B(�
 
 An optional server optimizer (FedOpt) may transform the averaged update as for FedAvg; it
 is a different thing from B, which the paper keeps at the server learning rate 1.
+
+What a client sends: ∇f_i(x), as the message of the ``pre_round`` pass (before its local
+steps), and then Δy_i alone (its ``ClientOutput.message`` is empty).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ The server applies ``x ← x + η_g Σ_S w_i Δy_i / Σ_S w_i`` and ``c ← c + 
 where W is the total weight of all N clients. With the paper's uniform weights (w_i = 1,
 W = N) that is ``c ← c + (|S|/N) mean Δc_i``, and ``c = mean_i c_i`` holds after every
 round. With ``weighting="num_examples"`` it keeps ``c = Σ_i n_i c_i / Σ_i n_i`` instead, the
-consistent counterpart of data-size weighted model averaging.
+consistent counterpart of data-size weighted model averaging. A client sends Δy_i and
+``ClientOutput.message = {"delta_control": Δc_i}``.
 
 Warm-started controls (``warm_controls=True``, an option; the paper starts every control
 at 0). Before round 1 every client sets ``c_i = ∇f_i(x⁰)`` on ALL its local data and the
@@ -208,7 +209,7 @@ def scaffold(
             _, c_plus = batch_grad(loss_fn, x, flat, flat_mask)
         stored = _encode(c_plus, control_dtype)
         delta_control = optax.tree.sub(_decode(stored), c_i)
-        output = output._replace(delta_control=delta_control)
+        output = output._replace(message={"delta_control": delta_control})
         return ScaffoldClientState(control=stored), output
 
     def warm_client(server_state, client_state, batch, mask):
@@ -226,7 +227,7 @@ def scaffold(
         params, opt_state = server_model_step(
             server_optimizer, hparams, state.params, state.opt_state, delta_x
         )
-        delta_c = weighted_sum(outputs.delta_control, outputs.weight)
+        delta_c = weighted_sum(outputs.message["delta_control"], outputs.weight)
         control = optax.tree.add_scale(state.control, 1.0 / total_weight, delta_c)
         return ScaffoldServerState(params=params, control=control, opt_state=opt_state)
 

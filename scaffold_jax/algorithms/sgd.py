@@ -6,7 +6,8 @@ data), and the server steps ``x ← x − η mean_i g_i``. One round is one step
 
 The client reports ``Δy_i = −η_l g_i`` and the server applies ``x ← x + η_g mean Δy_i``, so
 η = η_l · η_g; with η_g = 1 (the paper's setting) the step size is η_l, and with K = 1
-full-batch steps SGD, FedAvg and SCAFFOLD coincide exactly.
+full-batch steps SGD, FedAvg and SCAFFOLD coincide exactly. A client sends Δy_i alone (its
+``ClientOutput.message`` is empty).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = N
         loss, grad = batch_grad(loss_fn, server_state.params, flat, flat_mask, key)
         output = ClientOutput(
             delta_params=optax.tree.scale(-hparams.client_lr, grad),
-            delta_control=(),
             weight=jnp.ones((), jnp.float32),
             metrics={"local_loss": loss, "local_steps": jnp.ones((), jnp.float32)},
             # One large-batch step: the statistics of its batch at x.

@@ -372,3 +372,23 @@ def _combine(
             "writers_without_test": sum(1 for u in ids if u not in test),
         },
     )
+
+
+def _load(data_dir=None, **options) -> natural.ClientDataset:
+    if data_dir is None:
+        raise FileNotFoundError(
+            "femnist needs data_dir (--data-dir): a LEAF data folder (with train/ and test/ "
+            "JSON folders) or a folder with TFF's fed_emnist_train.h5 / fed_emnist_test.h5."
+        )
+    return load(data_dir, **options)
+
+
+natural.NATURAL_DATASETS.register(
+    "femnist",
+    natural.NaturalSpec(
+        _load,
+        True,
+        "federated EMNIST by writer (62 classes): LEAF JSON or TFF HDF5 files in data_dir",
+        natural.MIN_CLIENT_EXAMPLES,
+    ),
+)

@@ -49,7 +49,7 @@ import numpy as np
 
 from scaffold_jax.data import sources
 from scaffold_jax.data.federated import FederatedData, from_partition
-from scaffold_jax.registry import Registry
+from scaffold_jax.registry import Option, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -366,52 +366,34 @@ class NaturalSpec(NamedTuple):
     """A registered naturally federated dataset.
 
     Attributes:
-      load: ``load(data_dir, *, cache_dir=None, **params) -> ClientDataset``; ``data_dir``
+      load: ``load(data_dir, *, cache_dir=None, **options) -> ClientDataset``; ``data_dir``
         is the folder or file the user gave (``--data-dir``), or None.
       needs_data_dir: the data cannot be found without ``data_dir``.
       description: one line for help texts.
+      options: ``{name: Option}``, the loader's declared options, passed to ``load`` as
+        keywords (:attr:`~scaffold_jax.registry.Option.argument`, else the name).
     """
 
     load: Callable[..., ClientDataset]
     needs_data_dir: bool
     description: str
+    options: Mapping[str, Option] = {}
 
 
-def _load_shakespeare(data_dir=None, **params) -> ClientDataset:
-    from scaffold_jax.data import shakespeare
+#: The option every built-in natural dataset declares: LEAF's minimum client size.
+MIN_CLIENT_EXAMPLES = {
+    "min_client_examples": Option(
+        1,
+        "natural datasets: drop clients with fewer training examples",
+        "int",
+        low=1,
+        argument="min_examples",
+    )
+}
 
-    return shakespeare.load(data_dir, **params)
-
-
-def _load_femnist(data_dir=None, **params) -> ClientDataset:
-    from scaffold_jax.data import femnist
-
-    if data_dir is None:
-        raise FileNotFoundError(
-            "femnist needs data_dir (--data-dir): a LEAF data folder (with train/ and test/ "
-            "JSON folders) or a folder with TFF's fed_emnist_train.h5 / fed_emnist_test.h5."
-        )
-    return femnist.load(data_dir, **params)
-
-
+#: The naturally federated datasets; each registers itself in its own module
+#: (:mod:`~scaffold_jax.data.shakespeare`, :mod:`~scaffold_jax.data.femnist`).
 NATURAL_DATASETS: Registry[NaturalSpec] = Registry("naturally federated dataset")
-NATURAL_DATASETS.register(
-    "shakespeare",
-    NaturalSpec(
-        _load_shakespeare,
-        False,
-        "LEAF Shakespeare: a client per speaking role, next character of 80 (offline: the "
-        "`shakespeare` package's texts; or Gutenberg #100 raw_data.txt as data_dir)",
-    ),
-)
-NATURAL_DATASETS.register(
-    "femnist",
-    NaturalSpec(
-        _load_femnist,
-        True,
-        "federated EMNIST by writer (62 classes): LEAF JSON or TFF HDF5 files in data_dir",
-    ),
-)
 
 
 def load(
@@ -427,7 +409,7 @@ def load(
       name: one of :data:`NATURAL_DATASETS`.
       data_dir: its files (see each loader); None where the loader has a default.
       cache_dir: the cache folder (default :func:`~scaffold_jax.data.sources.default_cache_dir`).
-      **params: the loader's own parameters (e.g. Shakespeare's ``min_examples``).
+      **params: the loader's own keyword arguments (e.g. Shakespeare's ``min_examples``).
     """
     spec = NATURAL_DATASETS[name]
     return spec.load(data_dir, cache_dir=cache_dir, **params)

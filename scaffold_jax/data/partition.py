@@ -23,14 +23,14 @@ example, and the result is a deterministic function of ``seed`` (all randomness 
 :func:`summary` describes a partition (sizes, labels per client, label histograms).
 
 :data:`PARTITIONERS` names them for configs and the command line (``similarity``,
-``dirichlet``, ``shards``, ``iid``). A new partitioner is a ``split`` function plus one line,
-``PARTITIONERS.register("name", PartitionerSpec(split, params))``, in any module (a plugin,
-:func:`scaffold_jax.registry.load_plugins`).
+``dirichlet``, ``shards``, ``iid``). A new partitioner is a ``split`` function plus one
+registration, ``PARTITIONERS.register("name", PartitionerSpec(split, {"option":
+Option(...)}))``, in any module (a plugin, :func:`scaffold_jax.registry.load_plugins`).
 
 Examples:
   >>> spec = PARTITIONERS["dirichlet"]
-  >>> spec.params
-  {'dirichlet_alpha': ('alpha', 0.5)}
+  >>> spec.options["dirichlet_alpha"].default, spec.options["dirichlet_alpha"].argument
+  (0.5, 'alpha')
   >>> parts = spec.split(np.arange(40) % 4, 5, seed=0, alpha=1.0)
   >>> len(parts), sum(len(p) for p in parts)
   (5, 40)
@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from scaffold_jax.registry import Registry
+from scaffold_jax.registry import Option, Registry
 
 # Dirichlet splits are resampled until every client has min_size examples; this bounds the
 # retries so an infeasible request fails with a message instead of spinning forever.
@@ -311,28 +311,59 @@ class PartitionerSpec(NamedTuple):
     """A registered partitioner.
 
     Attributes:
-      split: ``split(labels, num_clients, *, seed, **params) -> client_indices`` (N sorted
+      split: ``split(labels, num_clients, *, seed, **options) -> client_indices`` (N sorted
         int64 index arrays, as the functions of this module return).
-      params: the config fields it takes, each mapped to ``(split keyword, default)``,
-        e.g. ``{"dirichlet_alpha": ("alpha", 0.5)}``. A config that sets one of these fields
-        and names no partitioner gets this one; a field left unset takes its default.
+      options: ``{name: Option}``, the options it declares, passed to ``split`` as
+        keywords (:attr:`~scaffold_jax.registry.Option.argument`, else the name), e.g.
+        ``{"dirichlet_alpha": Option(0.5, ..., argument="alpha")}``. A config that sets one
+        of these and names no partitioner gets this one; one left unset takes its default.
     """
 
     split: Callable[..., list[np.ndarray]]
-    params: Mapping[str, tuple[str, Any]]
+    options: Mapping[str, Option] = {}
 
 
 PARTITIONERS: Registry[PartitionerSpec] = Registry("partitioner")
 PARTITIONERS.register(
-    "similarity", PartitionerSpec(similarity_split, {"similarity": ("similarity", 0.0)})
+    "similarity",
+    PartitionerSpec(
+        similarity_split,
+        {
+            "similarity": Option(
+                0.0,
+                "similarity split: percent of i.i.d. data per client",
+                "float",
+                low=0.0,
+                high=100.0,
+                what="a percentage in [0, 100] (0 = label-sorted, 100 = i.i.d.)",
+            )
+        },
+    ),
 )
 PARTITIONERS.register(
-    "dirichlet", PartitionerSpec(dirichlet_split, {"dirichlet_alpha": ("alpha", 0.5)})
+    "dirichlet",
+    PartitionerSpec(
+        dirichlet_split,
+        {
+            "dirichlet_alpha": Option(
+                0.5,
+                "Dirichlet label-skew concentration",
+                "float",
+                low=0.0,
+                strict=True,
+                argument="alpha",
+                what="finite and > 0",
+            )
+        },  # fmt: skip
+    ),
 )
 PARTITIONERS.register(
-    "shards", PartitionerSpec(shard_split, {"shards_per_client": ("shards_per_client", 2)})
+    "shards",
+    PartitionerSpec(
+        shard_split, {"shards_per_client": Option(2, "label shards per client", "int", low=1)}
+    ),
 )
-PARTITIONERS.register("iid", PartitionerSpec(_iid_split_of_labels, {}))
+PARTITIONERS.register("iid", PartitionerSpec(_iid_split_of_labels))
 
 # The partitioner of a config that names none and sets none of the partitioners' fields:
 # the paper's s% similarity split (at s = 0, its default).

@@ -820,3 +820,15 @@ def load_federated(
     windows pooled into its ``test``), the per-client test arrays, ``num_classes`` (the
     vocabulary size) and the client ids."""
     return natural.to_federated(load(path, **kwargs))
+
+
+natural.NATURAL_DATASETS.register(
+    "shakespeare",
+    natural.NaturalSpec(
+        load,
+        False,
+        "LEAF Shakespeare: a client per speaking role, next character of 80 (offline: the "
+        "`shakespeare` package's texts; or Gutenberg #100 raw_data.txt as data_dir)",
+        natural.MIN_CLIENT_EXAMPLES,
+    ),
+)

@@ -43,13 +43,13 @@ import os
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from scaffold_jax.registry import Registry
+from scaffold_jax.registry import Option, Registry, factory_kwargs, resolve_options
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +76,22 @@ class DatasetSpec(NamedTuple):
         it has no IDX distribution (TFDS only).
       transposed: its images are stored transposed (EMNIST) in IDX files and in TFDS.
       subdirs: sub-folders of a data dir that may hold it, tried before the dir itself.
+      loader: a dataset with a loader of its own (a plugin's ``.npz`` file, a CSV...):
+        ``loader(data_dir, **options) -> Dataset``, called instead of the IDX/cache/TFDS
+        search. None: the built-in search.
+      options: ``{name: Option}``, the loader's declared options, passed to it as keywords.
+
+    Examples:
+      >>> def from_npz(data_dir, scale=1.0): ...
+      >>> spec = DatasetSpec(10, loader=from_npz)  # then DATASETS.register("mine", spec)
     """
 
     num_classes: int
-    idx_prefix: str | None
-    transposed: bool
-    subdirs: tuple[str, ...]
+    idx_prefix: str | None = None
+    transposed: bool = False
+    subdirs: tuple[str, ...] = ()
+    loader: Callable[..., Dataset] | None = None
+    options: Mapping[str, Option] = {}
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset")
@@ -579,8 +589,13 @@ def load(
     cache_dir: str | os.PathLike | None = None,
     tfds_data_dir: str | os.PathLike | None = None,
     allow_download: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> Dataset:
     """Loads a dataset from wherever it already is; downloads only when allowed.
+
+    A dataset registered with a loader of its own (:attr:`DatasetSpec.loader`) is that
+    loader's: ``loader(data_dir, **options)``, its declared options completed with their
+    defaults.
 
     Looks, in order, in: ``data_dir`` (IDX files), ``$SCAFFOLD_JAX_DATA_DIR``, the system
     folders (:data:`SYSTEM_DIRS`, e.g. Debian's ``/usr/share/datasets/fashion-mnist``), the
@@ -597,6 +612,7 @@ def load(
       cache_dir: the ``.npz`` cache folder (default :func:`default_cache_dir`).
       tfds_data_dir: the TFDS data dir (default TFDS's own).
       allow_download: let TFDS download the dataset (needs internet).
+      options: the values of the dataset's declared options (a loader's own).
 
     Returns:
       The :class:`Dataset`; its ``source`` says where it came from.
@@ -608,6 +624,9 @@ def load(
     """
     name = canonical_name(name)
     spec = DATASETS[name]
+    if spec.loader is not None:
+        values = resolve_options(spec.options, options or {})
+        return spec.loader(data_dir, **factory_kwargs(spec.options, values))
     looked: list[str] = []
     if data_dir is not None and not Path(data_dir).expanduser().is_dir():
         # Given explicitly, it must exist: a typo must not silently load another copy.

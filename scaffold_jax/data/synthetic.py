@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -59,6 +60,7 @@ import numpy as np
 
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData, from_client_arrays
+from scaffold_jax.registry import Option, Registry
 from scaffold_jax.types import Problem
 
 __all__ = [
@@ -782,3 +784,113 @@ def procedural_synthetic(
         test = _materialise(key, data.alpha, data.beta, ids, js, **data._static)
         data = data.replace(test=jax.tree.map(jnp.asarray, test))
     return data
+
+
+# --------------------------------------------------------------------------------------
+# The registry: each family as a dataset a config names (``--dataset quadratic``)
+# --------------------------------------------------------------------------------------
+class Family(NamedTuple):
+    """A synthetic family built for a run.
+
+    Attributes:
+      data: the federated data (materialised or procedural).
+      example_shape: the shape of one example's input (for the model), or None when the
+        family brings its own problem.
+      num_classes: C, or None.
+      problem: the family's own :class:`~scaffold_jax.types.Problem` (the quadratics'), or
+        None: the config's model is built for ``example_shape`` and ``num_classes``.
+      info: what the run's summary says about the data (constants, sizes).
+    """
+
+    data: Any
+    example_shape: tuple[int, ...] | None
+    num_classes: int | None
+    problem: Problem | None
+    info: dict[str, Any]
+
+
+class FamilySpec(NamedTuple):
+    """A registered synthetic family.
+
+    Attributes:
+      build: ``build(num_clients, seed, **options) -> Family``.
+      description: one line for help texts.
+      options: ``{name: Option}``, its declared options (passed as keywords).
+      brings_problem: whether its :class:`Family` brings its own problem (no model).
+    """
+
+    build: Callable[..., Family]
+    description: str
+    options: Mapping[str, Option] = {}
+    brings_problem: bool = False
+
+
+def _quadratic_family(num_clients, seed, *, dim, beta, delta, G, mu) -> Family:
+    qp = quadratic_problem(num_clients, dim, beta, delta, G, mu, seed, convex_clients=False)
+    info = {"beta": qp.beta, "delta": qp.delta, "G": qp.G, "mu": qp.mu, "f_star": qp.f_star}
+    return Family(qp.data, None, None, qp.problem, info)
+
+
+def _synthetic_family(num_clients, seed, *, alpha, beta, dim, iid, procedural) -> Family:
+    if procedural:
+        data = procedural_synthetic(num_clients, alpha, beta, dim, seed=seed, iid=iid)
+    else:
+        data = synthetic_alpha_beta(num_clients, alpha, beta, dim, seed=seed, iid=iid)
+    return Family(data, (dim,), data.num_classes if procedural else 10, None, {})
+
+
+_QUADRATIC_OPTIONS = {
+    "quad_dim": Option(10, "quadratic: dimension d", "int", low=1, argument="dim"),
+    "quad_beta": Option(1.0, "quadratic: smoothness beta of every client", "float", low=0.0,
+                        strict=True, argument="beta"),
+    "quad_delta": Option(0.5, "quadratic: Hessian dissimilarity delta (feasible: see "
+                         "quadratic_problem)", "float", low=0.0, argument="delta"),
+    "quad_G": Option(1.0, "quadratic: gradient dissimilarity G at the optimum", "float",
+                     low=0.0, argument="G"),
+    "quad_mu": Option(0.01, "quadratic: strong convexity mu of the mean", "float", low=0.0,
+                      strict=True, argument="mu"),
+}  # fmt: skip
+
+
+def _synthetic_options(procedural: bool) -> dict[str, Option]:
+    return {
+        "synth_alpha": Option(1.0, "Synthetic(alpha, beta): std of the model prior alpha",
+                              "float", low=0.0, argument="alpha"),
+        "synth_beta": Option(1.0, "Synthetic(alpha, beta): std of the input prior beta",
+                             "float", low=0.0, argument="beta"),
+        "synth_dim": Option(60, "Synthetic(alpha, beta): input dimension d", "int", low=1,
+                            argument="dim"),
+        "synth_iid": Option(False, "Synthetic(alpha, beta): the IID variant (one shared "
+                            "model)", "bool", argument="iid"),
+    }  # fmt: skip
+
+
+#: The synthetic families a config may name as its dataset.
+FAMILIES: Registry[FamilySpec] = Registry("synthetic family")
+FAMILIES.register(
+    "quadratic",
+    FamilySpec(
+        _quadratic_family,
+        "quadratics with prescribed beta, delta, G, mu (Figure 3's family; brings its own "
+        "loss, no model)",
+        _QUADRATIC_OPTIONS,
+        brings_problem=True,
+    ),
+)
+FAMILIES.register(
+    "synthetic",
+    FamilySpec(
+        functools.partial(_synthetic_family, procedural=False),
+        "Synthetic(alpha, beta) logistic data of Li et al. (FedProx), materialised",
+        _synthetic_options(False),
+    ),
+)
+FAMILIES.register(
+    "procedural_synthetic",
+    FamilySpec(
+        functools.partial(_synthetic_family, procedural=True),
+        "Synthetic(alpha, beta) generated inside the round from the client id: 10^6 "
+        "clients cost only their counts",
+        _synthetic_options(True),
+    ),
+)

@@ -1,0 +1,177 @@
+"""Every vocabulary is open: a plugin file outside the package (tests/plugins/lab.py) adds
+a model with an option (dropout rate), a partitioner with a parameter (log-normal client
+sizes), a pooled dataset with its own loader (an .npz file) and a client sampler; each
+runs from the Python API, `scaffold-jax run`, `sweep --grid` over its own option and
+`reproduce table3 --plugin`, and none of them needs a RunConfig field."""
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scaffold_jax import experiments, sampling
+from scaffold_jax.cli import main
+from scaffold_jax.data import partition
+from scaffold_jax.experiments import ConfigError, RunConfig
+from scaffold_jax.registry import load_plugins
+
+LAB = str(Path(__file__).parent / "plugins" / "lab.py")
+DAMPED = str(Path(__file__).parent / "plugins" / "damped_fedavg.py")
+FASHION = "/usr/share/datasets/fashion-mnist"
+
+
+@pytest.fixture(scope="module")
+def blobs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("blobs")
+    lab = load_plugins([LAB])
+    import sys
+
+    sys.modules[lab[0]].write_blobs(folder)
+    return folder
+
+
+@pytest.fixture
+def lab():
+    import sys
+
+    (name,) = load_plugins([LAB])
+    return sys.modules[name]
+
+
+def _config(blobs, **changes):
+    values = dict(
+        plugins=[LAB], dataset="blobs_npz", data_dir=str(blobs), model="dropout_mlp",
+        num_clients=12, clients_per_round=4, rounds=6, eval_every=3, client_lr=0.3,
+        algorithm="fedavg", local_steps=3, batch_size=8, targets=[0.5],
+    )  # fmt: skip
+    return RunConfig(**{**values, **changes})
+
+
+def test_the_plugin_options_are_config_keys_but_no_fields(blobs, lab):
+    declared = experiments.declared_options()
+    for name in ("dropout_rate", "width", "size_sigma", "feature_scale", "cyclic_stride"):
+        assert name in declared and name not in RunConfig.field_names(), name
+    config = _config(blobs, dropout_rate=0.25, size_sigma=2.0).validate()
+    assert config.options == {"dropout_rate": 0.25, "size_sigma": 2.0}
+    assert config.resolved("model") == {"dropout_rate": 0.25, "width": 16}
+    assert config.resolved_partition() == ("lognormal", {"sigma": 2.0})
+    with pytest.raises(ConfigError, match=r"dropout_rate = 1.5 is invalid: it must be a number"):
+        _config(blobs, dropout_rate=1.5).validate()
+    # Another model's option at a non-default value is refused, naming the owner.
+    with pytest.raises(ConfigError, match="dropout_rate = 0.5 does not apply to model = 'mlp'"):
+        _config(blobs, model="mlp", dropout_rate=0.5).validate()
+    with pytest.raises(ConfigError, match="cyclic_stride = 0 is invalid"):
+        _config(blobs, sampler="cyclic", cyclic_stride=0).validate()
+
+
+def test_each_entry_builds_what_its_options_say(blobs, lab):
+    config = _config(
+        blobs, dropout_rate=0.5, width=7, size_sigma=1.5, feature_scale=2.0, partition_seed=3
+    )
+    built = experiments.build(config)
+    # The loader's own option scaled the features it read.
+    raw = np.load(Path(blobs) / lab.BLOBS_FILE)
+    np.testing.assert_allclose(built.dataset.train["x"], raw["x_train"] * 2.0)
+    # The partitioner's parameter reached the split: the sizes are iid_split's log-normal ones.
+    direct = partition.iid_split(len(raw["y_train"]), 12, 3, sizes="lognormal", sigma=1.5)
+    assert np.asarray(built.data.counts).tolist() == [len(ix) for ix in direct]
+    assert built.info["partition"] == {"kind": "lognormal", "sigma": 1.5}
+    # The model's options: its width, and dropout that changes the training loss.
+    assert built.problem.params["Dense_0"]["kernel"].shape == (6, 7)  # flax: [in, out]
+    batch = {"x": jnp.asarray(raw["x_test"][:32]), "y": jnp.asarray(raw["y_test"][:32])}
+    loss = built.problem.loss_fn
+    assert not np.allclose(
+        loss(built.problem.params, batch, key=jax.random.key(1)),
+        loss(built.problem.params, batch),
+    )
+    no_dropout = experiments.build(config.replace(dropout_rate=0.0)).problem
+    np.testing.assert_allclose(
+        no_dropout.loss_fn(no_dropout.params, batch, key=jax.random.key(1)),
+        no_dropout.loss_fn(no_dropout.params, batch),
+        rtol=1e-6,
+    )
+
+
+def test_the_sampler_chooses_the_rounds_clients(blobs, lab):
+    sampler = sampling.make("cyclic", {"cyclic_stride": 1})
+    built = experiments.build(_config(blobs))
+    sim = built.simulation.replace(sampler=sampler)
+    state = sim.init(built.data)
+    seen = []
+    for _ in range(4):
+        state, metrics = sim.round(built.hparams, state, built.data, jax.random.key(0))
+        seen.append(np.asarray(metrics["client_ids"]).tolist())
+    assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0, 1, 2, 3]]
+    # A sampler whose ids repeat is refused before anything is compiled.
+    bad = sampling.make("cyclic", {"cyclic_stride": 6})
+    with pytest.raises(ValueError, match="DISTINCT ids"):
+        sim.replace(sampler=bad).init(built.data)
+
+
+def test_the_command_line_runs_every_plugin_entry(blobs, tmp_path):
+    out = tmp_path / "run"
+    argv = [
+        "run", "--plugin", LAB, "--dataset", "blobs_npz", "--data-dir", str(blobs),
+        "--model", "dropout_mlp", "--dropout-rate", "0.2", "--width", "8",
+        "--partition", "lognormal", "--size-sigma", "1.0", "--feature-scale", "0.5",
+        "--sampler", "cyclic", "--algorithm", "fedavg", "--client-lr", "0.3",
+        "--num-clients", "12", "--clients-per-round", "4", "--local-steps", "3",
+        "--batch-size", "8", "--rounds", "12", "--eval-every", "6", "--targets", "0.5",
+        "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["sampler"] == "cyclic"
+    assert config["options"] == {
+        "dropout_rate": 0.2, "width": 8, "size_sigma": 1.0, "feature_scale": 0.5
+    }  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["round"] == 12 and records[-1]["test_accuracy"] > 0.6
+    # The folder resumes with the same plugin options, and refuses other ones.
+    assert main([*argv[:-3], "--rounds", "12", "--out", str(out), "--quiet", "--resume"]) == 0
+    changed = [a if a != "0.2" else "0.3" for a in argv]
+    assert main([*changed, "--resume"]) == 2
+
+
+@pytest.mark.slow
+def test_a_sweep_grids_over_a_plugin_models_option(blobs, tmp_path):
+    out = tmp_path / "sweep"
+    argv = [
+        "sweep", "--plugin", LAB, "--dataset", "blobs_npz", "--data-dir", str(blobs),
+        "--model", "dropout_mlp", "--algorithms", "fedavg", "--grid", "dropout_rate=0,0.5",
+        "--grid", "size_sigma=0.5,2", "--lr-grid", "0.1", "0.3", "--num-clients", "12",
+        "--clients-per-round", "4", "--local-steps", "2", "--batch-size", "8",
+        "--rounds", "4", "--eval-every", "2", "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    settings = {(float(r["dropout_rate"]), float(r["size_sigma"])) for r in rows}
+    assert settings == {(0.0, 0.5), (0.0, 2.0), (0.5, 0.5), (0.5, 2.0)}
+
+
+def test_natural_datasets_are_unaffected_by_the_plugin(lab):
+    config = RunConfig(dataset="shakespeare", model="char_lstm", num_clients=3).validate()
+    assert config.resolved("dataset") == {"min_client_examples": 1}
+    assert config.chosen()[-1][0] == "dataset"  # no partitioner for natural data
+    with pytest.raises(ConfigError, match="size_sigma cannot be set with dataset = 'shakespeare'"):
+        config.replace(size_sigma=2.0).validate()
+
+
+@pytest.mark.skipif(not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist")
+def test_reproduce_takes_plugins_for_its_extra_methods(tmp_path):
+    out = tmp_path / "table3"
+    argv = [
+        "reproduce", "table3", "--quick", "--plugin", DAMPED, "--rounds", "4",
+        "--set", 'extra_methods=["damped_fedavg"]', "--set", "max_train_examples=3000",
+        "--set", "max_test_examples=500", "--set", 'lr_grids={"damped_fedavg": [1.0]}',
+        "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    methods = {cell["method"] for cell in summary["cells"]}
+    assert methods == {"sgd", "scaffold", "fedavg", "fedprox", "damped_fedavg"}

@@ -1,0 +1,109 @@
+"""The package's layers (../shared/DESIGN.md): imports point down only, nothing imports the
+package face, and no module imports, even late (inside a function), one above it.
+
+The graph is read from the source with ``ast`` (every ``import`` anywhere in a module), so a
+late import that would hide a circle counts like a top-level one.
+"""
+
+import ast
+import collections
+from pathlib import Path
+
+import scaffold_jax
+
+PACKAGE = Path(scaffold_jax.__file__).parent
+
+# Bottom to top. A module may import modules of its own layer or below; within a layer the
+# graph must still be free of circles. A sub-package's modules share its layer.
+LAYERS = [
+    ["types", "tree", "registry", "compilation_cache"],
+    ["local", "optimizers", "sampling", "layout", "data"],
+    ["algorithms", "models"],
+    ["engine"],
+    ["checkpoint", "diagnostics"],
+    ["loop"],
+    ["sweep"],
+    ["progress", "results"],
+    ["experiments"],
+    ["paper"],
+    ["cli", "docs", "demo"],
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(p for p in parts if p != "__init__")
+        out[name] = path
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = collections.defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}".removeprefix("scaffold_jax.") in modules
+                    else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            for target in targets:
+                if target == "scaffold_jax" or target.startswith("scaffold_jax."):
+                    target = target.removeprefix("scaffold_jax").lstrip(".")
+                    if target != name:
+                        graph[name].add(target)
+    return graph
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    for rank, names in enumerate(LAYERS):
+        if top in names:
+            return rank
+    raise AssertionError(f"module {module!r} has no layer in tests/test_layers.py: add it")
+
+
+def test_every_import_points_down():
+    upward = []
+    for module, targets in _graph().items():
+        if module == "":  # the package face imports what it re-exports
+            continue
+        for target in targets:
+            assert target != "", f"{module} imports the package face scaffold_jax"
+            if _layer(target) > _layer(module):
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports pointing up: " + ", ".join(sorted(upward))
+
+
+def test_the_import_graph_has_no_circles():
+    graph = {k: v for k, v in _graph().items() if k != ""}
+
+    def package_of(name):  # a package's __init__ may import its own modules
+        return name.split(".")[0]
+
+    edges = {m: {t for t in ts if not (m == package_of(t) and "." in t)} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in edges.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*path, nxt]))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in list(edges):
+        if node not in state:
+            visit(node)

@@ -166,9 +166,9 @@ def test_natural_datasets_are_unaffected_by_the_plugin(lab):
 def test_reproduce_takes_plugins_for_its_extra_methods(tmp_path):
     out = tmp_path / "table3"
     argv = [
-        "reproduce", "table3", "--quick", "--plugin", DAMPED, "--rounds", "4",
-        "--set", 'extra_methods=["damped_fedavg"]', "--set", "max_train_examples=3000",
-        "--set", "max_test_examples=500", "--set", 'lr_grids={"damped_fedavg": [1.0]}',
+        "reproduce", "table3", "--quick", "--plugin", DAMPED, "--rounds", "2",
+        "--set", 'extra_methods=["damped_fedavg"]', "--set", "max_train_examples=1500",
+        "--set", "max_test_examples=300", "--set", 'lr_grids={"damped_fedavg": [1.0]}',
         "--out", str(out), "--quiet",
     ]  # fmt: skip
     assert main(argv) == 0

@@ -407,3 +407,21 @@ def test_fedprox_has_one_default_mu_in_the_api_the_config_and_the_cli(capsys):
         main(["run", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"FedProx proximal weight mu (the paper fixes 1) [default: {declared}]" in help_text
+
+
+def test_resume_compares_configs_in_canonical_form():
+    """An explicit default equals an omitted one; an option of an entry the config does not
+    choose, at its default (as an earlier config.json holds it), changes nothing; another
+    value of a chosen entry's option does."""
+    from scaffold_jax.experiments import canonical
+
+    plain = canonical(RunConfig().to_dict())
+    assert canonical(RunConfig(similarity=0).to_dict()) == plain
+    assert canonical({**RunConfig().to_dict(), "options": {"server_optimizer": "sgd"}}) == plain
+    earlier = {k: v for k, v in RunConfig().to_dict().items() if k not in ("options", "sampler")}
+    earlier.update(similarity=None, hidden_sizes=[256, 256], resnet_width=64, lstm_hidden=256)
+    assert canonical(earlier) == plain
+    assert canonical(RunConfig(similarity=50).to_dict())["similarity"] == 50.0
+    assert canonical(RunConfig(similarity=50).to_dict()) != plain
+    # The sweep's own keys are kept as they are.
+    assert canonical({**RunConfig().to_dict(), "seeds": [0, 1]})["seeds"] == [0, 1]

@@ -255,3 +255,29 @@ def test_the_model_owns_its_kernel_layout():
     np.testing.assert_allclose(
         ours.apply({"params": p_ours}, x), theirs.apply({"params": p_theirs}, x), rtol=1e-6
     )
+
+
+# ----------------------------------------------------------------------------- isolation
+def test_a_snapshot_restores_every_registry_and_forgets_plugin_modules(tmp_path):
+    """What the tests' autouse fixtures rely on: after restore, entries registered since
+    the snapshot are gone, and a plugin file imported since registers again when loaded."""
+    import sys
+
+    from scaffold_jax import registry
+    from scaffold_jax.algorithms import ALGORITHMS
+    from scaffold_jax.registry import load_plugins
+
+    plugin = tmp_path / "one_more.py"
+    plugin.write_text(
+        "from scaffold_jax.models import MODELS, ModelSpec, logistic_regression\n"
+        "MODELS.register('one_more', ModelSpec(logistic_regression, 'one more'))\n"
+    )
+    snap = registry.snapshot()
+    (name,) = load_plugins([str(plugin)])
+    ALGORITHMS.register("alias_of_fedavg", ALGORITHMS["fedavg"])
+    assert "one_more" in MODELS and "alias_of_fedavg" in ALGORITHMS and name in sys.modules
+    registry.restore(snap)
+    assert "one_more" not in MODELS and "alias_of_fedavg" not in ALGORITHMS
+    assert name not in sys.modules
+    load_plugins([str(plugin)])  # imported again: registers again
+    assert "one_more" in MODELS

@@ -1451,19 +1451,23 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         for t, r in info.get("rounds_to_target", {}).items()
     )
     best = info.get("best_test_accuracy")
+    where = f"{name} on {summary.get('dataset')} ({summary.get('dataset_source')})"
+    # A problem without accuracy (the quadratics) reports its best test loss instead.
+    loss = info.get("best_test_loss")
     lines = [
-        f"{name} on {summary.get('dataset')} ({summary.get('dataset_source')}): "
-        f"best test accuracy {best:.4f}"
+        f"{where}: best test accuracy {best:.4f}"
         if best is not None
-        else f"{name}",
+        else f"{where}: best test loss {loss:.6g}"
+        if loss is not None
+        else where,
         f"hyper-parameters: {format_hparams(info.get('hparams', {}))}",
-        f"rounds to target accuracy: {reached}",
+        f"rounds to target accuracy: {reached}" if best is not None else None,
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "
         f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s",
         f"wrote {folder}/: {', '.join(summary.get('files', []))}",
     ]
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line is not None)
 
 
 # =====================================================================================

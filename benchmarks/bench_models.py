@@ -219,7 +219,7 @@ def measure(
 def _former_chunk(sim, data):
     """The chunk "auto" chose before convolutional models ran one client at a time."""
     per_client = sim.client_bytes(data)
-    from scaffold_jax.engine import CLIENT_CHUNK_BYTES, balanced_chunk
+    from scaffold_jax.resources import CLIENT_CHUNK_BYTES, balanced_chunk
 
     return balanced_chunk(sim.clients_per_round, max(1, CLIENT_CHUNK_BYTES // per_client))
 

@@ -57,6 +57,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from scaffold_jax.data.batching import BatchPlan
+from scaffold_jax.resources import DEFAULT_EXAMPLES_PER_CHUNK, clients_per_chunk
 from scaffold_jax.tree import masked_mean
 from scaffold_jax.types import Array, Problem, PyTree
 
@@ -75,11 +76,6 @@ __all__ = [
     "smoothness",
     "suggested_local_steps",
 ]
-
-# Examples (times vectors, for batched Hessian-vector products) that one vmapped chunk of
-# clients processes. 2**17 float32 logits of width 10 is ~5 MB; an MLP of width 256 needs
-# ~130 MB of activations per chunk.
-DEFAULT_EXAMPLES_PER_CHUNK = 2**17
 
 # Any dataset speaking the protocol of :mod:`scaffold_jax.data.federated` (``num_clients``,
 # ``max_count``, ``client_batches``): a FederatedData or a procedural dataset.
@@ -172,11 +168,6 @@ def _client_objective(loss_fn: Callable, unravel: Callable) -> Callable:
         return masked_mean(loss_fn(unravel(w), batch).astype(jnp.float32), mask)
 
     return objective
-
-
-def _chunk_size(examples_per_chunk: int, per_client: int, num: int) -> int:
-    """Clients per vmapped chunk: ~``examples_per_chunk`` examples, at least 1, at most num."""
-    return int(max(1, min(num, examples_per_chunk // max(1, per_client))))
 
 
 def _chunked(ids: Array, chunk: int) -> tuple[Array, Array]:
@@ -374,7 +365,7 @@ def _as_float32(params: PyTree) -> PyTree:
 
 
 def _grad_chunk(data, examples_per_chunk: int) -> int:
-    return _chunk_size(examples_per_chunk, data.max_count, data.num_clients)
+    return clients_per_chunk(examples_per_chunk, data.max_count, data.num_clients)
 
 
 def client_gradients(
@@ -528,9 +519,9 @@ def _spectral_static(data, num_evaluated, num_iters, examples_per_chunk, mode) -
     return dict(
         mode=mode,
         num_iters=num_iters,
-        chunk=_chunk_size(examples_per_chunk, data.max_count, num_evaluated),
+        chunk=clients_per_chunk(examples_per_chunk, data.max_count, num_evaluated),
         # Every vector of the chunk sees every pooled example: size the chunk by both.
-        mean_chunk=_chunk_size(
+        mean_chunk=clients_per_chunk(
             examples_per_chunk, data.max_count * num_evaluated, data.num_clients
         ),
     )

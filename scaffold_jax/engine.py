@@ -41,6 +41,7 @@ import jax.random as jr
 import numpy as np
 import optax
 
+from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import CLIENT_AXIS, takes
@@ -234,51 +235,6 @@ def repeat_rounds(step: Callable, carry: PyTree, num_rounds: int, stop=None):
     return carry, buffer
 
 
-CLIENT_CHUNK_BYTES = 16 * 2**20
-"""Working-set budget of one chunk of clients on CPU (``client_chunk="auto"``), sized so
-that a chunk's K local steps run from a server core's L2/L3 caches."""
-
-
-_FALLBACK_AVAILABLE_BYTES = 2 << 30
-
-
-def available_memory_bytes(device: jax.Device | None = None) -> int:
-    """Free memory on ``device`` (default the first): ``bytes_limit − bytes_in_use`` on an
-    accelerator, ``MemAvailable`` of ``/proc/meminfo`` on CPU, 2 GiB when neither can be
-    read. (A sweep sizes its chunks from it; :meth:`Simulation.check` refuses a client
-    table larger than it.)"""
-    device = jax.devices()[0] if device is None else device
-    if device.platform != "cpu":
-        try:
-            stats = device.memory_stats() or {}
-            if "bytes_limit" in stats:
-                return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        except Exception:  # backends without memory stats raise their own errors
-            pass
-    return _meminfo_available() or _FALLBACK_AVAILABLE_BYTES
-
-
-def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _format_bytes(num: int) -> str:
-    """``1073741824`` -> ``'1.0 GiB'``."""
-    value, unit = float(num), "bytes"
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if value < 1024 or unit == "EiB":
-            break
-        value /= 1024
-    return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
-
-
 def _has_primitive(jaxpr, name: str) -> bool:
     """Whether ``jaxpr`` or any jaxpr nested in its equations (custom_vjp, pjit, scan...)
     applies the primitive ``name``."""
@@ -291,20 +247,6 @@ def _has_primitive(jaxpr, name: str) -> bool:
                 if hasattr(inner, "eqns") and _has_primitive(inner, name):
                     return True
     return False
-
-
-def balanced_chunk(num: int, chunk: int) -> int | None:
-    """A chunk size of at most ``chunk`` that splits ``num`` evenly when it can.
-
-    The largest divisor of ``num`` in ``[chunk / 2, chunk]``, else ``ceil(num / n)`` for the
-    fewest chunks n; None when one chunk holds all ``num``.
-    """
-    if chunk >= num:
-        return None
-    for size in range(chunk, max(1, chunk // 2) - 1, -1):
-        if num % size == 0:
-            return size
-    return -(-num // -(-num // chunk))
 
 
 def heldout_metrics(sim: Simulation, params: PyTree, data, model=None) -> dict[str, jax.Array]:
@@ -688,9 +630,9 @@ class Simulation:
 
         ``client_chunk="auto"`` picks None on an accelerator or a layout that splits the
         clients over devices, where one kernel over all S clients is fastest, and on CPU
-        as many clients as fit :data:`CLIENT_CHUNK_BYTES` of working set (their
-        ``[K, B, ...]`` batches, one step's batch in float32 and four params-sized
-        buffers), so that a chunk's K steps run in cache instead of streaming
+        as many clients as fit :data:`~scaffold_jax.resources.CLIENT_CHUNK_BYTES` of
+        working set (their ``[K, B, ...]`` batches, one step's batch in float32 and four
+        params-sized buffers), so that a chunk's K steps run in cache instead of streaming
         ``[S, params]`` buffers through memory at every step (measured in
         benchmarks/README.md), except for a model with convolutions or recurrences, which
         runs one client at a time on CPU (:meth:`one_client_at_a_time`). The chunk is
@@ -711,7 +653,8 @@ class Simulation:
         if self.one_client_at_a_time(data):
             return 1
         per_client = self.client_bytes(data) * configs
-        return balanced_chunk(num_sampled, max(1, CLIENT_CHUNK_BYTES // per_client))
+        budget = resources.CLIENT_CHUNK_BYTES
+        return resources.balanced_chunk(num_sampled, max(1, budget // per_client))
 
     def one_client_at_a_time(self, data) -> bool:
         """Whether the loss contains a convolution or a loop (a recurrent model), read from
@@ -948,7 +891,7 @@ class Simulation:
         # CPU "devices" of a process share its host memory; accelerators hold one block each.
         share = len(local) if local[0].platform == "cpu" else 1
         needed = table * share // len(devices)
-        available = available_memory_bytes(local[0])
+        available = resources.available_memory_bytes(local[0])
         if needed <= available:
             return
         try:
@@ -963,8 +906,9 @@ class Simulation:
         per = " per device" if share < len(devices) else ""
         raise ValueError(
             f"the client table of N = {num_clients} clients needs {needed} bytes "
-            f"({_format_bytes(needed)}){per}, more than the {available} bytes "
-            f"({_format_bytes(available)}) available{per} on {local[0].platform}{batch}. Use "
+            f"({resources.format_bytes(needed)}){per}, more than the {available} bytes "
+            f"({resources.format_bytes(available)}) available{per} on {local[0].platform}"
+            f"{batch}. Use "
             "fewer clients N or a smaller model, or split the table over more devices with a "
             "ClientMesh layout (scaffold_jax.layout)."
         )

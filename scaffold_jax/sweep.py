@@ -39,7 +39,7 @@ seed or config and their results are dropped), so the program compiles once. Wit
 
 ``m = min(M, cap)`` and ``g = min(G, cap // m)`` (whole seed groups first, so the shared
 batches stay shared), each evened out to ``ceil(n / ceil(n / k))`` to minimise padding
-(:func:`chunk_shape`), where
+(:func:`~scaffold_jax.resources.chunk_shape`), where
 
 * ``bytes_per_config = 2 × state_bytes + S × (8 × params_bytes + batch_bytes)``: one
   :class:`~scaffold_jax.types.SimState` (client table + server) counted twice (room for a
@@ -91,19 +91,15 @@ from scaffold_jax.engine import (
     MAX_SEED,
     SEED_WHY,
     Simulation,
-    available_memory_bytes,
     check_count,
     initial_state,
     repeat_rounds,
 )
 from scaffold_jax.loop import drive
+from scaffold_jax.resources import WORK_BUFFERS_PER_CLIENT, choose_chunk_size, chunk_shape
 from scaffold_jax.tree import tree_bytes
 from scaffold_jax.types import HParams, PyTree, SimState, check_hparams
 
-#: Per sampled client, the number of params-sized float32 buffers the round keeps live.
-WORK_BUFFERS_PER_CLIENT = 8
-#: Fraction of the free memory a sweep may use when no budget is given.
-DEFAULT_MEMORY_FRACTION = 0.5
 _ATTRIBUTE = "_sweep_program"  # where Sweep.of keeps a simulation's Sweep
 
 
@@ -205,43 +201,6 @@ def config_bytes(simulation: Simulation, data) -> int:
     batch_bytes = tree_bytes(batches, min_width=4)
     working = simulation.clients_per_round * (WORK_BUFFERS_PER_CLIENT * params_bytes + batch_bytes)
     return 2 * tree_bytes(state) + working
-
-
-def choose_chunk_size(
-    num_configs: int,
-    bytes_per_config: int,
-    memory_budget_bytes: int | None = None,
-    max_configs_per_chunk: int | None = None,
-) -> int:
-    """The most configs a chunk may hold: as many as the budget holds, capped, at least 1.
-
-    :func:`chunk_shape` then lays the chunk out over seeds and configs.
-
-    Args:
-      num_configs: C.
-      bytes_per_config: from :func:`config_bytes`.
-      memory_budget_bytes: the budget (default: half of :func:`available_memory_bytes`).
-      max_configs_per_chunk: an upper bound set by the caller.
-
-    Returns:
-      An int in ``[1, C]``.
-
-    Examples:
-      >>> choose_chunk_size(10, bytes_per_config=100, memory_budget_bytes=450)
-      4
-      >>> choose_chunk_size(10, bytes_per_config=100, memory_budget_bytes=10**6)
-      10
-    """
-    if memory_budget_bytes is None:
-        memory_budget_bytes = int(DEFAULT_MEMORY_FRACTION * available_memory_bytes())
-    chunk = min(num_configs, max(1, int(memory_budget_bytes // max(bytes_per_config, 1))))
-    if max_configs_per_chunk is not None:
-        if int(max_configs_per_chunk) < 1:
-            raise ValueError(
-                f"max_configs_per_chunk = {max_configs_per_chunk} is invalid: it must be >= 1."
-            )
-        chunk = min(chunk, int(max_configs_per_chunk))
-    return chunk
 
 
 # ------------------------------------------------------------------------------ results
@@ -759,23 +718,6 @@ def _layout(seeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
     real = np.asarray([[i < len(members) for i in range(size)] for members in groups.values()])
     return np.asarray(list(groups), np.int64), slots, real
-
-
-def chunk_shape(num_seeds: int, group_size: int, max_configs: int) -> tuple[int, int]:
-    """``(g, m)``: seeds and configs per seed in a chunk, with ``g × m ≤ max_configs``.
-
-    Whole seed groups first (m = M, as many seeds as fit), else parts of one group; both
-    evened out so the chunks are as equal as they can be (less padding).
-
-    Examples:
-      >>> chunk_shape(4, 8, 32), chunk_shape(4, 8, 20), chunk_shape(4, 8, 5)
-      ((4, 8), (2, 8), (1, 4))
-    """
-    m = min(group_size, max(1, max_configs))
-    m = math.ceil(group_size / math.ceil(group_size / m))
-    g = min(num_seeds, max(1, max_configs // m))
-    g = math.ceil(num_seeds / math.ceil(num_seeds / g))
-    return g, m
 
 
 def sweep(

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import scaffold_jax as sj
-from scaffold_jax import checkpoint, cli, engine, paper
+from scaffold_jax import checkpoint, cli, paper, resources
 from scaffold_jax import sweep as sweeps
 from scaffold_jax.data import partition, sources
 from scaffold_jax.experiments import ConfigError, RunConfig
@@ -138,7 +138,7 @@ def with_values(field: str, index: tuple, value, dtype=None, sizes=(2, 9, 5)):
 
 def with_memory(num_bytes: int, call: Callable[[], object]) -> object:
     """``call()`` on a machine with ``num_bytes`` of memory available."""
-    with mock.patch.object(engine, "available_memory_bytes", lambda device=None: num_bytes):
+    with mock.patch.object(resources, "available_memory_bytes", lambda device=None: num_bytes):
         return call()
 
 

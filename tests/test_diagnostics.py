@@ -22,6 +22,7 @@ from jax.flatten_util import ravel_pytree
 import scaffold_jax as sj
 from scaffold_jax import diagnostics as dg
 from scaffold_jax.data.synthetic import figure3_problem, procedural_synthetic, quadratic_problem
+from scaffold_jax.resources import DEFAULT_EXAMPLES_PER_CHUNK
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -78,7 +79,7 @@ def test_client_gradients_match_per_client_loop(unequal_data, unequal_problem):
     want = reference_client_grads(unequal_problem, unequal_data, params)
     # examples_per_chunk=30 gives 2 clients per chunk: 7 clients leave a ragged last chunk.
     examples_per_chunk = 30
-    for chunk in (dg.DEFAULT_EXAMPLES_PER_CHUNK, examples_per_chunk):
+    for chunk in (DEFAULT_EXAMPLES_PER_CHUNK, examples_per_chunk):
         got = dg.client_gradients(unequal_problem, unequal_data, params, examples_per_chunk=chunk)
         for i, g in enumerate(want):
             assert_trees_close(jax.tree.map(lambda a, i=i: a[i], got), g, rtol=1e-5, atol=1e-7)

@@ -15,6 +15,7 @@ from conftest import (
 )
 
 import scaffold_jax as sj
+from scaffold_jax import resources
 from scaffold_jax.sampling import sample_clients
 
 
@@ -160,7 +161,6 @@ def test_scaffold_reaches_the_optimum_where_fedavg_stalls():
 def test_client_chunks_equal_one_vmap_over_all_sampled_clients(monkeypatch):
     """Chunked rounds (even, uneven and the automatic CPU chunk) give the unchunked run's
     state and metrics: the same clients, batches and updates, summed in another order."""
-    from scaffold_jax import engine
 
     data = sj.from_client_arrays(make_classification_clients(list(range(3, 43)), seed=3))
     problem = sj.models.logistic_regression((5,), 3)
@@ -168,7 +168,7 @@ def test_client_chunks_equal_one_vmap_over_all_sampled_clients(monkeypatch):
     hp = sj.hparams(client_lr=0.3)
     # One client's working set: batches 288 B + one step in float32 96 B + 4 x params 288 B.
     # A budget of 5 clients makes the automatic rule chunk: 5 -> 4, a divisor of S = 16.
-    monkeypatch.setattr(engine, "CLIENT_CHUNK_BYTES", 5 * 672)
+    monkeypatch.setattr(resources, "CLIENT_CHUNK_BYTES", 5 * 672)
     runs, chunks = {}, {}
     for chunk in (None, 4, 7, "auto"):
         sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, plan, 16, client_chunk=chunk)
@@ -181,18 +181,17 @@ def test_client_chunks_equal_one_vmap_over_all_sampled_clients(monkeypatch):
 
 
 def test_automatic_client_chunk_follows_the_memory_budget(monkeypatch, small_data, small_problem):
-    from scaffold_jax import engine
 
     plan = sj.BatchPlan.fixed(batch_size=3, num_steps=2)
     sim = sj.Simulation(sj.fedavg(small_problem.loss_fn), small_problem, plan, 6)
     assert sim.resolve_client_chunk(small_data) is None  # all 6 fit 16 MiB
-    monkeypatch.setattr(engine, "CLIENT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(resources, "CLIENT_CHUNK_BYTES", 1)
     assert sim.resolve_client_chunk(small_data) == 1
-    monkeypatch.setattr(engine, "CLIENT_CHUNK_BYTES", 3 * 10**9)
+    monkeypatch.setattr(resources, "CLIENT_CHUNK_BYTES", 3 * 10**9)
     assert sim.resolve_client_chunk(small_data) is None
-    assert [engine.balanced_chunk(1000, c) for c in (64, 50, 7)] == [50, 50, 5]
-    assert engine.balanced_chunk(97, 10) == 10  # prime: 9 chunks of 10 and one of 7
-    assert engine.balanced_chunk(8, 8) is None
+    assert [resources.balanced_chunk(1000, c) for c in (64, 50, 7)] == [50, 50, 5]
+    assert resources.balanced_chunk(97, 10) == 10  # prime: 9 chunks of 10 and one of 7
+    assert resources.balanced_chunk(8, 8) is None
 
 
 @pytest.mark.parametrize("chunk", ["fast", 0, 2.5, True])

@@ -13,6 +13,7 @@ from conftest import assert_trees_close, quadratic_clients
 
 import scaffold_jax as sj
 from scaffold_jax import results
+from scaffold_jax.resources import available_memory_bytes, choose_chunk_size, chunk_shape
 from scaffold_jax.results import (
     format_summary,
     plot_best_curves,
@@ -20,16 +21,7 @@ from scaffold_jax.results import (
     rounds_to_target,
     summarize,
 )
-from scaffold_jax.sweep import (
-    Sweep,
-    SweepResult,
-    available_memory_bytes,
-    choose_chunk_size,
-    chunk_shape,
-    config_bytes,
-    grid,
-    sweep,
-)
+from scaffold_jax.sweep import Sweep, SweepResult, config_bytes, grid, sweep
 
 ROUNDS, EVERY = 4, 2
 METRICS = ("test_loss", "test_accuracy", "train_loss")
@@ -238,7 +230,7 @@ def test_chunk_shape(seeds, per_seed, cap, expected):
 
 
 def test_available_memory_is_read(tmp_path):
-    from scaffold_jax.engine import _meminfo_available
+    from scaffold_jax.resources import _meminfo_available
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  2048 kB\nMemAvailable:  1024 kB\n")

@@ -1,0 +1,144 @@
+"""The ONE resource policy: how much a program may hold, and how work is cut into chunks.
+
+Used by the engine (how many sampled clients one vmapped chunk of a round runs, and whether
+a client table fits), by sweeps (how many configs one chunk of a sweep holds, laid out over
+seeds) and by the diagnostics (how many clients one chunk of a full-gradient pass reads).
+Everything here is a pure function of sizes and of the memory the device reports, so a
+policy is changed (or monkeypatched in a test) in one place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+CLIENT_CHUNK_BYTES = 16 * 2**20
+"""Working-set budget of one chunk of clients on CPU (``client_chunk="auto"``), sized so
+that a chunk's K local steps run from a server core's L2/L3 caches."""
+
+
+_FALLBACK_AVAILABLE_BYTES = 2 << 30
+
+
+def available_memory_bytes(device: jax.Device | None = None) -> int:
+    """Free memory on ``device`` (default the first): ``bytes_limit − bytes_in_use`` on an
+    accelerator, ``MemAvailable`` of ``/proc/meminfo`` on CPU, 2 GiB when neither can be
+    read. (A sweep sizes its chunks from it; :meth:`Simulation.check` refuses a client
+    table larger than it.)"""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "cpu":
+        try:
+            stats = device.memory_stats() or {}
+            if "bytes_limit" in stats:
+                return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        except Exception:  # backends without memory stats raise their own errors
+            pass
+    return _meminfo_available() or _FALLBACK_AVAILABLE_BYTES
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def format_bytes(num: int) -> str:
+    """``1073741824`` -> ``'1.0 GiB'``."""
+    value, unit = float(num), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024 or unit == "EiB":
+            break
+        value /= 1024
+    return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+
+
+def balanced_chunk(num: int, chunk: int) -> int | None:
+    """A chunk size of at most ``chunk`` that splits ``num`` evenly when it can.
+
+    The largest divisor of ``num`` in ``[chunk / 2, chunk]``, else ``ceil(num / n)`` for the
+    fewest chunks n; None when one chunk holds all ``num``.
+    """
+    if chunk >= num:
+        return None
+    for size in range(chunk, max(1, chunk // 2) - 1, -1):
+        if num % size == 0:
+            return size
+    return -(-num // -(-num // chunk))
+
+
+#: Examples (times vectors, for batched Hessian-vector products) one vmapped chunk of
+#: clients processes in the diagnostics' full-data passes. 2**17 float32 logits of width 10
+#: is ~5 MB; an MLP of width 256 needs ~130 MB of activations per chunk.
+DEFAULT_EXAMPLES_PER_CHUNK = 2**17
+
+
+def clients_per_chunk(examples_per_chunk: int, per_client: int, num: int) -> int:
+    """Clients per vmapped chunk of a full-data pass: ~``examples_per_chunk`` examples, at
+    least 1, at most ``num``."""
+    return int(max(1, min(num, examples_per_chunk // max(1, per_client))))
+
+
+#: Per sampled client, the number of params-sized float32 buffers the round keeps live.
+WORK_BUFFERS_PER_CLIENT = 8
+#: Fraction of the free memory a sweep may use when no budget is given.
+DEFAULT_MEMORY_FRACTION = 0.5
+
+
+def choose_chunk_size(
+    num_configs: int,
+    bytes_per_config: int,
+    memory_budget_bytes: int | None = None,
+    max_configs_per_chunk: int | None = None,
+) -> int:
+    """The most configs a chunk may hold: as many as the budget holds, capped, at least 1.
+
+    :func:`chunk_shape` then lays the chunk out over seeds and configs.
+
+    Args:
+      num_configs: C.
+      bytes_per_config: from :func:`scaffold_jax.sweep.config_bytes`.
+      memory_budget_bytes: the budget (default: half of :func:`available_memory_bytes`).
+      max_configs_per_chunk: an upper bound set by the caller.
+
+    Returns:
+      An int in ``[1, C]``.
+
+    Examples:
+      >>> choose_chunk_size(10, bytes_per_config=100, memory_budget_bytes=450)
+      4
+      >>> choose_chunk_size(10, bytes_per_config=100, memory_budget_bytes=10**6)
+      10
+    """
+    if memory_budget_bytes is None:
+        memory_budget_bytes = int(DEFAULT_MEMORY_FRACTION * available_memory_bytes())
+    chunk = min(num_configs, max(1, int(memory_budget_bytes // max(bytes_per_config, 1))))
+    if max_configs_per_chunk is not None:
+        if int(max_configs_per_chunk) < 1:
+            raise ValueError(
+                f"max_configs_per_chunk = {max_configs_per_chunk} is invalid: it must be >= 1."
+            )
+        chunk = min(chunk, int(max_configs_per_chunk))
+    return chunk
+
+
+def chunk_shape(num_seeds: int, group_size: int, max_configs: int) -> tuple[int, int]:
+    """``(g, m)``: seeds and configs per seed in a chunk, with ``g × m ≤ max_configs``.
+
+    Whole seed groups first (m = M, as many seeds as fit), else parts of one group; both
+    evened out so the chunks are as equal as they can be (less padding).
+
+    Examples:
+      >>> chunk_shape(4, 8, 32), chunk_shape(4, 8, 20), chunk_shape(4, 8, 5)
+      ((4, 8), (2, 8), (1, 4))
+    """
+    m = min(group_size, max(1, max_configs))
+    m = math.ceil(group_size / math.ceil(group_size / m))
+    g = min(num_seeds, max(1, max_configs // m))
+    g = math.ceil(num_seeds / math.ceil(num_seeds / g))
+    return g, m

@@ -47,6 +47,7 @@ import numpy as np
 
 from scaffold_jax import engine
 from scaffold_jax.engine import MAX_SEED, SEED_WHY, check_count
+from scaffold_jax.sampling import uniform
 from scaffold_jax.types import HParams, PyTree, SimState, format_hparams
 
 Record = dict[str, Any]
@@ -497,7 +498,19 @@ def run_identity(
         "seed": int(seed),
         "hparams": {k: np.asarray(v).tolist() for k, v in hparams.items()},
     }
+    if simulation.sampler is not uniform:
+        # Only another sampler is named: identities written before samplers existed resume.
+        identity["sampler"] = _describe(simulation.sampler)
     return json.loads(json.dumps(identity))  # the form it has after a JSON round trip
+
+
+def _describe(fn) -> str:
+    """A sampler as ``module.name(keyword=value, ...)``, a ``functools.partial`` unwrapped
+    (what :func:`scaffold_jax.sampling.make` returns)."""
+    keywords = getattr(fn, "keywords", {})
+    fn = getattr(fn, "func", fn)
+    args = ", ".join(f"{k}={v!r}" for k, v in sorted(keywords.items()))
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}({args})"
 
 
 def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], where: str) -> None:

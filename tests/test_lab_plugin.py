@@ -175,3 +175,17 @@ def test_reproduce_takes_plugins_for_its_extra_methods(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     methods = {cell["method"] for cell in summary["cells"]}
     assert methods == {"sgd", "scaffold", "fedavg", "fedprox", "damped_fedavg"}
+
+
+def test_an_api_resume_with_another_sampler_is_refused(blobs, lab, tmp_path):
+    """The run identity names a sampler other than the paper's uniform one, with its
+    options: a checkpoint of a cyclic run does not resume under another stride."""
+    built = experiments.build(_config(blobs))
+    sim = built.simulation.replace(sampler=sampling.make("cyclic", {"cyclic_stride": 1}))
+    args = dict(num_rounds=2, eval_every=2, checkpoint_dir=tmp_path / "ckpt")
+    sim.run(built.data, built.hparams, **args)
+    other = sim.replace(sampler=sampling.make("cyclic", {"cyclic_stride": 5}))
+    with pytest.raises(ValueError, match=r"sampler: .*cyclic\(stride=1\).* in the checkpoint"):
+        other.run(built.data, built.hparams, resume=True, **args)
+    resumed = sim.run(built.data, built.hparams, resume=True, **{**args, "num_rounds": 3})
+    assert resumed.records[-1]["round"] == 3

@@ -907,10 +907,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _default(declared: Any) -> Any:
-    return declared.default
-
-
 def _parsed(declared: Any, value: Any) -> Any:
     """A declared option's value in its canonical form (a hyper-parameter's as it is)."""
     try:

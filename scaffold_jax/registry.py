@@ -182,21 +182,6 @@ def _as_float(value: Any) -> Any:
     return value
 
 
-def check_options(
-    declared: Mapping[str, Option], given: Mapping[str, Any], owner: str
-) -> list[str]:
-    """Errors for ``given`` options against what ``owner`` (e.g. "model 'mlp'") declares:
-    an undeclared name or a value out of range."""
-    errors = []
-    for name, value in given.items():
-        if name not in declared:
-            takes = ", ".join(declared) or "no options"
-            errors.append(f"{owner} has no option {name!r} (it takes {takes}).")
-        elif (error := declared[name].error(name, value)) is not None:
-            errors.append(error)
-    return errors
-
-
 def resolve_options(declared: Mapping[str, Option], given: Mapping[str, Any]) -> dict[str, Any]:
     """``{name: value}`` of every declared option: the given value (parsed) or its
     default, in declaration order."""

@@ -605,11 +605,12 @@ def _sweep_command(args: argparse.Namespace) -> int:
         if name not in ALGORITHMS:
             raise ConfigError(ALGORITHMS.unknown_message(name))
 
+    algorithm_options = experiments.declared_options(("algorithm",))
+
     def for_algorithm(name: str, setting: dict[str, Any]) -> RunConfig:
         """The config of one grid: ``setting``'s values, and the hyper-parameters and
         options ``name`` declares."""
         spec = ALGORITHMS[name]
-        algorithm_options = experiments.declared_options(("algorithm",))
         return given.replace(
             algorithm=name,
             hparams={k: v for k, v in given.hparams.items() if k in spec.hparams},
@@ -621,7 +622,6 @@ def _sweep_command(args: argparse.Namespace) -> int:
             **setting,
         ).validate()
 
-    algorithm_options = experiments.declared_options(("algorithm",))
     for table in ("hparams", "options"):
         for key in getattr(given, table):
             if table == "options" and key not in algorithm_options:

@@ -101,10 +101,11 @@ def declared_options(kinds: Sequence[str] = tuple(OPTION_OWNERS)) -> dict[str, A
     return out
 
 
-def option_owners(name: str) -> list[str]:
-    """The entries that declare the option ``name``, e.g. ``["model 'mlp'"]``."""
+def option_owners(name: str) -> list[tuple[str, str]]:
+    """``(kind, entry)`` of the entries that declare the option ``name``, e.g.
+    ``[("model", "mlp")]``."""
     return [
-        f"{kind} {entry!r}"
+        (kind, entry)
         for kind, registry in OPTION_OWNERS.items()
         for entry, spec in registry.items()
         if name in spec.options
@@ -539,9 +540,9 @@ class RunConfig:
             return
         chosen = {name: (kind, entry, opt) for kind, entry, table in self.chosen()
                   for name, opt in table.items()}  # fmt: skip
-        everywhere = declared_options()
+        everywhere, hparams = declared_options(), declared_hparams()  # read once, not per name
         for name, value in self.options.items():
-            if name in STEP_SIZES or name in declared_hparams():
+            if name in STEP_SIZES or name in hparams:
                 errors.append(
                     f"options.{name} is invalid: {name} is a hyper-parameter; set it as "
                     f"{name} = ... or in the hparams table."
@@ -564,16 +565,14 @@ class RunConfig:
             elif _option_error(errors, name, value, everywhere[name]) and _parsed(
                 everywhere[name], value
             ) != _parsed(everywhere[name], everywhere[name].default):
-                owner_kind, owner = option_owners(name)[0].split(" ", 1)
+                owner_kind = option_owners(name)[0][0]
+                owners = [repr(e) for k, e in option_owners(name) if k == owner_kind]
                 why = ALGORITHMS[self.algorithm].refuses.get(name) if (
                     self.algorithm in ALGORITHMS
                 ) else None  # fmt: skip
                 mine = [f"{k} = {e!r}" for k, e, _ in self.chosen() if k == owner_kind]
-                owners = [
-                    o.split(" ", 1)[1] for o in option_owners(name) if o.startswith(owner_kind)
-                ]
                 fix = (
-                    f"remove it or set {owner_kind} = {owner}"
+                    f"remove it or set {owner_kind} = {owners[0]}"
                     if len(owners) == 1
                     else f"it is an option of {owner_kind} {', '.join(owners)}: remove it or "
                     "choose one of them"
@@ -827,8 +826,8 @@ def config_reference() -> str:
         elif getattr(option, "low", None) is not None or getattr(option, "high", None) is not None:
             meaning += f" ({option.describe()})"
         kind = getattr(option, "kind", "str")
-        owners = ", ".join(f"`{o.split(' ', 1)[1][1:-1]}`" for o in option_owners(name))
-        owner_kinds = sorted({o.split(" ", 1)[0] for o in option_owners(name)})
+        owners = ", ".join(f"`{entry}`" for _, entry in option_owners(name))
+        owner_kinds = sorted({kind for kind, _ in option_owners(name)})
         lines.append(
             f"| `{name}` | `--{name.replace('_', '-')}` | {kind} | {cell(option.default)} | "
             f"{' / '.join(owner_kinds)} {owners} | {text(meaning)} |"

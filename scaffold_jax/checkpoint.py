@@ -32,14 +32,25 @@ simulation is NOT treated as corrupt: that raises ``ValueError`` at once and mov
 Several processes (``jax.distributed.initialize``). Every process opens the same
 :class:`Checkpointer` and calls :meth:`~Checkpointer.save` and
 :meth:`~Checkpointer.restore_latest` at the same points (both are collectives), on a
-directory that all of them see (a shared filesystem). Saving gathers every leaf, blocks held
-by other processes included, to the host of EVERY process (so each process briefly holds the
-whole client table in host memory), checksums it there, and orbax writes the files from
-process 0 only, with barriers around the save. Restoring reads the files on every process,
-verifies them there, and each process builds only its own blocks of a leaf spread over
-processes (``jax.make_array_from_callback``). The processes agree on whether a checkpoint is
-corrupt (it is when any of them fails to read or verify it), and only process 0 changes the
-directory (removing partial saves, renaming corrupt steps), between barriers.
+directory that all of them see (a shared filesystem). No process ever holds another's part
+of the client table: a leaf spread over processes is handed to orbax as the ``jax.Array``
+it is, and orbax writes each process's own blocks from that process, in parallel (into
+``arrays/ocdbt.process_<i>/``, whose index process 0 merges before the rename).
+Gathering the whole table to every host, as this module first did, cost each process the
+host memory of the entire ``[N, ...]`` table (the very thing a client mesh spreads out) and
+serialised the write on process 0. The checksums follow the blocks: each process hashes the
+blocks it holds (one copy of each: the ``replica_id == 0`` one), the digests alone (a few
+bytes each) are gathered, and process 0 writes them all in ``meta``, keyed by the block's
+slice (``"0:12,0:5,0:3"``). Leaves held whole by every process (one process, or host
+arrays) are saved from process 0 with one digest per leaf, as before. Restoring asks orbax
+for each leaf with the sharding of ``like_state``, so each process reads only its own
+blocks, and verifies each against its digest. A checkpoint whose blocks do not line up with
+``like_state``'s (written by another number of processes or devices, or on one process) is
+read whole on every process and checked slice by slice instead. The arrays are read
+without orbax's closing barrier, so a damaged file that only one process reads cannot leave
+the others waiting: the processes then agree on whether the step is corrupt (it is when any
+of them fails to read or verify it), and only process 0 changes the directory (removing
+partial saves, renaming corrupt steps), between barriers.
 
 Examples:
   >>> import tempfile, jax.random as jr, numpy as np
@@ -72,7 +83,6 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax.tree import to_host
 from scaffold_jax.types import PyTree
 
 FORMAT = "scaffold_jax.checkpoint/1"
@@ -118,6 +128,103 @@ def _sha256(array: np.ndarray) -> str:
     return hashlib.sha256(flat.view(np.uint8).data).hexdigest()
 
 
+def _spreads(sharding: jax.sharding.Sharding) -> bool:
+    """Whether ``sharding`` puts blocks on other processes (never with one process)."""
+    return not sharding.is_fully_addressable
+
+
+def _is_spread(a: Any) -> bool:
+    """Whether ``a`` is a (non-empty) jax.Array with blocks held by other processes."""
+    return isinstance(a, jax.Array) and a.size > 0 and _spreads(a.sharding)
+
+
+def _host_or_spread(a: Any) -> Any:
+    """``a`` as saved: a jax.Array spread over processes as it is; anything else as a
+    numpy array (typed keys as their key data)."""
+    if isinstance(a, jax.Array):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a = jr.key_data(a)
+        if _is_spread(a):
+            return a
+        if a.size == 0:  # nothing to fetch, from any process
+            return np.zeros(a.shape, a.dtype)
+    return np.asarray(a)
+
+
+def _block_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
+    """A block's place in its array as text, e.g. ``"0:12,0:5,0:3"`` (``""`` for a scalar)."""
+    return ",".join("{}:{}".format(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def _block_digests(a: jax.Array) -> dict[str, str]:
+    """The SHA-256 of each block of ``a`` this process holds, one copy of each: the
+    ``replica_id == 0`` one (another process hashes a block held by several)."""
+    return {
+        _block_key(s.index, a.shape): _sha256(np.asarray(s.data))
+        for s in a.addressable_shards
+        if s.replica_id == 0
+    }
+
+
+def _gather_block_digests(own: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
+    """Every process's block digests, merged (a collective with several processes).
+
+    Only the digests travel: each process's ``own`` as JSON bytes, padded to the longest,
+    through two ``process_allgather`` calls on small numpy arrays.
+    """
+    if jax.process_count() == 1:
+        return own
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps({str(i): d for i, d in own.items()}).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32)))
+    sizes = sizes.reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    merged: dict[int, dict[str, str]] = {}
+    for row, size in zip(rows, sizes, strict=True):
+        for i, digests in json.loads(row[: int(size)].tobytes()).items():
+            merged.setdefault(int(i), {}).update(digests)
+    return merged
+
+
+def _block_sharding(m: dict[str, Any], like: Any) -> jax.sharding.Sharding | None:
+    """``like``'s sharding when the leaf ``m`` was saved in exactly its blocks and it spreads
+    over processes (each process then reads its own blocks); None to read it whole.
+
+    Decided from global information only, so every process decides alike."""
+    sharding = getattr(like, "sharding", None)
+    if "blocks" not in m or not isinstance(sharding, jax.sharding.Sharding):
+        return None
+    if not _spreads(sharding):
+        return None
+    shape = tuple(m["shape"])
+    keys = {_block_key(i, shape) for i in sharding.devices_indices_map(shape).values()}
+    return sharding if keys == set(m["blocks"]) else None
+
+
+def _verified(value: Any, m: dict[str, Any]) -> bool:
+    """Whether ``value`` (a numpy array, or a jax.Array of this process's blocks) has the
+    shape, dtype and checksum(s) ``m`` records."""
+    if list(value.shape) != m["shape"] or str(jnp.dtype(value.dtype)) != m["dtype"]:
+        return False
+    if "sha256" in m:  # one digest for the leaf: value is whole
+        return _sha256(np.asarray(value)) == m["sha256"]
+    blocks = m["blocks"]
+    if isinstance(value, jax.Array):  # this process's blocks, replicas included
+        pieces = [(_block_key(s.index, value.shape), s.data) for s in value.addressable_shards]
+    else:  # read whole: check every block saved
+        pieces = [(k, value[_block_slices(k)]) for k in blocks]
+    return all(blocks.get(k) == _sha256(np.asarray(data)) for k, data in pieces)
+
+
+def _block_slices(key: str) -> tuple[slice, ...]:
+    if not key:
+        return ()
+    return tuple(slice(*(int(x) for x in part.split(":"))) for part in key.split(","))
+
+
 def _canonical(payload: dict[str, Any]) -> str:
     return json.dumps(payload, sort_keys=True, allow_nan=True)
 
@@ -161,6 +268,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, item_names=("arrays", "meta"), options=options
         )
+        self._arrays_handler = ocp.StandardCheckpointHandler()
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Checkpointer:
@@ -172,6 +280,7 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for orbax to finish and releases its threads."""
         self._manager.close()
+        self._arrays_handler.close()
 
     # ------------------------------------------------------------------ listing
     def rounds(self) -> list[int]:
@@ -202,8 +311,9 @@ class Checkpointer:
         """Writes a checkpoint atomically and drops the oldest beyond ``max_to_keep``.
 
         Args:
-          state: the state to save, usually a :class:`~scaffold_jax.types.SimState`. Its
-            arrays are copied to the host first, so it may be donated right afterwards.
+          state: the state to save, usually a :class:`~scaffold_jax.types.SimState`. The
+            save is synchronous (its arrays are on disk when it returns), so it may be
+            donated right afterwards.
           key: the run's root key (a typed key or raw ``uint32`` key data).
           extra: a JSON-able dict stored alongside (NaN and Inf floats are allowed).
           step: the checkpoint's round; default ``int(state.round)``.
@@ -224,12 +334,20 @@ class Checkpointer:
                 "checkpoints are never overwritten."
             )
         key_impl, key_data = _split_key(key)
-        # With several processes a collective: every process gets every leaf, whole.
-        leaves = to_host(jax.tree.leaves(state))
-        leaf_meta = [
-            {"path": p, "shape": list(a.shape), "dtype": str(a.dtype), "sha256": _sha256(a)}
-            for p, a in zip(_leaf_paths(state), leaves, strict=True)
-        ]
+        # A leaf spread over processes stays a jax.Array: orbax writes each process's blocks
+        # from that process, and only their digests travel (a collective with several
+        # processes). Every other leaf is copied to the host whole, as with one process.
+        leaves = [_host_or_spread(a) for a in jax.tree.leaves(state)]
+        own = {i: _block_digests(a) for i, a in enumerate(leaves) if _is_spread(a)}
+        blocks = _gather_block_digests(own)
+        leaf_meta = []
+        for i, (p, a) in enumerate(zip(_leaf_paths(state), leaves, strict=True)):
+            m = {"path": p, "shape": list(a.shape), "dtype": str(jnp.dtype(a.dtype))}
+            if i in blocks:
+                m["blocks"] = blocks[i]
+            else:
+                m["sha256"] = _sha256(a)
+            leaf_meta.append(m)
         try:
             extra = json.loads(json.dumps({} if extra is None else dict(extra)))
         except (TypeError, ValueError) as err:
@@ -331,32 +449,41 @@ class Checkpointer:
             raise _Corrupt(f"its metadata says round {payload['round']}")
         like_leaves, treedef = jax.tree.flatten(like_state)
         _check_matches(path, payload["leaves"], like_state)
-        target = {
-            f"{i:05d}": np.zeros(m["shape"], _dtype(m["dtype"]))
-            for i, m in enumerate(payload["leaves"])
-            if int(np.prod(m["shape"])) > 0
-        }
+        # A leaf saved in blocks that line up with like_state's sharding comes back as a
+        # jax.Array of that sharding: each process reads only its own blocks. Any other leaf
+        # is read whole (as a numpy array) on every process.
+        target = {}
+        for i, (m, like) in enumerate(zip(payload["leaves"], like_leaves, strict=True)):
+            if int(np.prod(m["shape"])) == 0:
+                continue
+            sharding = _block_sharding(m, like)
+            target[f"{i:05d}"] = (
+                np.zeros(m["shape"], _dtype(m["dtype"]))
+                if sharding is None
+                else jax.ShapeDtypeStruct(tuple(m["shape"]), _dtype(m["dtype"]), sharding=sharding)
+            )
         try:
             # One key unless the checkpoint says otherwise (its metadata names the shape).
             key_shape = payload.get("key_shape", [_key_size(payload["key_impl"])])
             target["key"] = np.zeros(key_shape, np.uint32)
-            arrays = self._manager.restore(
-                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target))
-            ).arrays
-            arrays = {k: np.asarray(v) for k, v in arrays.items()}
+            # Through the handler, not the manager: the manager ends its restore with a
+            # barrier, which a process whose read failed would never reach.
+            arrays = self._arrays_handler.restore(
+                path / "arrays", args=ocp.args.StandardRestore(target)
+            )
+            arrays = {
+                k: v if isinstance(target[k], jax.ShapeDtypeStruct) else np.asarray(v)
+                for k, v in arrays.items()
+            }
         except Exception as err:
             raise _Corrupt(f"unreadable arrays: {_short(err)}") from err
         leaves = []
         for i, (m, like) in enumerate(zip(payload["leaves"], like_leaves, strict=True)):
             name = f"{i:05d}"
             value = arrays.get(name, np.zeros(m["shape"], _dtype(m["dtype"])))
-            if (
-                list(value.shape) != m["shape"]
-                or str(value.dtype) != m["dtype"]
-                or _sha256(value) != m["sha256"]
-            ):
+            if not _verified(value, m):
                 raise _Corrupt(f"array {m['path']} fails its checksum")
-            leaves.append(_place(value, like))
+            leaves.append(value if isinstance(value, jax.Array) else _place(value, like))
         key_data = arrays["key"]
         if _sha256(key_data) != payload["key_sha256"]:
             raise _Corrupt("the root key fails its checksum")
@@ -457,7 +584,8 @@ def _place(value: np.ndarray, like: Any) -> jax.Array:
         return jnp.asarray(value)
     if sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
-    # Spread over processes: every process holds the whole value and builds its blocks.
+    # Spread over processes, but the checkpoint's blocks differ from this sharding's: every
+    # process read the whole value and builds its own blocks from it.
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 

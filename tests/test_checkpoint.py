@@ -284,6 +284,59 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, co
     assert checkpoint.restore_latest(tmp_path, old).round == 2
 
 
+def _as_on_several_processes(monkeypatch):
+    """Makes every sharding count as spread over processes, so one process saves and
+    restores leaves block by block, as each of several processes does with its own."""
+    monkeypatch.setattr(checkpoint, "_spreads", lambda sharding: True)
+
+
+def _unsharded(state):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+
+
+def test_leaves_spread_over_processes_are_saved_with_one_digest_per_block(tmp_path, monkeypatch):
+    _as_on_several_processes(monkeypatch)
+    state = random_state()
+    checkpoint.save(tmp_path, at_round(state, 3), jr.key(7))
+    payload = json.loads((tmp_path / "3" / "meta" / "metadata").read_text())["payload"]
+    for m in payload["leaves"]:
+        assert "sha256" not in m, m
+        whole = ",".join(f"0:{n}" for n in m["shape"])  # one device: one block, the leaf
+        assert list(m["blocks"]) == [whole], m
+    # Read back block by block (orbax restores into the like_state's shardings) and whole
+    # (a like_state without shardings: every block is checked as a slice of the whole).
+    for like in (state, _unsharded(state)):
+        restored = checkpoint.restore_latest(tmp_path, like)
+        assert restored.round == 3
+        assert_bitwise_equal(leaves(restored.state)[:-1], leaves(state)[:-1])
+        np.testing.assert_array_equal(jr.key_data(restored.key), jr.key_data(jr.key(7)))
+
+
+@pytest.mark.parametrize("read", ["block-by-block", "whole"])
+def test_a_flipped_byte_in_a_block_fails_its_checksum_and_the_step_is_quarantined(
+    tmp_path, monkeypatch, read
+):
+    """The flip lands in the table's values: 200 clients make them too large (> 1 KiB) for
+    orbax to inline them in its checksummed index, so orbax reads the wrong bytes silently
+    and only the block's digest catches them."""
+    _as_on_several_processes(monkeypatch)
+    old, new = random_state(200, seed=1), random_state(200, seed=2)
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(at_round(old, 1), jr.key(0))
+        ckpt.save(at_round(new, 2), jr.key(0))
+    values = max(
+        (p for p in (tmp_path / "2" / "arrays").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+    _flip_byte(values)
+    like = old if read == "block-by-block" else _unsharded(old)
+    with pytest.warns(UserWarning, match=r"2 is corrupt \(array .* fails its checksum\)"):
+        restored = checkpoint.restore_latest(tmp_path, like)
+    assert restored.round == 1
+    assert_bitwise_equal(leaves(restored.state)[:-1], leaves(old)[:-1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.corrupt"]
+
+
 def test_a_checkpoint_of_another_shape_is_refused_and_left_in_place(tmp_path):
     checkpoint.save(tmp_path, random_state(num_clients=5), jr.key(0))
     with pytest.raises(ValueError, match=r"does not match this simulation: .*\(5, 4, 3\)"):

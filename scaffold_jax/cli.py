@@ -54,13 +54,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from scaffold_jax import compilation_cache
-from scaffold_jax.experiments import ConfigError, RunConfig
+from scaffold_jax.experiments import DIAGNOSE_FIELDS, ConfigError, RunConfig
+from scaffold_jax.experiments.commands import SETTING_OWNERS
 from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
-from scaffold_jax.progress import Progress
 from scaffold_jax.types import HParam
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
@@ -256,15 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The config fields that mean something to ``diagnose``: the data, its partition, the
-#: model at its initial params, and the step size of the --gd-steps path. The algorithm,
-#: sampling, local plan and horizon do not enter G, B, δ or β, so they have no flags there.
-DIAGNOSE_FIELDS = (
-    "dataset", "data_dir", "client_holdout", "download", "max_train_examples",
-    "max_test_examples", "partition", "model", "num_clients", "seed", "client_lr",
-)  # fmt: skip
 #: Whose declared options mean something to ``diagnose`` (not the algorithms').
-DIAGNOSE_OPTIONS = ("model", "partition", "dataset")
+DIAGNOSE_OPTIONS = SETTING_OWNERS
 
 
 def _config_flags(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
@@ -460,7 +451,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
     """``--grid NAME=V1,V2,...`` → ``{NAME: [V1, V2, ...]}`` (the names are checked by
-    :func:`_split_axes`)."""
+    :func:`scaffold_jax.experiments.split_axes`)."""
     axes: dict[str, list[float]] = {}
     for item in items:
         name, sep, values = item.partition("=")
@@ -501,135 +492,10 @@ def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
     return axes
 
 
-#: RunConfig fields that are no axis of a sweep, and what to use instead.
-_NOT_AXES = {
-    "seed": "the run seeds are --seeds; --grid partition_seed=... re-partitions the data",
-    "rounds": "the horizon is one for the whole sweep (--rounds)",
-    "eval_every": "the evaluation cadence is one for the whole sweep (--eval-every)",
-}
-
-
-def _setting_fields() -> dict[str, str]:
-    """``{name: kind}`` of the numeric settings a sweep takes as an outer axis: RunConfig's
-    data and shape fields (num_clients, local_epochs...) and the numeric options models,
-    partitioners and datasets declare (similarity, a plugin model's dropout rate...)."""
-    from scaffold_jax import experiments
-    from scaffold_jax.types import STEP_SIZES
-
-    fields = {
-        f.name: f.metadata["kind"]
-        for f in dataclasses.fields(RunConfig)
-        if f.metadata["kind"] in ("int", "float") and f.name not in (*STEP_SIZES, *_NOT_AXES)
-    }
-    options = experiments.declared_options(DIAGNOSE_OPTIONS)
-    return {**fields, **{k: o.kind for k, o in options.items() if o.is_number}}
-
-
-def _split_axes(
-    axes: dict[str, list[float]], algorithms: Sequence[str]
-) -> tuple[dict[str, list[float]], dict[str, list[float | int]]]:
-    """``(hyper-parameter axes, setting axes)``: the names the sweep's algorithms declare
-    (vmapped in one program per grid) and the data/shape settings (an outer product of
-    separate programs).
-
-    Raises:
-      ConfigError: a name that is neither (naming what it is and what to do), or an
-        integer setting given a non-integer.
-    """
-    import difflib
-
-    from scaffold_jax.algorithms import ALGORITHMS
-
-    declared = list(dict.fromkeys(h for n in algorithms for h in ALGORITHMS[n].hparams))
-    settings = _setting_fields()
-    inner, outer = {}, {}
-    for name, values in axes.items():
-        if name in declared:
-            inner[name] = values
-            continue
-        if name in settings:
-            if settings[name] == "int":
-                bad = [v for v in values if not float(v).is_integer()]
-                if bad:
-                    raise ConfigError(
-                        f"--grid {name}: {name} takes integers; {bad[0]:g} is not one."
-                    )
-                values = [int(v) for v in values]
-            outer[name] = values
-            continue
-        which = ", ".join(algorithms)
-        if name in _NOT_AXES:
-            raise ConfigError(
-                f"--grid {name}: {name} is not an axis of a sweep: {_NOT_AXES[name]}."
-            )
-        owners = [n for n, spec in ALGORITHMS.items() if name in spec.hparams]
-        if owners:
-            raise ConfigError(
-                f"--grid {name}: no algorithm of this sweep ({which}) declares the "
-                f"hyper-parameter {name} ({', '.join(owners)} does); add one with --algorithms "
-                "or remove the axis."
-            )
-        close = difflib.get_close_matches(name, [*declared, *settings], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"--grid {name}: unknown name {name!r}{hint}. An axis is a hyper-parameter an "
-            f"algorithm of this sweep ({which}) declares: {', '.join(declared)}; or a data / "
-            f"shape setting: {', '.join(settings)}."
-        )
-    return inner, outer
-
-
-def _setting_label(setting: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v:g}" for k, v in setting.items())
-
-
 def _sweep_command(args: argparse.Namespace) -> int:
-    import contextlib
-    import importlib.util
-    import itertools
-    import shutil
-    from pathlib import Path
+    from scaffold_jax import experiments
 
-    from scaffold_jax import experiments, results
-    from scaffold_jax import sweep as sweeps
-    from scaffold_jax.algorithms import ALGORITHMS
-
-    given = _config(args, validate=False)
-    if not (isinstance(args.target, (int, float)) and 0.0 < args.target <= 1.0):
-        raise ConfigError(
-            f"--target = {args.target:g} is invalid: it must be a test accuracy in (0, 1], "
-            "e.g. --target 0.7."
-        )
-    names = args.algorithms or [given.algorithm]
-    for name in names:
-        if name not in ALGORITHMS:
-            raise ConfigError(ALGORITHMS.unknown_message(name))
-
-    algorithm_options = experiments.declared_options(("algorithm",))
-
-    def for_algorithm(name: str, setting: dict[str, Any]) -> RunConfig:
-        """The config of one grid: ``setting``'s values, and the hyper-parameters and
-        options ``name`` declares."""
-        spec = ALGORITHMS[name]
-        return given.replace(
-            algorithm=name,
-            hparams={k: v for k, v in given.hparams.items() if k in spec.hparams},
-            options={
-                k: v
-                for k, v in given.options.items()
-                if k in spec.options or k not in algorithm_options
-            },
-            **setting,
-        ).validate()
-
-    for table in ("hparams", "options"):
-        for key in getattr(given, table):
-            if table == "options" and key not in algorithm_options:
-                continue  # a model's, partitioner's or dataset's: checked with each config
-            if not any(key in getattr(ALGORITHMS[n], table) for n in names):
-                raise ConfigError(
-                    f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
-                )
+    _checked_checkpoint_flags(args)
     axes = _grid_axes(args.grid)
     if args.lr_grid:
         if "client_lr" in axes:
@@ -637,273 +503,26 @@ def _sweep_command(args: argparse.Namespace) -> int:
                 "--lr-grid and --grid client_lr=... both give the client_lr axis: give one."
             )
         axes["client_lr"] = [float(v) for v in args.lr_grid]
-    axes, outer = _split_axes(axes, names)
-    # The data and shape settings: an outer product, first axis slowest, each setting its
-    # own programs; every config is checked before anything runs.
-    settings = [
-        dict(zip(outer, combo, strict=True)) for combo in itertools.product(*outer.values())
-    ]
-    grids = [(name, i, setting) for i, setting in enumerate(settings) for name in names]
-    configs_of = {(name, i): for_algorithm(name, setting) for name, i, setting in grids}
-    config = configs_of[(names[0], 0)]
-    for name, values in axes.items():  # each value as its config would hold it
-        for algorithm in (n for n in names if name in ALGORITHMS[n].hparams):
-            cfg = configs_of[(algorithm, 0)]
-            for value in values:
-                if name in ("client_lr", "server_lr"):
-                    cfg.replace(**{name: value}).validate()
-                else:
-                    cfg.replace(hparams={**cfg.hparams, name: value}).validate()
-
-    def key_of(name: str, setting: dict[str, Any]) -> str:
-        return f"{name} {_setting_label(setting)}" if setting else name
-
-    out = Path(config.out or f"results/sweep-{config.dataset}")
-    loaded, sweep_results = {}, {}
-    dataset_name = None
-    to_save = {
-        **config.to_dict(),
-        **{k: getattr(given, k) for k in outer},  # as given: the grid holds their values
-        "algorithms": names,
-        "grid": {**axes, **outer},
-        "seeds": list(args.seeds),
-    }
-    _checked_checkpoint_flags(args)
-    resume = args.resume and (out / results.CONFIG_FILE).is_file()
-    if resume:
-        experiments.check_resumable(out, to_save)
-    else:
-        results.check_folder(out, args.overwrite, dry_run=True)
-    # Every record goes to metrics.jsonl as it is made (one series per config), so a sweep
-    # killed half-way keeps what it finished; each grid (algorithm × setting), once
-    # finished, is a part of the run (parts.jsonl): a resumed sweep keeps those and
-    # continues the others from their chunk checkpoints. The tables come at the end.
-    if args.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-        raise ConfigError(
-            "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'."
-        )
-    writer = results.RunWriter(
-        out, to_save, (args.target,), args.overwrite, plots=(), resume=resume
+    experiments.sweep(
+        _config(args, validate=False),
+        args.algorithms or (),
+        axes,
+        args.seeds,
+        args.target,
+        quiet=args.quiet,
+        overwrite=args.overwrite,
+        resume=args.resume,
+        checkpoint=not args.no_checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_minutes=args.checkpoint_minutes,
+        tensorboard=args.tensorboard,
     )
-    # One bar over every algorithm's rounds (a grid's chunks run one after the other).
-    progress = Progress(len(grids) * config.rounds, "sweep", enabled=not args.quiet)
-    with writer, contextlib.ExitStack() as stack:
-        board = None
-        if args.tensorboard:
-            if not resume:  # a replaced sweep's events would mix with this one's
-                shutil.rmtree(out / results.TENSORBOARD_DIR, ignore_errors=True)
-            # One tag per config and metric: "<algorithm> <config>/<metric>".
-            board = results.TensorBoardSink(out, series_prefix=True)
-            stack.callback(board.close)
-            writer.files.append(results.TENSORBOARD_DIR)
-        finished = {}
-        if resume:
-            finished = {k: _from_part(p) for k, p in writer.keep_finished_parts().items()}
-        for index, (name, i, setting) in enumerate(grids):
-            key = key_of(name, setting)
-            if key in finished:
-                sweep_results[key] = finished[key]
-                progress.update((index + 1) * config.rounds)
-                continue
-            declared = ALGORITHMS[name].hparams
-            cfg = configs_of[(name, i)]
-            fixed = dict(cfg.hparams)
-            # The data is read once per dataset; the subsets and the split are each
-            # setting's own (build applies them).
-            source = (cfg.dataset, cfg.data_dir, json.dumps(cfg.resolved("dataset")))
-            if source not in loaded:
-                with progress.phase(f"loading {cfg.dataset}"):
-                    loaded[source] = experiments.load_dataset(cfg)
-            built = experiments.build(cfg, dataset=loaded[source])
-            progress.write(experiments.built_summary(built))
-            dataset_name = built.info["dataset"]
-            swept = {k: v for k, v in axes.items() if k in declared}
-            values = {
-                "client_lr": swept.pop("client_lr", [cfg.client_lr]),
-                "server_lr": swept.pop("server_lr", [cfg.server_lr]),
-                **{k: [v] for k, v in fixed.items()},
-                **swept,
-            }
-            grid, seeds, configs = sweeps.grid(seeds=args.seeds, **values)
-
-            entries = []
-
-            def sink(record, key=key, name=name, setting=setting, entries=entries):
-                config_of = record.get("config", {})
-                series = f"{key} " + " ".join(f"{k}={v:g}" for k, v in config_of.items())
-                flat = {k: v for k, v in record.items() if k != "config"}
-                entries.append(
-                    writer.record(series, {"algorithm": name, **setting, **config_of, **flat})
-                )
-                if board is not None:  # the measurements only, not the config's values
-                    measured = {k: v for k, v in flat.items() if k != "config_index"}
-                    board({"series": series, **measured})
-
-            def advance(fraction, index=index, key=key):
-                progress.update(
-                    (index + fraction) * config.rounds, f"{key} [{index + 1}/{len(grids)}]"
-                )
-
-            checkpoints = out / "checkpoints" / name
-            if setting:
-                checkpoints = checkpoints / _setting_label(setting).replace(" ", ",")
-            sweep_results[key] = sweeps.sweep(
-                built.simulation,
-                built.data,
-                grid,
-                seeds,
-                config.rounds,
-                config.eval_every,
-                targets=(args.target,),
-                callback=sink,
-                checkpoint_dir=None if args.no_checkpoint else checkpoints,
-                checkpoint_every=args.checkpoint_every,
-                checkpoint_seconds=60.0 * args.checkpoint_minutes,
-                resume=resume,
-                phase=progress.phase,
-                progress=advance,
-            )
-            writer.save_part(key, _part(sweep_results[key]), entries)
-            if not args.quiet:
-                progress.write(
-                    f"{key}: {len(configs)} configs x {config.rounds} rounds in "
-                    f"{sweep_results[key].run_seconds:.1f} s "
-                    f"(+{sweep_results[key].compile_seconds:.1f} s "
-                    f"compile) on {built.info['dataset']}"
-                )
-        progress.close()
-        setting_of = {key_of(name, setting): setting for name, _, setting in grids}
-        summary = results.summarize(sweep_results, args.target)
-        edges = [results.format_grid_edge(e) for e in results.grid_edges(sweep_results, summary)]
-        table = results.format_summary(summary)
-        dataset_name = dataset_name or config.dataset
-        record = {
-            "config": to_save,
-            "target": args.target,
-            "dataset": dataset_name,
-            "settings": setting_of,
-            "results": {
-                key: {
-                    "configs": r.configs,
-                    "records": r.records,
-                    "diverged_round": r.diverged_round.tolist(),
-                    "compile_seconds": r.compile_seconds,
-                    "run_seconds": r.run_seconds,
-                }
-                for key, r in sweep_results.items()
-            },
-            "summary": summary,
-            "edge_of_grid": edges,
-        }
-        # Strict JSON (NaN/Inf, e.g. a diverged config's loss, as null): any parser reads it.
-        text = json.dumps(_strict_json(record), indent=1, default=_json_default, allow_nan=False)
-        writer.write_text("sweep.json", text)
-        rows = results.sweep_table(sweep_results, args.target, setting_of)
-        writer.write_text(SWEEP_CSV, results.csv_text(_strict_json(rows)))
-        warnings = "".join(f"\n- {line}" for line in edges)
-        writer.write_text(
-            "summary.md",
-            f"Sweep on {dataset_name}, target {args.target:g}\n\n{table}\n"
-            + (f"\nChosen values at the edge of their grid:\n{warnings}\n" if edges else ""),
-        )
-        for filename, fig in (
-            ("rounds_to_target.png", results.plot_rounds_to_target(sweep_results, args.target)),
-            ("best_curves.png", results.plot_best_curves(sweep_results, args.target)),
-        ):
-            results.save_figure(fig, out / filename)
-            writer.files.append(filename)
-        writer.add(
-            dataset=dataset_name,
-            best={n: e["best"] for n, e in summary.items()},
-            edge_of_grid=edges,
-        )
-        writer.finish(plots=())
-    # A warning, not a table: printed even with --quiet.
-    for line in edges:
-        print(f"warning: {line}", file=sys.stderr)
-    if not args.quiet:
-        print(table)
-        print(f"wrote {out}/: {', '.join(writer.files)}")
     return 0
 
 
-#: The tidy table of a sweep: one row per config × seed (results.sweep_table).
-SWEEP_CSV = "sweep.csv"
-
-
-def _part(result) -> dict[str, Any]:
-    """What a resumed sweep needs of a finished algorithm's grid (JSON-able)."""
-    return json.loads(
-        json.dumps(
-            {
-                "algorithm": result.algorithm,
-                "configs": result.configs,
-                "records": result.records,
-                "diverged_round": np.asarray(result.diverged_round).tolist(),
-                "compile_seconds": result.compile_seconds,
-                "run_seconds": result.run_seconds,
-                "targets": list(result.targets),
-            },
-            default=_json_default,
-        )
-    )
-
-
-def _from_part(part: dict[str, Any]):
-    """The finished grid a sweep's part holds, as a SweepResult (records, no states)."""
-    from scaffold_jax.sweep import SweepResult
-
-    return SweepResult(
-        algorithm=part["algorithm"],
-        configs=part["configs"],
-        records=part["records"],
-        diverged_round=np.asarray(part["diverged_round"]),
-        compile_seconds=part["compile_seconds"],
-        run_seconds=part["run_seconds"],
-        targets=tuple(part["targets"]),
-    )
-
-
-def _json_default(value: Any) -> Any:
-    import numpy as np
-
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-def _strict_json(value: Any) -> Any:
-    """``value`` with every NaN/Inf float (numpy's included, in arrays too) as None, so
-    that ``json.dumps(..., allow_nan=False)`` writes strict JSON (null)."""
-    import math
-
-    import numpy as np
-
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    elif isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
-
-
 def _diagnose_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from scaffold_jax import experiments
 
-    import jax
-
-    from scaffold_jax import diagnostics, experiments, results
-    from scaffold_jax.data import sources
-
-    if args.gd_steps < 0:
-        raise ConfigError(f"--gd-steps = {args.gd_steps} is invalid: it must be >= 0.")
     unused = sorted(set(_parse_set(args.set)) - set(DIAGNOSE_FIELDS))
     if unused:
         raise ConfigError(
@@ -911,55 +530,14 @@ def _diagnose_command(args: argparse.Namespace) -> int:
             f"{'them' if len(unused) > 1 else 'it'} (it measures the data, partition and "
             f"model: {', '.join(DIAGNOSE_FIELDS)})."
         )
-    config = _config(args)
-    dataset_name = sources.canonical_name(config.dataset).replace("/", "-")
-    out = Path(args.out or f"results/diagnose-{dataset_name}")
-    results.check_folder(out, args.overwrite, dry_run=True)  # before minutes of work
-    progress = Progress(args.gd_steps, "gradient descent", unit="step", enabled=not args.quiet)
-    with progress.phase(f"loading {config.dataset}"):
-        built = experiments.build(config)
-    progress.write(experiments.built_summary(built))
-    problem, data = built.problem, built.data
-    trajectory, params = [], problem.params
-    for step in range(args.gd_steps):  # points along a full-gradient path, to fit (G, B)
-        grad = diagnostics.full_gradient(problem, data, params)
-        params = jax.tree.map(lambda p, g: p - config.client_lr * g, params, grad)
-        trajectory.append(params)
-        progress.update(step + 1)
-    progress.close()
-    report = diagnostics.diagnose(
-        problem,
-        data,
-        problem.params,
-        trajectory=trajectory,
+    experiments.diagnose(
+        _config(args),
+        args.out,
+        gd_steps=args.gd_steps,
         num_iters=args.num_iters,
-        phase=progress.phase,
+        overwrite=args.overwrite,
+        quiet=args.quiet,
     )
-    saved = {
-        **{name: getattr(config, name) for name in DIAGNOSE_FIELDS},
-        "gd_steps": args.gd_steps,
-        "num_iters": args.num_iters,
-        "plugins": list(config.plugins),
-    }
-    with results.RunWriter(out, saved, overwrite=args.overwrite, plots=()) as writer:
-        reported = {"experiment": "diagnose", **built.info, "report": report._asdict()}
-        writer.add(**reported)
-        writer.write_text(
-            "diagnose.json",
-            json.dumps(_strict_json(reported), indent=1, default=_json_default) + "\n",
-        )
-        try:
-            fig = results.plot_gradient_fit(report.points, report.G, report.B)
-        except ImportError:  # matplotlib is the optional "plots" extra
-            progress.write("matplotlib is not installed: no plot written.")
-        else:
-            results.save_figure(fig, out / "gradient_fit.png")
-            writer.files.append("gradient_fit.png")
-        writer.finish(plots=())
-    if not args.quiet:
-        print(f"{built.info['dataset']}, {data.num_clients} clients, {built.info['partition']}")
-        print(diagnostics.format_report(report))
-        print(f"wrote {out}/: {', '.join(writer.files)}")
     return 0
 
 

@@ -4,7 +4,7 @@ Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Lea
 ICML 2020 (arXiv:1910.06378). :func:`reproduce` runs a named protocol: ``fig3`` (the
 simulated quadratics of Figure 3) and ``table3`` / ``table4`` / ``table5`` (EMNIST in the
 paper; Fashion-MNIST offline). η_l is tuned per algorithm over a grid, as the paper did,
-with one vmapped program per grid (:func:`scaffold_jax.experiments.run_grid`); the chosen
+with one vmapped program per grid (a cell of :func:`scaffold_jax.experiments.run_grid`); the chosen
 values are reported next to the tables.
 
 Choices the paper (Karimireddy et al., ICML 2020, Section 7) leaves open are fields of the protocol
@@ -26,24 +26,19 @@ from typing import Any, NamedTuple
 import jax
 
 from scaffold_jax import results
-from scaffold_jax.algorithms import ALGORITHMS, make
-from scaffold_jax.data import partition, sources
-from scaffold_jax.data.assembly import subset_dataset
-from scaffold_jax.data.batching import BatchPlan
-from scaffold_jax.data.federated import from_partition
+from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.data import assembly, sources
 from scaffold_jax.engine import MAX_SEED, SEED_WHY
 from scaffold_jax.experiments import (
-    MODELS,
+    Cell,
+    CellResult,
     ConfigError,
-    _Checker,
-    _is_number,
-    check_resumable,
-    choose,
-    make_problem,
+    Grid,
+    RunConfig,
     run_grid,
 )
-from scaffold_jax.loop import Simulation
-from scaffold_jax.progress import Progress
+from scaffold_jax.experiments.config import _Checker, _is_number
+from scaffold_jax.models import MODELS
 
 
 # =====================================================================================
@@ -133,32 +128,6 @@ def fig3_protocol(quick: bool = False, **overrides: Any) -> Fig3Protocol:
     return _override(base, overrides).validate()
 
 
-def _prepare(folder: Path, config: dict, overwrite: bool, resume: bool) -> bool:
-    """Checks the output folder before any work; returns whether to resume (a folder
-    without a run simply starts it)."""
-    if resume and overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
-    if resume and (folder / results.CONFIG_FILE).is_file():
-        check_resumable(folder, config)
-        results.check_lock(folder)
-        return True
-    results.check_folder(folder, overwrite, dry_run=True)
-    return False
-
-
-def _kept(finished, key, panel, cells, writer, progress) -> bool:
-    """On resume: re-adds a cell that finished before the interruption (its chosen series
-    to ``panel``, the cell to ``cells`` and the summary); False for a cell still to run."""
-    if key not in finished:
-        return False
-    cell = finished[key]
-    panel.append(cell["series"])
-    cells.append(cell)
-    writer.describe(cell["series"], chosen=True, **cell)
-    progress.step(f"{key}: kept from the interrupted run")
-    return True
-
-
 def _one_step(method: str) -> bool:
     """Whether ``method`` takes one full-batch step a round (its registered default plan is
     ``"full"``: large-batch SGD), so K and epochs do not apply to it."""
@@ -181,6 +150,54 @@ def _fig3_legend(series: str) -> str:
     return f"{setting}, η_l = {rest.rpartition('lr=')[2]}"
 
 
+def fig3_grid(protocol: Fig3Protocol) -> Grid:
+    """Figure 3 as a grid: a cell per (method, K, G) over the η_l grid, each a config of
+    the ``quadratic`` family (N = 2, β = 1, full batch, every client every round)."""
+    settings = [
+        (m, None, False) if _one_step(m) else (m, k, False)
+        for m in protocol.methods
+        for k in protocol.local_steps
+    ]
+    if protocol.warm_controls:  # the methods that offer warm-started controls (SCAFFOLD)
+        settings += [
+            (m, k, True)
+            for m in protocol.methods
+            if "warm_controls" in ALGORITHMS[m].options
+            for k in protocol.local_steps
+        ]
+    cells = []
+    for method, local_steps, warm in dict.fromkeys(settings):
+        for G in protocol.gradient_dissimilarities:
+            # Every G shares the Hessians and the start point (the family draws them from
+            # the same seed), so one compiled program serves every G of a method.
+            config = RunConfig(
+                algorithm=method, dataset="quadratic", num_clients=2, clients_per_round=2,
+                batch_plan="full", local_steps=local_steps or 1, rounds=protocol.num_rounds,
+                eval_every=protocol.eval_every, seed=protocol.seed, targets=[],
+                quad_beta=1.0, quad_delta=protocol.delta, quad_G=G, quad_mu=protocol.mu,
+                quad_dim=protocol.dim, quad_start=protocol.start_distance,
+                **({"warm_controls": True} if warm else {}),
+            )  # fmt: skip
+            labels = {"algorithm": method, "local_steps": local_steps, "G": G}
+            key = f"{_label(method, local_steps, warm)} · G={G:g}"
+            cells.append(Cell(key, config, {"client_lr": protocol.lr_grid}, labels=labels))
+    # The relative error, against the table's target: every panel starts at 1 and the
+    # dashed line is where fig3.md counts the rounds. The panels fill as cells finish.
+    plot = results.PlotSpec(
+        "fig3.png",
+        "relative_error",
+        "(f(x) − f*) / (f(x⁰) − f*)",
+        logy=True,
+        panels={f"G = {G:g}": [] for G in protocol.gradient_dissimilarities},
+        title="Figure 3: SGD vs FedAvg vs SCAFFOLD on quadratics (N = 2, β = 1, "
+        f"δ = {protocol.delta:g}, full batch); chosen η_l per method",
+        target=protocol.target,
+        legend=_fig3_legend,
+    )
+    saved = {"experiment": "fig3", "protocol": dataclasses.asdict(protocol)}
+    return Grid("fig3", cells, saved, plots=(plot,))
+
+
 def reproduce_fig3(
     protocol: Fig3Protocol,
     out: str | os.PathLike,
@@ -200,141 +217,57 @@ def reproduce_fig3(
       The summary; ``summary["cells"]`` holds one dict per (method, K, G) with
       ``rounds`` (None: not reached within the horizon) and ``client_lr``.
     """
-    from scaffold_jax.data import synthetic
-
     protocol.validate()
-    folder = Path(out)
-    config = {"experiment": "fig3", "protocol": dataclasses.asdict(protocol)}
-    resume = _prepare(folder, config, overwrite, resume)
+    grid = fig3_grid(protocol)
     start = time.perf_counter()
-    problems = {
-        G: synthetic.figure3_problem(
-            G,
-            seed=protocol.seed,
-            dim=protocol.dim,
-            mu=protocol.mu,
-            delta=protocol.delta,
-            start_distance=protocol.start_distance,
-        )
-        for G in protocol.gradient_dissimilarities
-    }
-    first = problems[protocol.gradient_dissimilarities[0]]
-    settings = [
-        (m, None, False) if _one_step(m) else (m, k, False)
-        for m in protocol.methods
-        for k in protocol.local_steps
-    ]
-    if protocol.warm_controls:  # the methods that offer warm-started controls (SCAFFOLD)
-        settings += [
-            (m, k, True)
-            for m in protocol.methods
-            if "warm_controls" in ALGORITHMS[m].options
-            for k in protocol.local_steps
-        ]
-    settings = list(dict.fromkeys(settings))
-    cells, chosen_series = [], {f"G = {G:g}": [] for G in protocol.gradient_dissimilarities}
-    plots = (
-        # The relative error, against the table's target: every panel starts at 1 and the
-        # dashed line is where fig3.md counts the rounds.
-        results.PlotSpec(
-            "fig3.png",
-            "relative_error",
-            "(f(x) − f*) / (f(x⁰) − f*)",
-            logy=True,
-            panels=chosen_series,
-            title="Figure 3: SGD vs FedAvg vs SCAFFOLD on quadratics (N = 2, β = 1, "
-            f"δ = {protocol.delta:g}, full batch); chosen η_l per method",
-            target=protocol.target,
-            legend=_fig3_legend,
-        ),
-    )
-    progress = Progress(len(settings) * len(problems), "fig3", unit="cell", enabled=not quiet)
-    progress.show()
-    with results.RunWriter(
-        folder, config, overwrite=overwrite, plots=plots, resume=resume
-    ) as writer:
-        finished = writer.keep_finished_parts() if resume else {}
-        writer.add(
-            experiment="fig3",
-            dataset="quadratic (scaffold_jax.data.synthetic.figure3_problem)",
-            problem={
-                f"G={G:g}": {
-                    "beta": qp.beta, "delta": qp.delta, "G": qp.G, "mu": qp.mu,
-                    "f_star": qp.f_star,
-                }
-                for G, qp in problems.items()
-            },
-        )  # fmt: skip
-        for method, local_steps, warm in settings:
-            # All G share the Hessians and the start point (figure3_problem draws them from
-            # the same seed), so one simulation (one compiled program) serves every G;
-            # its params are the G-independent start x0.
-            alg = make(method, first.problem.loss_fn, **({"warm_controls": True} if warm else {}))
-            plan = BatchPlan.full(1 if local_steps is None else local_steps)
-            sim = Simulation(alg, first.problem, plan, clients_per_round=2)
-            for G, qp in problems.items():
-                label = key = f"{_label(method, local_steps, warm)} · G={G:g}"
-                if _kept(finished, key, chosen_series[f"G = {G:g}"], cells, writer, progress):
-                    continue
-                entries = []
-                runs, timing = run_grid(
-                    sim,
-                    qp.data,
-                    protocol.lr_grid,
-                    protocol.num_rounds,
-                    protocol.eval_every,
-                    protocol.seed,
-                )
-                for run_ in runs:
-                    err0 = run_.records[0]["test_loss"] - qp.f_star
-                    for r in run_.records:
-                        r["error"] = r["test_loss"] - qp.f_star
-                        r["relative_error"] = r["error"] / err0
-                        if r["round"] > 0:
-                            r["client_drift"] = float(run_.client_drift[r["round"] - 1])
-                        entry = writer.record(
-                            f"{label} lr={run_.client_lr:g}",
-                            {
-                                "algorithm": method,
-                                "local_steps": local_steps,
-                                "G": G,
-                                "client_lr": run_.client_lr,
-                                **r,
-                            },
-                        )
-                        entries.append(entry)
-                chosen, rounds = choose(runs, protocol.target, "relative_error", False)
-                chosen_label = f"{label} lr={chosen.client_lr:g}"
-                chosen_series[f"G = {G:g}"].append(chosen_label)
-                cell = {
-                    "method": method,
-                    "local_steps": local_steps,
-                    "warm_controls": warm,
-                    "G": G,
-                    "rounds": rounds,
-                    "client_lr": chosen.client_lr,
-                    "series": chosen_label,
-                    "final_error": chosen.records[-1]["error"],
-                    "diverged_lrs": [r.client_lr for r in runs if r.diverged],
-                    **{k: round(v, 3) for k, v in timing.items()},
-                }
-                cells.append(cell)
-                writer.describe(chosen_label, chosen=True, **cell)
-                writer.save_part(key, cell, entries)
-                progress.step(
-                    f"{label}: {results.format_rounds(rounds, protocol.num_rounds)} rounds "
-                    f"(eta_l = {chosen.client_lr:g})"
-                )
-        progress.close()
+    (plot,) = grid.plots
+    table = ""
+
+    def report(done: Mapping[str, CellResult], writer: results.RunWriter) -> None:
+        nonlocal table
+        cells = []
+        for grid_cell in grid.cells:
+            result = done[grid_cell.key]
+            j, rounds = result.choose(protocol.target, "relative_error", False)
+            chosen = result.series[j]
+            labels = grid_cell.labels
+            plot.panels[f"G = {labels['G']:g}"].append(chosen)
+            cell = {
+                "method": labels["algorithm"],
+                "local_steps": labels["local_steps"],
+                "warm_controls": bool(grid_cell.config.options.get("warm_controls")),
+                "G": labels["G"],
+                "rounds": rounds,
+                "client_lr": result.configs[j]["client_lr"],
+                "series": chosen,
+                "final_error": result.records[j][-1]["error"],
+                "diverged_lrs": [
+                    c["client_lr"]
+                    for c, d in zip(result.configs, result.diverged, strict=True)
+                    if d
+                ],  # fmt: skip
+                "compile_seconds": round(result.compile_seconds, 3),
+                "run_seconds": round(result.run_seconds, 3),
+            }
+            cells.append(cell)
+            writer.describe(chosen, chosen=True, **cell)
         table = fig3_table(cells, protocol)
         wall = time.perf_counter() - start
-        writer.add(cells=cells, table=table, wall_seconds_total=round(wall, 3))
+        problems = {
+            f"G={r.info['G']:g}": {k: r.info[k] for k in ("beta", "delta", "G", "mu", "f_star")}
+            for r in done.values()
+        }
+        writer.add(dataset="quadratic (scaffold_jax.data.synthetic.quadratic_problem)",
+                   problem=problems, cells=cells, table=table,
+                   wall_seconds_total=round(wall, 3))  # fmt: skip
         writer.write_text("fig3.md", table + f"\n\nWall time: {wall:.1f} s.\n")
-        summary = writer.finish()
+
+    outcome = run_grid(grid, out, report=report, overwrite=overwrite, quiet=quiet, resume=resume)
     if not quiet:
         print(table)
-        print(f"\nWall time: {wall:.1f} s. Wrote {folder}/: {', '.join(summary['files'])}")
-    return summary
+        wall = outcome.summary["wall_seconds_total"]
+        print(f"\nWall time: {wall:.1f} s. Wrote {out}/: {', '.join(outcome.files)}")
+    return outcome.summary
 
 
 def fig3_table(cells: Sequence[Mapping[str, Any]], protocol: Fig3Protocol) -> str:
@@ -636,6 +569,57 @@ def _percent(value: float) -> str:
     return f"{value * 100:g}%"
 
 
+def table_grid(protocol: TableProtocol, dataset: sources.Dataset) -> Grid:
+    """A table as a grid: a cell per column (similarity) and row (method, epochs, sampled)
+    over the row's η_l grid, on ``dataset`` (resolved from ``"auto"``)."""
+    target = table_target(protocol, dataset.name)
+    model_options = {"hidden_sizes": protocol.hidden_sizes} if protocol.model == "mlp" else {}
+    vary_sampling = len({r.sampled for r in protocol.all_rows}) > 1
+    # An in-memory dataset (not registered) is handed to the runner in place of the
+    # configs' default one: the records and tables name it.
+    name = dataset.name if assembly.kind_of(dataset.name) == "pooled" else RunConfig().dataset
+    cells = []
+    for similarity in protocol.similarities:
+        for row in protocol.all_rows:
+            if _one_step(row.method):
+                plan = {"batch_plan": "full", "local_steps": 1}
+            else:
+                plan = {"batch_plan": "fraction", "batch_fraction": protocol.batch_fraction,
+                        "local_epochs": row.epochs}  # fmt: skip
+            declared = ALGORITHMS[row.method].hparams
+            config = RunConfig(
+                algorithm=row.method, dataset=name, data_dir=protocol.data_dir,
+                download=protocol.download, max_train_examples=protocol.max_train_examples,
+                max_test_examples=protocol.max_test_examples, num_clients=protocol.num_clients,
+                clients_per_round=max(1, round(row.sampled * protocol.num_clients)),
+                partition="similarity", similarity=similarity, model=protocol.model,
+                seed=protocol.seed, rounds=protocol.num_rounds, eval_every=protocol.eval_every,
+                targets=[target] if target else [],
+                hparams={"prox_mu": protocol.prox_mu} if "prox_mu" in declared else {},
+                **model_options, **plan,
+            )  # fmt: skip
+            key = f"{_display(row.method)} E={row.epochs}"
+            key += f" S={_percent(row.sampled)}" if vary_sampling else ""
+            key += f" s={similarity:g}%"
+            labels = {"algorithm": row.method, "epochs": row.epochs, "sampled": row.sampled,
+                      "similarity": similarity}  # fmt: skip
+            cells.append(Cell(key, config, {"client_lr": protocol.lr_grid(row.method)},
+                              labels=labels))  # fmt: skip
+    # The chosen series, one panel per similarity: filled as the report chooses them.
+    panels = {f"s = {s:g}%": [] for s in protocol.similarities}
+    plots = tuple(
+        spec._replace(panels=panels, title=f"{protocol.name} on {dataset.name}")
+        for spec in results.DEFAULT_PLOTS
+    )
+    saved = {
+        "experiment": protocol.name,
+        "protocol": dataclasses.asdict(protocol),
+        "dataset": dataset.name,
+        "target": target,
+    }
+    return Grid(protocol.name, cells, saved, [target] if target else (), plots)
+
+
 def reproduce_table(
     protocol: TableProtocol,
     out: str | os.PathLike,
@@ -657,146 +641,60 @@ def reproduce_table(
       ``rounds`` / ``best_accuracy`` and ``client_lr``.
     """
     protocol.validate()
-    folder = Path(out)
-    resume = _prepare(
-        folder, {"experiment": protocol.name, "protocol": dataclasses.asdict(protocol)},
-        overwrite, resume,
-    )  # fmt: skip
     start = time.perf_counter()
-    progress = Progress(
-        len(protocol.all_rows) * len(protocol.similarities),
-        protocol.name,
-        unit="cell",
-        enabled=not quiet,
-    )
     if dataset is None:
-        with progress.phase(f"loading {protocol.dataset}"):
-            dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
-    dataset = subset_dataset(
-        dataset, protocol.max_train_examples, protocol.max_test_examples, protocol.seed
-    )
+        dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
+    grid = table_grid(protocol, dataset)
     target = table_target(protocol, dataset.name)
-    problem = make_problem(
-        protocol.model, dataset, options=dataclasses.asdict(protocol), seed=protocol.seed
-    )
-    # Filled with the chosen series as the cells finish; the plots are drawn at the end.
-    panels = {f"s = {s:g}%": [] for s in protocol.similarities}
-    plots = tuple(
-        spec._replace(panels=panels, title=f"{protocol.name} on {dataset.name}")
-        for spec in results.DEFAULT_PLOTS
-    )
-    config = {
-        "experiment": protocol.name,
-        "protocol": dataclasses.asdict(protocol),
-        "dataset": dataset.name,
-        "target": target,
-    }
-    cells: list[dict[str, Any]] = []
-    simulations: dict[tuple, Simulation] = {}
-    progress.show()
-    with results.RunWriter(
-        folder, config, [target] if target else (), overwrite=overwrite, plots=plots,
-        resume=resume,
-    ) as writer:  # fmt: skip
-        finished = writer.keep_finished_parts() if resume else {}
-        writer.add(
-            experiment=protocol.name,
-            dataset=dataset.name,
-            dataset_source=dataset.source,
-            target=target,
-            num_train_examples=int(len(dataset.train["y"])),
-        )
-        for similarity in protocol.similarities:
-            parts = partition.similarity_split(
-                dataset.train["y"], protocol.num_clients, similarity, protocol.seed
-            )
-            data = from_partition(dataset.train, parts, test=dataset.test)
-            for row in protocol.all_rows:
-                clients = max(1, round(row.sampled * protocol.num_clients))
-                if _one_step(row.method):
-                    plan = BatchPlan.full(1)
-                else:
-                    plan = BatchPlan.fraction_of_data(protocol.batch_fraction, row.epochs)
-                key = (row.method, plan, clients)
-                if key not in simulations:
-                    # One simulation per program shape: columns and η_l reuse its program.
-                    alg = make(row.method, problem.loss_fn)
-                    simulations[key] = Simulation(alg, problem, plan, clients)
-                sim = simulations[key]
-                label = f"{_display(row.method)} E={row.epochs}"
-                if len({r.sampled for r in protocol.all_rows}) > 1:
-                    label += f" S={_percent(row.sampled)}"
-                label += f" s={similarity:g}%"
-                if _kept(finished, label, panels[f"s = {similarity:g}%"], cells, writer, progress):
-                    continue
-                entries = []
-                runs, timing = run_grid(
-                    sim,
-                    data,
-                    protocol.lr_grid(row.method),
-                    protocol.num_rounds,
-                    protocol.eval_every,
-                    protocol.seed,
-                    hparams={"prox_mu": protocol.prox_mu},  # for those that declare μ
-                )
-                for run_ in runs:
-                    for r in run_.records:
-                        entry = writer.record(
-                            f"{label} lr={run_.client_lr:g}",
-                            {
-                                "algorithm": row.method,
-                                "epochs": row.epochs,
-                                "sampled": row.sampled,
-                                "similarity": similarity,
-                                "client_lr": run_.client_lr,
-                                **r,
-                            },
-                        )
-                        entries.append(entry)
-                chosen, rounds = choose(runs, target)
-                chosen_label = f"{label} lr={chosen.client_lr:g}"
-                panels[f"s = {similarity:g}%"].append(chosen_label)
-                cell = {
-                    "method": row.method,
-                    "epochs": row.epochs,
-                    "sampled": row.sampled,
-                    "similarity": similarity,
-                    "rounds": rounds,
-                    "best_accuracy": results.best_value(chosen.records),
-                    "client_lr": chosen.client_lr,
-                    "series": chosen_label,
-                    "diverged_lrs": [r.client_lr for r in runs if r.diverged],
-                    **{k: round(v, 3) for k, v in timing.items()},
-                }
-                cells.append(cell)
-                writer.describe(chosen_label, chosen=True, **cell)
-                writer.save_part(label, cell, entries)
-                result_text = (
-                    f"best accuracy {cell['best_accuracy']:.3f}"
-                    if target is None
-                    else f"{results.format_rounds(rounds, protocol.num_rounds)} rounds to "
-                    f"{target:g}"
-                )
-                progress.step(
-                    f"{label}: {result_text} (eta_l = {chosen.client_lr:g}; "
-                    f"{sum(timing.values()):.1f} s)"
-                )
-        progress.close()
+    panels = grid.plots[0].panels
+    table = ""
+
+    def report(done: Mapping[str, CellResult], writer: results.RunWriter) -> None:
+        nonlocal table
+        cells = []
+        for grid_cell in grid.cells:
+            result = done[grid_cell.key]
+            j, rounds = result.choose(target)
+            labels = grid_cell.labels
+            panels[f"s = {labels['similarity']:g}%"].append(result.series[j])
+            cell = {
+                "method": labels["algorithm"],
+                "epochs": labels["epochs"],
+                "sampled": labels["sampled"],
+                "similarity": labels["similarity"],
+                "rounds": rounds,
+                "best_accuracy": results.best_value(result.records[j]),
+                "client_lr": result.configs[j]["client_lr"],
+                "series": result.series[j],
+                "diverged_lrs": [
+                    c["client_lr"]
+                    for c, d in zip(result.configs, result.diverged, strict=True)
+                    if d
+                ],  # fmt: skip
+                "compile_seconds": round(result.compile_seconds, 3),
+                "run_seconds": round(result.run_seconds, 3),
+            }
+            cells.append(cell)
+            writer.describe(result.series[j], chosen=True, **cell)
         wall = time.perf_counter() - start
-        table = format_table(protocol, cells, dataset, target, wall)
-        writer.add(cells=cells, table=table, wall_seconds_total=round(wall, 3))
+        info = next(iter(done.values())).info
+        table = format_table(protocol, cells, info, target, wall)
+        writer.add(target=target, cells=cells, table=table, wall_seconds_total=round(wall, 3))
         writer.write_text(f"{protocol.name}.md", table)
-        summary = writer.finish()
+
+    outcome = run_grid(
+        grid, out, report=report, overwrite=overwrite, quiet=quiet, resume=resume, dataset=dataset
+    )
     if not quiet:
         print(table)
-        print(f"Wrote {folder}/: {', '.join(summary['files'])}")
-    return summary
+        print(f"Wrote {out}/: {', '.join(outcome.files)}")
+    return outcome.summary
 
 
 def format_table(
     protocol: TableProtocol,
     cells: Sequence[Mapping[str, Any]],
-    dataset: sources.Dataset,
+    info: Mapping[str, Any],
     target: float | None,
     wall_seconds: float,
 ) -> str:
@@ -854,9 +752,10 @@ def format_table(
                  for m in methods if "scaffold_option" in ALGORITHMS[m].options]  # fmt: skip
     return "\n".join(
         [
-            f"### {protocol.title} — {dataset.name}",
+            f"### {protocol.title} — {info['dataset']}",
             "",
-            f"Dataset: {dataset.name} ({dataset.source}), {len(dataset.train['y'])} training "
+            f"Dataset: {info['dataset']} ({info['dataset_source']}), "
+            f"{info['num_train_examples']} training "
             f"examples over {protocol.num_clients} clients (s% similarity split; columns: "
             f"s); {model}; {what}. " + "; ".join(settings) + ". Horizon "
             f"{protocol.num_rounds} rounds, evaluated every {protocol.eval_every}; seed "

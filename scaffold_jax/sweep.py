@@ -425,6 +425,7 @@ class Sweep:
         resume: bool = False,
         phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
         progress: Callable[[float], None] | None = None,
+        identity: Mapping[str, Any] | None = None,
     ) -> SweepResult:
         """Runs every config (``grid[j]``, ``seeds[j]``) for ``num_rounds`` rounds.
 
@@ -461,6 +462,9 @@ class Sweep:
           phase: wraps each compilation (see :func:`scaffold_jax.loop.drive`).
           progress: called after each evaluation with the fraction of the sweep done, in
             [0, 1] (chunks run one after the other, each for every round).
+          identity: more of what fixes the sweep's results (the data's fingerprint, the
+            model...), checked on resume beside the chunk's own (algorithm, N, configs,
+            plan, S, weighting).
 
         Raises:
           ValueError: invalid rounds, hyper-parameters, seeds or data.
@@ -531,7 +535,7 @@ class Sweep:
                     self, chunk, carry, keys, num_rounds, eval_every, callback,
                     None if checkpoint_dir is None else Path(checkpoint_dir) / f"chunk-{len(done)}",
                     checkpoint_every, checkpoint_seconds, resume,
-                    {"phase": phase, "on_block": on_block},
+                    {"phase": phase, "on_block": on_block}, identity,
                 )  # fmt: skip
                 done.append(chunk_out)
                 for j, out in chunk_out.items():
@@ -554,7 +558,7 @@ class Sweep:
 
 def _drive_chunk(
     sweep, chunk, carry, keys, num_rounds, eval_every, callback, directory, every, seconds, resume,
-    hooks,
+    hooks, identity,
 ):  # fmt: skip
     if directory is None:
         return drive(
@@ -563,7 +567,9 @@ def _drive_chunk(
     from scaffold_jax.checkpoint import Checkpointer  # imported late: orbax is slow to import
 
     identity = json.loads(json.dumps({
+        **dict(identity or {}),
         "algorithm": sweep.simulation.algorithm.name,
+        "num_clients": int(chunk.data.num_clients),
         "configs": [chunk.result.configs[j] for _, _, j in chunk.slots],
         "plan": repr(sweep.simulation.plan),
         "clients_per_round": sweep.simulation.clients_per_round,

@@ -93,3 +93,18 @@ def to_host(tree: PyTree) -> PyTree:
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
     return jax.tree.map(one, tree)
+
+
+def tree_digest(tree: PyTree) -> str:
+    """SHA-256 of every leaf's dtype, shape and bytes (a typed PRNG key by its key data):
+    two trees with the same digest hold the same arrays."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            leaf = jr.key_data(leaf)
+        array = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{array.dtype}{array.shape}".encode())
+        digest.update(array.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()

@@ -235,12 +235,16 @@ def test_reproduce_table3_quick_on_fashion_mnist(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["dataset"] == "fashion_mnist"
     target = summary["target"]
     assert target == 0.7
-    # Progress, one plain line per cell (stderr is not a terminal here), after the data.
+    # Progress in rounds over every cell (plain lines: stderr is not a terminal here),
+    # after the data; a line per finished cell.
     err = err.splitlines()
-    assert err[0] == "loading fashion_mnist..."
-    cells_done = [line for line in err if line.startswith("table3: cell ")]
-    assert [line.split()[2] for line in cells_done] == ["1/4", "2/4", "3/4", "4/4"]
-    assert all("ETA" in line and "eta_l = " in line for line in cells_done)
+    assert err[0] == "loading fashion_mnist and building SGD E=1 s=0%..."
+    cells_done = [line for line in err if " E=1 s=0%: " in line and "rounds in" in line]
+    assert [line.split(":")[0] for line in cells_done] == [
+        "SGD E=1 s=0%", "SCAFFOLD E=1 s=0%", "FedAvg E=1 s=0%", "FedProx E=1 s=0%"
+    ]  # fmt: skip
+    rounds = [line for line in err if line.startswith("table3: round ")]
+    assert rounds[-1].split()[2] == "240/240" and all("ETA" in line for line in rounds)
     cells = {c["method"]: c for c in summary["cells"]}
     assert set(cells) == {"sgd", "scaffold", "fedavg", "fedprox"}
     assert all(c["similarity"] == 0.0 and c["epochs"] == 1 for c in cells.values())
@@ -289,7 +293,7 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
         ]
     # Progress over both algorithms' rounds, a line per evaluation (stderr is no terminal).
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "loading fashion_mnist..."
+    assert err[0] == "loading fashion_mnist and building scaffold..."
     swept = [line for line in err if line.startswith("sweep: round ")]
     assert [line.split()[2] for line in swept] == [f"{r}/20" for r in range(2, 21, 2)]
     assert "scaffold [1/2]" in swept[0] and "fedavg [2/2]" in swept[-1]
@@ -429,7 +433,8 @@ def test_diagnose_prints_the_papers_constants_and_writes_its_folder(tmp_path, ca
 _DIAGNOSE_VALUES = {
     "dataset": ["mnist"], "data_dir": ["/data"], "client_holdout": ["0.1"], "download": [],
     "max_train_examples": ["100"], "max_test_examples": ["50"], "partition": ["dirichlet"],
-    "model": ["mlp"], "num_clients": ["7"], "seed": ["3"], "client_lr": ["0.5"],
+    "model": ["mlp"], "num_clients": ["7"], "seed": ["3"], "partition_seed": ["4"],
+    "client_lr": ["0.5"],
 }  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import pytest
 from scaffold_jax import experiments, paper, results
 from scaffold_jax.data import sources
 from scaffold_jax.data.batching import BatchPlan
-from scaffold_jax.experiments import ConfigError, GridRun, RunConfig
+from scaffold_jax.experiments import CellResult, ConfigError, RunConfig
 from scaffold_jax.loop import DivergenceError
 
 
@@ -176,40 +176,57 @@ def test_config_files_toml_and_json(tmp_path):
 
 
 # ----------------------------------------------------------------------------- selection
+def _cell(*runs):
+    """A finished cell of one config per ``(lr, records, diverged)``."""
+    return CellResult(
+        key="cell",
+        algorithm="fedavg",
+        configs=[{"client_lr": lr, "seed": 0} for lr, _, _ in runs],
+        series=[f"cell client_lr={lr:g}" for lr, _, _ in runs],
+        settings=[{"client_lr": lr} for lr, _, _ in runs],
+        records=[records for _, records, _ in runs],
+        diverged_round=[3 if diverged else -1 for _, _, diverged in runs],
+        mean_client_drift=[None] * len(runs),
+        info={},
+        identity={},
+    )
+
+
 def _grid_run(lr, accuracies, diverged=False):
-    records = [{"round": 5 * i, "test_accuracy": a} for i, a in enumerate(accuracies)]
-    return GridRun(lr, records, np.zeros(len(accuracies)), diverged)
+    return lr, [{"round": 5 * i, "test_accuracy": a} for i, a in enumerate(accuracies)], diverged
+
+
+def _chosen(cell, *args, **kwargs):
+    j, rounds = cell.choose(*args, **kwargs)
+    return cell.configs[j]["client_lr"], rounds
 
 
 def test_choose_takes_the_fewest_rounds_to_target():
-    runs = [
+    runs = _cell(
         _grid_run(0.1, [0.1, 0.3, 0.6, 0.7]),  # reaches 0.5 at round 10
         _grid_run(0.3, [0.1, 0.55, 0.6, 0.62]),  # round 5: the winner
         _grid_run(1.0, [0.1, 0.2, 0.3, 0.9]),
-    ]
-    chosen, rounds = experiments.choose(runs, 0.5)
-    assert (chosen.client_lr, rounds) == (0.3, 5)
+    )
+    assert _chosen(runs, 0.5) == (0.3, 5)
 
 
 def test_choose_breaks_ties_and_misses_by_the_best_value():
-    tie = [_grid_run(0.1, [0.1, 0.55, 0.6]), _grid_run(0.3, [0.1, 0.55, 0.8])]
-    assert experiments.choose(tie, 0.5)[0].client_lr == 0.3
-    missed = [_grid_run(0.1, [0.1, 0.4]), _grid_run(0.3, [0.1, 0.45])]
-    chosen, rounds = experiments.choose(missed, 0.5)
-    assert (chosen.client_lr, rounds) == (0.3, None)
-    diverged = [_grid_run(1.0, [0.1, float("nan")], diverged=True), _grid_run(0.1, [0.1, 0.2])]
-    assert experiments.choose(diverged, 0.5)[0].client_lr == 0.1
-    best = [_grid_run(0.1, [0.1, 0.7]), _grid_run(0.3, [0.1, 0.75])]
-    assert experiments.choose(best, None) == (best[1], None)
+    tie = _cell(_grid_run(0.1, [0.1, 0.55, 0.6]), _grid_run(0.3, [0.1, 0.55, 0.8]))
+    assert _chosen(tie, 0.5)[0] == 0.3
+    missed = _cell(_grid_run(0.1, [0.1, 0.4]), _grid_run(0.3, [0.1, 0.45]))
+    assert _chosen(missed, 0.5) == (0.3, None)
+    diverged = _cell(_grid_run(1.0, [0.1, float("nan")], diverged=True), _grid_run(0.1, [0.1, 0.2]))
+    assert _chosen(diverged, 0.5)[0] == 0.1
+    best = _cell(_grid_run(0.1, [0.1, 0.7]), _grid_run(0.3, [0.1, 0.75]))
+    assert _chosen(best, None) == (0.3, None)
 
 
 def test_choose_for_errors_lower_is_better():
-    runs = [
-        GridRun(0.1, [{"round": r, "e": 1.0 / (r + 1)} for r in range(10)], np.zeros(9), False),
-        GridRun(0.3, [{"round": r, "e": 0.5**r} for r in range(10)], np.zeros(9), False),
-    ]
-    chosen, rounds = experiments.choose(runs, 0.1, "e", higher_is_better=False)
-    assert (chosen.client_lr, rounds) == (0.3, 4)
+    runs = _cell(
+        (0.1, [{"round": r, "e": 1.0 / (r + 1)} for r in range(10)], False),
+        (0.3, [{"round": r, "e": 0.5**r} for r in range(10)], False),
+    )
+    assert _chosen(runs, 0.1, "e", higher_is_better=False) == (0.3, 4)
 
 
 def test_choose_is_the_one_policy_of_results_select():
@@ -218,48 +235,56 @@ def test_choose_is_the_one_policy_of_results_select():
             {"round": 0, "test_accuracy": 0.1, "train_loss": 2.0},
             {"round": 5, "test_accuracy": 0.6, "train_loss": loss},
         ]
-        return GridRun(lr, records, np.zeros(2), False)
+        return lr, records, False
 
     # Equal rounds and best value: the lower final training loss decides, then the smaller
     # η_l; exactly what a sweep's summary picks (scaffold_jax.results.select).
-    runs = [run(0.1, 0.9), run(0.3, 0.5), run(1.0, 0.5)]
-    assert experiments.choose(runs, 0.5) == (runs[1], 5)
-    assert experiments.choose(runs, None) == (runs[1], None)
-    candidates = [results.Candidate({"client_lr": r.client_lr}, r.records) for r in runs]
+    runs = _cell(run(0.1, 0.9), run(0.3, 0.5), run(1.0, 0.5))
+    assert _chosen(runs, 0.5) == (0.3, 5)
+    assert _chosen(runs, None) == (0.3, None)
+    candidates = [results.Candidate({"client_lr": c["client_lr"]}, r)
+                  for c, r in zip(runs.configs, runs.records, strict=True)]  # fmt: skip
     assert results.select(candidates, 0.5)[0]["hparams"] == {"client_lr": 0.3}
 
 
 # ----------------------------------------------------------------------------- grids
 def _single_runs(sim, data, client_lrs, num_rounds, eval_every, seed):
-    """The grid as separate Simulation.run calls (what run_grid's sweep must equal)."""
+    """The grid as separate Simulation.run calls (what the runner's sweep must equal)."""
     runs = []
     for lr in client_lrs:
         try:
             res, diverged = sim.run(data, {"client_lr": lr}, num_rounds, eval_every, seed), False
         except DivergenceError as err:
             res, diverged = err.result, True
-        drift = np.full(num_rounds, np.nan)
-        measured = np.asarray(res.round_metrics.get("client_drift", []))
-        drift[: len(measured)] = measured
-        records = [{k: v for k, v in r.items() if k != "seconds"} for r in res.records]
-        runs.append(GridRun(lr, records, drift, diverged))
+        drift = np.asarray(res.round_metrics.get("client_drift", []))
+        runs.append((lr, res.records, diverged, float(np.mean(drift))))
     return runs
 
 
-def test_the_sweep_and_the_loop_give_the_same_grid_results():
+def _grid_cell(tmp_path, config, client_lrs, dataset):
+    cell = experiments.Cell("scaffold", config, {"client_lr": client_lrs})
+    grid = experiments.Grid("grid", [cell], {"experiment": "grid"})
+    outcome = experiments.run_grid(grid, tmp_path, quiet=True, dataset=dataset)
+    return outcome.cells["scaffold"]
+
+
+def test_the_sweep_and_the_loop_give_the_same_grid_results(tmp_path):
     ds = toy_dataset()
-    config = RunConfig(dataset="fashion_mnist", num_clients=6, clients_per_round=3)
+    config = RunConfig(
+        dataset="fashion_mnist", num_clients=6, clients_per_round=3, rounds=4, eval_every=2,
+        seed=3,
+    )  # fmt: skip
     built = experiments.build(config, dataset=ds)
-    kwargs = dict(client_lrs=[0.05, 0.2], num_rounds=4, eval_every=2, seed=3)
-    swept, _ = experiments.run_grid(built.simulation, built.data, **kwargs)
-    looped = _single_runs(built.simulation, built.data, **kwargs)
-    for a, b in zip(swept, looped, strict=True):
-        assert a.client_lr == b.client_lr and not a.diverged and not b.diverged
-        assert [r["round"] for r in a.records] == [0, 2, 4]
-        for ra, rb in zip(a.records, b.records, strict=True):
+    swept = _grid_cell(tmp_path, config, [0.05, 0.2], ds)
+    looped = _single_runs(built.simulation, built.data, [0.05, 0.2], 4, 2, 3)
+    assert not swept.diverged.any()
+    for j, (lr, records, diverged, drift) in enumerate(looped):
+        assert swept.configs[j]["client_lr"] == lr and not diverged
+        assert [r["round"] for r in swept.records[j]] == [0, 2, 4]
+        for ra, rb in zip(swept.records[j], records, strict=True):
             assert ra["test_accuracy"] == pytest.approx(rb["test_accuracy"], abs=1e-6)
             assert ra["test_loss"] == pytest.approx(rb["test_loss"], rel=1e-5)
-        np.testing.assert_allclose(a.client_drift, b.client_drift, rtol=1e-5)
+        assert swept.mean_client_drift[j] == pytest.approx(drift, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- run()
@@ -280,7 +305,7 @@ def test_run_writes_its_folder_from_an_in_memory_dataset(tmp_path):
         return None  # nothing written: the figure itself is tested in test_results.py
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(results, "plot_curves", plot_curves)
+        patch.setattr(results.folder, "plot_curves", plot_curves)  # RunWriter.finish uses it
         summary = experiments.run(config, tmp_path / "out", quiet=True, dataset=toy_dataset())
     folder = tmp_path / "out"
     # The run's plots say what ran, and the accuracy plot shows the targets.
@@ -378,14 +403,12 @@ def test_a_diverging_run_says_so_in_its_folder(tmp_path):
     assert results.read_records(tmp_path)[0]["round"] == 0  # the records made before stay
 
 
-def test_the_loop_grid_keeps_a_diverged_step_size(tmp_path):
-    built = experiments.build(
-        RunConfig(num_clients=6, clients_per_round=3, rounds=4), dataset=toy_dataset()
-    )
-    runs, _ = experiments.run_grid(built.simulation, built.data, [0.1, 1e38], 4, eval_every=2)
-    assert [r.diverged for r in runs] == [False, True]
-    assert runs[1].records and runs[1].client_drift.shape == (4,)
-    assert experiments.choose(runs, 0.99)[0].client_lr == 0.1
+def test_the_grid_keeps_a_diverged_step_size(tmp_path):
+    config = RunConfig(num_clients=6, clients_per_round=3, rounds=4, eval_every=2)
+    cell = _grid_cell(tmp_path, config, [0.1, 1e38], toy_dataset())
+    assert cell.diverged.tolist() == [False, True]
+    assert cell.records[1] and cell.records[1][-1]["status"] == "diverged"
+    assert _chosen(cell, 0.99)[0] == 0.1
 
 
 def test_fedprox_has_one_default_mu_in_the_api_the_config_and_the_cli(capsys):

@@ -630,7 +630,7 @@ def test_a_plot_that_cannot_be_written_never_fails_a_finished_run(tmp_path, monk
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(results, "plot_curves", full)
+    monkeypatch.setattr(results.folder, "plot_curves", full)  # RunWriter.finish draws with it
     with RunWriter(tmp_path, {"algorithm": "sgd"}, targets=[0.5]) as writer:
         writer.record("sgd", {"round": 0, "test_accuracy": 0.1, "test_loss": 1.0})
         summary = writer.finish()
@@ -651,7 +651,7 @@ def test_the_environment_names_the_git_commit_and_the_library_versions(monkeypat
         flax.__version__, optax.__version__, np.__version__
     )  # fmt: skip
     assert env["jax"] and env["jaxlib"] and env["python"].count(".") == 2
-    root = Path(results.__file__).resolve().parent.parent
+    root = Path(results.folder.__file__).resolve().parents[2]
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True)
     in_checkout = head.returncode == 0 and (root / ".git").exists()
     assert env["git_commit"] == (head.stdout.decode().strip() if in_checkout else None)
@@ -661,7 +661,7 @@ def test_the_environment_names_the_git_commit_and_the_library_versions(monkeypat
         raise FileNotFoundError("git")
 
     results.git_revision.cache_clear()
-    monkeypatch.setattr(results.subprocess, "run", no_git)
+    monkeypatch.setattr(results.folder.subprocess, "run", no_git)
     try:
         assert results.environment()["git_commit"] is None
         assert results.git_revision() == {"git_commit": None, "git_dirty": None}

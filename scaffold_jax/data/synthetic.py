@@ -825,8 +825,9 @@ class FamilySpec(NamedTuple):
     brings_problem: bool = False
 
 
-def _quadratic_family(num_clients, seed, *, dim, beta, delta, G, mu) -> Family:
-    qp = quadratic_problem(num_clients, dim, beta, delta, G, mu, seed, convex_clients=False)
+def _quadratic_family(num_clients, seed, *, dim, beta, delta, G, mu, start) -> Family:
+    qp = quadratic_problem(num_clients, dim, beta, delta, G, mu, seed, convex_clients=False,
+                           start_distance=start)  # fmt: skip
     info = {"beta": qp.beta, "delta": qp.delta, "G": qp.G, "mu": qp.mu, "f_star": qp.f_star}
     return Family(qp.data, None, None, qp.problem, info)
 
@@ -849,6 +850,8 @@ _QUADRATIC_OPTIONS = {
                      low=0.0, argument="G"),
     "quad_mu": Option(0.01, "quadratic: strong convexity mu of the mean", "float", low=0.0,
                       strict=True, argument="mu"),
+    "quad_start": Option(1.0, "quadratic: distance of the initial params from the optimum",
+                         "float", low=0.0, argument="start"),
 }  # fmt: skip
 
 

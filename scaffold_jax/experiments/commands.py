@@ -1,0 +1,490 @@
+"""The commands as grids: ``run`` (one cell of one config), ``sweep`` (a cell per algorithm
+and data setting, its hyper-parameter axes × seeds vmapped) and ``diagnose`` (the
+heterogeneity constants of a config's data and model). Each builds its :class:`Grid` and
+its report; :func:`~scaffold_jax.experiments.runner.run_grid` does the rest. The command
+line (:mod:`scaffold_jax.cli`) only parses into these calls.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from scaffold_jax import results
+from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.experiments.build import build, built_summary
+from scaffold_jax.experiments.config import RunConfig, declared_options
+from scaffold_jax.experiments.runner import Cell, CellResult, Grid, run_grid
+from scaffold_jax.progress import Progress
+from scaffold_jax.registry import ConfigError
+from scaffold_jax.types import STEP_SIZES, format_hparams
+
+
+# =====================================================================================
+# scaffold-jax run
+# =====================================================================================
+def run(
+    config: RunConfig,
+    out: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+    quiet: bool = False,
+    dataset: Any = None,
+    resume: bool = False,
+    checkpoint: bool = True,
+    checkpoint_every: int | None = None,
+    checkpoint_minutes: float = 5.0,
+    tensorboard: bool = False,
+) -> dict[str, Any]:
+    """Runs one experiment and writes its folder (see :mod:`scaffold_jax.results`): a
+    grid of one cell of one config (:func:`~scaffold_jax.experiments.runner.run_grid`).
+
+    The run checkpoints into ``<out>/checkpoints`` (every ``checkpoint_every`` rounds,
+    default every evaluation, and at the end of any block once ``checkpoint_minutes``
+    have passed since the last save; the newest two are kept), so a killed run continues
+    with ``resume=True`` (``--resume``) bit for bit: the records are cut back to the
+    restored checkpoint and rewritten from there (each evaluation round exactly once),
+    and the summary and plots are an uninterrupted run's. A resume with other data,
+    partition, model, algorithm options or hyper-parameters is refused naming each
+    difference; more rounds or another evaluation cadence are allowed. A finished run
+    resumed with the same horizon is kept as it is.
+
+    Args:
+      config: the run's configuration (validated here).
+      out: the output folder (default ``config.out`` or ``results/<algorithm>-<dataset>``).
+      overwrite: replace a folder that holds a run.
+      quiet: no progress bar and no printed summary.
+      dataset: an already loaded dataset (e.g. in a notebook).
+      resume: continue the run the folder holds (from its newest checkpoint; from round 0
+        when it holds none; a folder without a run simply starts it).
+      checkpoint: write checkpoints (orbax); False: none.
+      checkpoint_every: checkpoint period in rounds (default: ``config.eval_every``).
+      checkpoint_minutes: save at least this often (at block ends).
+      tensorboard: also write every record's metrics as TensorBoard scalars (step: the
+        round) into ``<out>/tensorboard`` (:class:`scaffold_jax.results.TensorBoardSink`).
+
+    Returns:
+      The summary (what ``summary.json`` holds).
+
+    Raises:
+      ConfigError: an invalid config, or a resume with another configuration.
+      FileExistsError: the folder holds a run (or is in use by a live one).
+      FileNotFoundError: the dataset is missing.
+      scaffold_jax.loop.DivergenceError: the model became NaN/Inf (the folder keeps
+        the records made before and says ``"status": "diverged"``).
+      scaffold_jax.results.RunFolderError: the folder cannot be written (full disk...).
+    """
+    config.validate()
+    folder = Path(out if out is not None else config.resolved_out())
+    saved = {**config.to_dict(), "out": str(folder)}
+    # The horizon is part of the cell: a resume with more rounds runs it again (from its
+    # checkpoint), one with the same horizon keeps it.
+    cell = Cell(f"{config.algorithm}", config)
+
+    def report(cells: Mapping[str, CellResult], writer: results.RunWriter) -> None:
+        (result,) = cells.values()
+        info = result.info
+        title = (
+            f"{config.algorithm} on {info['dataset']}: N = {info['num_clients']}, "
+            f"S = {info['clients_per_round']}, η_l = {config.client_lr:g}"
+        )
+        accuracy, loss = results.DEFAULT_PLOTS
+        writer.plots = (
+            accuracy._replace(title=title, target=tuple(config.targets)),
+            loss._replace(title=title),
+        )
+
+    grid = Grid("run", [cell], saved, config.targets)
+    outcome = run_grid(
+        grid, folder, report=report, overwrite=overwrite, resume=resume, quiet=quiet,
+        checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+        checkpoint_minutes=checkpoint_minutes, tensorboard=tensorboard, dataset=dataset,
+    )  # fmt: skip
+    if not quiet:
+        print(format_run_summary(outcome.summary, folder))
+    return outcome.summary
+
+
+def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
+    """A few lines for the terminal: dataset, rounds to targets, timing, files."""
+    (name, info), *_ = summary["runs"].items()
+    reached = ", ".join(
+        f"{t}: {results.format_rounds(r, info.get('last_round', 0))}"
+        for t, r in info.get("rounds_to_target", {}).items()
+    )
+    best = info.get("best_test_accuracy")
+    where = f"{name} on {summary.get('dataset')} ({summary.get('dataset_source')})"
+    # A problem without accuracy (the quadratics) reports its best test loss instead.
+    loss = info.get("best_test_loss")
+    lines = [
+        f"{where}: best test accuracy {best:.4f}"
+        if best is not None
+        else f"{where}: best test loss {loss:.6g}"
+        if loss is not None
+        else where,
+        f"hyper-parameters: {format_hparams(info.get('hparams', {}))}",
+        f"rounds to target accuracy: {reached}" if best is not None else None,
+        f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
+        f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "
+        f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s",
+        f"wrote {folder}/: {', '.join(summary.get('files', []))}",
+    ]
+    return "\n".join(line for line in lines if line is not None)
+
+
+# =====================================================================================
+# scaffold-jax sweep
+# =====================================================================================
+#: RunConfig fields that are no axis of a sweep, and what to use instead.
+NOT_AXES = {
+    "seed": "the run seeds are --seeds; --grid partition_seed=... re-partitions the data",
+    "rounds": "the horizon is one for the whole sweep (--rounds)",
+    "eval_every": "the evaluation cadence is one for the whole sweep (--eval-every)",
+}
+#: Whose numeric options are a sweep's outer (data / shape) axes.
+SETTING_OWNERS = ("model", "partition", "dataset")
+#: The tidy table of a sweep: one row per config × seed (results.sweep_table).
+SWEEP_CSV = "sweep.csv"
+
+
+def setting_fields() -> dict[str, str]:
+    """``{name: kind}`` of the numeric settings a sweep takes as an outer axis: RunConfig's
+    data and shape fields (num_clients, local_epochs...) and the numeric options models,
+    partitioners and datasets declare (similarity, a plugin model's dropout rate...)."""
+    import dataclasses
+
+    fields = {
+        f.name: f.metadata["kind"]
+        for f in dataclasses.fields(RunConfig)
+        if f.metadata["kind"] in ("int", "float") and f.name not in (*STEP_SIZES, *NOT_AXES)
+    }
+    options = declared_options(SETTING_OWNERS)
+    return {**fields, **{k: o.kind for k, o in options.items() if o.is_number}}
+
+
+def split_axes(
+    axes: Mapping[str, Sequence[float]], algorithms: Sequence[str]
+) -> tuple[dict[str, list[float]], dict[str, list[float | int]]]:
+    """``(hyper-parameter axes, setting axes)``: the names the sweep's algorithms declare
+    (vmapped in one program per grid) and the data/shape settings (an outer product of
+    separate programs).
+
+    Raises:
+      ConfigError: a name that is neither (naming what it is and what to do), or an
+        integer setting given a non-integer.
+    """
+    declared = list(dict.fromkeys(h for n in algorithms for h in ALGORITHMS[n].hparams))
+    settings = setting_fields()
+    inner, outer = {}, {}
+    for name, values in axes.items():
+        if name in declared:
+            inner[name] = list(values)
+            continue
+        if name in settings:
+            if settings[name] == "int":
+                bad = [v for v in values if not float(v).is_integer()]
+                if bad:
+                    raise ConfigError(
+                        f"--grid {name}: {name} takes integers; {bad[0]:g} is not one."
+                    )
+                values = [int(v) for v in values]
+            outer[name] = list(values)
+            continue
+        which = ", ".join(algorithms)
+        if name in NOT_AXES:
+            raise ConfigError(f"--grid {name}: {name} is not an axis of a sweep: {NOT_AXES[name]}.")
+        owners = [n for n, spec in ALGORITHMS.items() if name in spec.hparams]
+        if owners:
+            raise ConfigError(
+                f"--grid {name}: no algorithm of this sweep ({which}) declares the "
+                f"hyper-parameter {name} ({', '.join(owners)} does); add one with --algorithms "
+                "or remove the axis."
+            )
+        close = difflib.get_close_matches(name, [*declared, *settings], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"--grid {name}: unknown name {name!r}{hint}. An axis is a hyper-parameter an "
+            f"algorithm of this sweep ({which}) declares: {', '.join(declared)}; or a data / "
+            f"shape setting: {', '.join(settings)}."
+        )
+    return inner, outer
+
+
+def _setting_label(setting: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in setting.items())
+
+
+def sweep_grid(
+    given: RunConfig,
+    algorithms: Sequence[str],
+    axes: Mapping[str, Sequence[float]],
+    seeds: Sequence[int],
+    target: float,
+) -> tuple[Grid, dict[str, dict[str, Any]]]:
+    """The grid of a sweep: a cell per algorithm × data setting (outer product of the
+    setting axes, first slowest), each with the hyper-parameter axes its algorithm
+    declares × ``seeds``; and each cell's setting by key. Every config is checked here,
+    before anything runs.
+
+    Raises:
+      ConfigError: an unknown algorithm or axis, a value invalid for its config, or a
+        hyper-parameter or option that no algorithm of the sweep declares.
+    """
+    if not (isinstance(target, (int, float)) and 0.0 < target <= 1.0):
+        raise ConfigError(
+            f"--target = {target:g} is invalid: it must be a test accuracy in (0, 1], "
+            "e.g. --target 0.7."
+        )
+    names = list(algorithms) or [given.algorithm]
+    for name in names:
+        if name not in ALGORITHMS:
+            raise ConfigError(ALGORITHMS.unknown_message(name))
+    algorithm_options = declared_options(("algorithm",))
+    for table in ("hparams", "options"):
+        for key in getattr(given, table):
+            if table == "options" and key not in algorithm_options:
+                continue  # a model's, partitioner's or dataset's: checked with each config
+            if not any(key in getattr(ALGORITHMS[n], table) for n in names):
+                raise ConfigError(
+                    f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
+                )
+    inner, outer = split_axes(axes, names)
+    settings = [dict(zip(outer, c, strict=True)) for c in itertools.product(*outer.values())]
+    cells, setting_of = [], {}
+    for setting in settings:
+        for name in names:
+            spec = ALGORITHMS[name]
+            config = given.replace(
+                algorithm=name,
+                hparams={k: v for k, v in given.hparams.items() if k in spec.hparams},
+                options={
+                    k: v
+                    for k, v in given.options.items()
+                    if k in spec.options or k not in algorithm_options
+                },
+                **setting,
+            ).validate()
+            declared = config.resolved_hparams()
+            swept = {k: v for k, v in inner.items() if k in declared}
+            for axis, values in swept.items():  # each value as its config would hold it
+                for value in values:
+                    if axis in STEP_SIZES:
+                        config.replace(**{axis: value}).validate()
+                    else:
+                        config.replace(hparams={**config.hparams, axis: value}).validate()
+            # Every declared hyper-parameter is an axis (one value when not swept): the
+            # series and records name them all.
+            cell_axes = {k: swept.get(k, [float(v)]) for k, v in declared.items()}
+            key = f"{name} {_setting_label(setting)}" if setting else name
+            cells.append(Cell(key, config, cell_axes, tuple(seeds),
+                              {"algorithm": name, **setting}))  # fmt: skip
+            setting_of[key] = setting
+    first = cells[0].config
+    saved = {
+        **first.to_dict(),
+        **{k: getattr(given, k) for k in outer},  # as given: the grid holds their values
+        "algorithms": names,
+        "grid": {**inner, **outer},
+        "seeds": list(seeds),
+    }
+    return Grid("sweep", cells, saved, (target,)), setting_of
+
+
+def sweep(
+    config: RunConfig,
+    algorithms: Sequence[str] = (),
+    axes: Mapping[str, Sequence[float]] | None = None,
+    seeds: Sequence[int] = (0,),
+    target: float = 0.7,
+    out: str | os.PathLike | None = None,
+    *,
+    quiet: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
+    """Runs a sweep: every algorithm × data setting a program over its hyper-parameter
+    axes × seeds; writes ``sweep.json``, ``sweep.csv``, ``summary.md`` (the chosen values
+    per algorithm, warnings for a choice at the edge of its grid) and two plots.
+
+    Args:
+      config: the base config (data, model, plan, rounds...).
+      algorithms: the algorithms (default: the config's).
+      axes: ``{name: values}``: hyper-parameters the algorithms declare (vmapped) and
+        numeric data / shape settings (separate programs).
+      seeds: the run seeds of every config.
+      target: the test accuracy the summary counts rounds to.
+      out: the folder (default ``config.out`` or ``results/sweep-<dataset>``).
+      quiet: print nothing but warnings.
+      **options: ``overwrite``, ``resume``, ``checkpoint``, ``checkpoint_every``,
+        ``checkpoint_minutes``, ``tensorboard`` (see :func:`run_grid`).
+
+    Returns:
+      The summary.
+    """
+    grid, setting_of = sweep_grid(config, algorithms, axes or {}, seeds, target)
+    folder = Path(out or config.out or f"results/sweep-{config.dataset}")
+    edges: list[str] = []
+    table = ""
+
+    def report(cells: Mapping[str, CellResult], writer: results.RunWriter) -> None:
+        nonlocal table
+        summary = results.summarize(cells, target)
+        edges.extend(results.format_grid_edge(e) for e in results.grid_edges(cells, summary))
+        table = results.format_summary(summary)
+        dataset = next(iter(cells.values())).info["dataset"]
+        record = {
+            "config": dict(grid.saved),
+            "target": target,
+            "dataset": dataset,
+            "settings": setting_of,
+            "results": {
+                key: {
+                    "configs": r.configs,
+                    "records": r.records,
+                    "diverged_round": r.diverged_round,
+                    "compile_seconds": r.compile_seconds,
+                    "run_seconds": r.run_seconds,
+                }
+                for key, r in cells.items()
+            },
+            "summary": summary,
+            "edge_of_grid": edges,
+        }
+        # Strict JSON (NaN/Inf, e.g. a diverged config's loss, as null): any parser reads it.
+        writer.write_text("sweep.json", json.dumps(strict_json(record), indent=1, allow_nan=False))
+        rows = results.sweep_table(cells, target, setting_of)
+        writer.write_text(SWEEP_CSV, results.csv_text(strict_json(rows)))
+        warnings = "".join(f"\n- {line}" for line in edges)
+        writer.write_text(
+            "summary.md",
+            f"Sweep on {dataset}, target {target:g}\n\n{table}\n"
+            + (f"\nChosen values at the edge of their grid:\n{warnings}\n" if edges else ""),
+        )
+        for filename, plot in (
+            ("rounds_to_target.png", results.plot_rounds_to_target),
+            ("best_curves.png", results.plot_best_curves),
+        ):
+            results.save_figure(plot(cells, target), folder / filename)
+            writer.files.append(filename)
+        writer.add(best={n: e["best"] for n, e in summary.items()}, edge_of_grid=edges)
+
+    outcome = run_grid(grid, folder, report=report, quiet=quiet, **options)
+    for line in edges:  # a warning, not a table: printed even with --quiet
+        print(f"warning: {line}", file=sys.stderr)
+    if not quiet:
+        print(table)
+        print(f"wrote {folder}/: {', '.join(outcome.files)}")
+    return outcome.summary
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every NaN/Inf float (numpy's included, in arrays too) as None, and
+    numpy values as Python ones, so that ``json.dumps(..., allow_nan=False)`` writes
+    strict JSON (null)."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+# =====================================================================================
+# scaffold-jax diagnose
+# =====================================================================================
+def diagnose(
+    config: RunConfig,
+    out: str | os.PathLike | None = None,
+    *,
+    gd_steps: int = 0,
+    num_iters: int = 30,
+    overwrite: bool = False,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Measures the paper's heterogeneity constants of a config's data and model (G, B,
+    δ, β, the suggested K; :func:`scaffold_jax.diagnostics.diagnose`) and writes
+    ``diagnose.json`` and ``gradient_fit.png``.
+
+    Args:
+      config: the data, partition and model (and ``client_lr``, the step size of the
+        gradient-descent path).
+      out: the folder (default ``results/diagnose-<dataset>``).
+      gd_steps: points along a full-gradient descent path, to fit (G, B).
+      num_iters: power iterations.
+      overwrite: replace a folder that holds a run.
+      quiet: print nothing.
+
+    Returns:
+      The summary.
+    """
+    import jax
+
+    from scaffold_jax import diagnostics
+
+    if gd_steps < 0:
+        raise ConfigError(f"--gd-steps = {gd_steps} is invalid: it must be >= 0.")
+    config.validate()
+    name = (config.canonical_dataset() or str(config.dataset)).replace("/", "-")
+    folder = Path(out or f"results/diagnose-{name}")
+    results.check_folder(folder, overwrite, dry_run=True)  # before minutes of work
+    progress = Progress(gd_steps, "gradient descent", unit="step", enabled=not quiet)
+    with progress.phase(f"loading {config.dataset}"):
+        built = build(config)
+    progress.write(built_summary(built))
+    problem, data = built.problem, built.data
+    trajectory, params = [], problem.params
+    for step in range(gd_steps):  # points along a full-gradient path, to fit (G, B)
+        grad = diagnostics.full_gradient(problem, data, params)
+        params = jax.tree.map(lambda p, g: p - config.client_lr * g, params, grad)
+        trajectory.append(params)
+        progress.update(step + 1)
+    progress.close()
+    report = diagnostics.diagnose(
+        problem, data, problem.params, trajectory=trajectory, num_iters=num_iters,
+        phase=progress.phase,
+    )  # fmt: skip
+    saved = {
+        **{name: getattr(config, name) for name in DIAGNOSE_FIELDS},
+        **config.resolved("model"),
+        **config.resolved("dataset"),
+        **config.resolved("partition"),
+        "gd_steps": gd_steps,
+        "num_iters": num_iters,
+        "plugins": list(config.plugins),
+    }
+    with results.RunWriter(folder, saved, overwrite=overwrite, plots=()) as writer:
+        reported = {"experiment": "diagnose", **built.info, "report": report._asdict()}
+        writer.add(**reported)
+        writer.write_text("diagnose.json", json.dumps(strict_json(reported), indent=1) + "\n")
+        try:
+            fig = results.plot_gradient_fit(report.points, report.G, report.B)
+        except ImportError:  # matplotlib is the optional "plots" extra
+            progress.write("matplotlib is not installed: no plot written.")
+        else:
+            results.save_figure(fig, folder / "gradient_fit.png")
+            writer.files.append("gradient_fit.png")
+        summary = writer.finish(plots=())
+    if not quiet:
+        print(f"{built.info['dataset']}, {data.num_clients} clients, {built.info['partition']}")
+        print(diagnostics.format_report(report))
+        print(f"wrote {folder}/: {', '.join(writer.files)}")
+    return summary
+
+
+#: The config fields that mean something to ``diagnose``: those that build the data and
+#: the model (RunConfig's fields marked ``builds``), and the step size of the --gd-steps
+#: path. The algorithm, sampling, local plan and horizon do not enter G, B, δ or β.
+DIAGNOSE_FIELDS = (*RunConfig.data_fields(), "client_lr")

@@ -1,0 +1,631 @@
+"""The run folder: :class:`RunWriter` writes it as the run goes, :func:`check_folder`
+refuses (or clears, with ``overwrite``) one that holds a run, and a lock file keeps two
+processes out of one folder (:func:`check_lock`). The summary records the software and
+hardware of the run (:func:`environment`).
+
+Every run (``scaffold-jax run`` or one ``scaffold-jax reproduce`` protocol) owns one output
+folder:
+
+* ``config.json``: the full configuration, as given and resolved;
+* ``metrics.jsonl``: one JSON object per evaluation, appended and flushed as it is made,
+  so a run killed at any point keeps every record it finished;
+* ``summary.json``: written at the start (``"status": "running"``) and rewritten at the
+  end: status (``finished``, ``failed`` or ``interrupted``), rounds to each target, best
+  accuracy, compile and steady-state time, the jax version and devices;
+* ``metrics.csv``: the same records as a table;
+* ``accuracy.png`` / ``loss.png`` (or the plots an experiment asks for): one line per
+  series (algorithm, or algorithm and setting).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from scaffold_jax.results.plots import DEFAULT_PLOTS, PlotSpec, plot_curves
+from scaffold_jax.results.records import (
+    METRICS_FILE,
+    SUMMARY_FILE,
+    Record,
+    by_series,
+    read_records,
+    read_summary,
+    series_summary,
+)
+
+CONFIG_FILE = "config.json"
+CSV_FILE = "metrics.csv"
+PARTS_FILE = "parts.jsonl"
+
+RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"
+
+# Files a writer may have made; --overwrite removes only these (and those a previous
+# summary lists), never the whole folder: `--out .` must not wipe a working directory.
+_OWN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CSV_FILE, "accuracy.png", "loss.png")
+
+
+# ----------------------------------------------------------------------------- environment
+@functools.cache
+def git_revision() -> dict[str, Any]:
+    """``{"git_commit": <sha>, "git_dirty": <bool>}`` of the checkout the package is
+    imported from (dirty: tracked files changed since that commit); both None when it is
+    not in one (an installed wheel), or git is missing or fails."""
+    root = Path(__file__).resolve().parents[2]  # scaffold_jax/results/folder.py
+
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *argv], capture_output=True, text=True, check=True,
+            timeout=10,
+        ).stdout.strip()  # fmt: skip
+
+    try:
+        # The checkout must be the package's own: a wheel installed into a virtualenv
+        # that happens to sit inside some other repository is not in a checkout.
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return {"git_commit": None, "git_dirty": None}
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit or None, "git_dirty": dirty if commit else None}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """The software and hardware a run used: the package's version and git commit (see
+    :func:`git_revision`), the versions of python, jax, jaxlib, flax, optax and numpy
+    (None for one not installed), and the devices."""
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {
+        "scaffold_jax": _version("scaffold-jax"),
+        **git_revision(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": _version("flax"),
+        "optax": _version("optax"),
+        "numpy": _version("numpy"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in devices],
+        "device_kind": devices[0].device_kind if devices else None,
+        "num_devices": len(devices),
+    }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _json_default(value: Any) -> Any:
+    """numpy and jax scalars/arrays in configs and records become plain JSON."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    # Written to a temporary name and renamed: a crash mid-write never leaves a truncated
+    # summary or config behind.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=_json_default, allow_nan=True) + "\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- writer
+class RunWriter:
+    """Writes one run's folder as the run goes.
+
+    Use it as a context manager: entering creates the folder and writes ``config.json``
+    and a ``"running"`` summary; :meth:`record` appends each evaluation to
+    ``metrics.jsonl`` and flushes it; :meth:`finish` writes the final summary, the CSV
+    and the plots (:meth:`close` ends a run otherwise, e.g. ``"diverged"``). Leaving the
+    block with an exception records the status (``"interrupted"`` for Ctrl-C / SIGTERM,
+    ``"failed"`` otherwise) and the error in ``summary.json`` before the exception
+    propagates.
+
+    Args:
+      folder: the output folder (created if missing).
+      config: the configuration (any JSON-serialisable dict).
+      targets: target accuracies whose rounds-to-target the summary reports.
+      overwrite: replace a folder that already holds a run. Without it, a folder with a
+        run in it (finished or not) is refused: a finished run's results are precious,
+        and an interrupted run's records are evidence.
+      plots: the plots :meth:`finish` draws.
+      resume: continue the run the folder holds: its records are kept (and cut back by
+        :meth:`reset_records` to what the checkpoint holds), its files are not deleted.
+
+    While open, the writer holds the folder's lock (``.lock``: process id, host, start
+    time): a second writer, or an ``overwrite``, is refused while this one lives; a lock
+    left by a process that died (``kill -9``) is recognised as stale on the same host, the
+    summary it left at ``"running"`` is marked ``"interrupted"``, and the folder can be
+    resumed or overwritten. A write that fails (a full disk, a read-only folder) raises
+    :class:`RunFolderError` naming the file; records already written stay intact.
+
+    Raises:
+      FileExistsError: the folder holds a run and ``overwrite`` is False, or it is in use.
+      RunFolderError: the folder cannot be written.
+
+    Examples:
+      >>> import tempfile
+      >>> folder = tempfile.mkdtemp()
+      >>> with RunWriter(folder, {"algorithm": "sgd"}, targets=[0.5]) as writer:
+      ...     writer.record("sgd", {"round": 0, "test_accuracy": 0.1})
+      ...     writer.record("sgd", {"round": 5, "test_accuracy": 0.6})
+      ...     summary = writer.finish(plots=())
+      >>> summary["status"], summary["runs"]["sgd"]["rounds_to_target"]
+      ('finished', {'0.5': 5})
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        config: Mapping[str, Any],
+        targets: Sequence[float] = (),
+        overwrite: bool = False,
+        plots: Sequence[PlotSpec] = DEFAULT_PLOTS,
+        resume: bool = False,
+    ):
+        self.folder = Path(folder)
+        self.resume = resume
+        self.parts: dict[str, Any] = {}
+        self._lock = None
+        self.config = dict(config)
+        self.targets = [float(t) for t in targets]
+        self.overwrite = overwrite
+        self.plots = tuple(plots)
+        self.records: list[Record] = []
+        self.series_info: dict[str, dict[str, Any]] = {}
+        self.extra: dict[str, Any] = {}
+        self.files: list[str] = []
+        self.status = RUNNING
+        self._metrics = None
+        self._csv = None  # metrics.csv, open for appending, and its columns
+        self._csv_columns: list[str] = []
+        self._started = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    def __enter__(self) -> RunWriter:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            if self.status == RUNNING:
+                self.finish()
+        elif self.status == RUNNING:
+            interrupted = issubclass(exc_type, (KeyboardInterrupt, SystemExit))
+            try:
+                self._close(
+                    INTERRUPTED if interrupted else FAILED, error=f"{exc_type.__name__}: {exc}"
+                )
+            except OSError:  # the disk that failed the run may fail the summary too
+                pass
+        self._release()
+        return False
+
+    def open(self) -> None:
+        """Takes the folder's lock, creates the folder (refusing one that holds a run,
+        unless resuming or overwriting) and writes the config."""
+        if self.resume:
+            check_lock(self.folder)
+        else:
+            check_folder(self.folder, self.overwrite)
+        with _writing(self.folder):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._lock = _take_lock(self.folder)
+        try:
+            self._started = datetime.datetime.now(datetime.timezone.utc)
+            self._start_clock = time.perf_counter()
+            if self.resume:
+                self.records = read_records(self.folder)
+                self.parts = _read_parts(self.folder)
+                previous = read_summary(self.folder) or {}
+                self.files = [f for f in previous.get("files", []) if f != CSV_FILE]
+            with _writing(self.folder / CONFIG_FILE):
+                _write_json(self.folder / CONFIG_FILE, self.config)
+            with _writing(self.folder / METRICS_FILE):
+                self._metrics = open(self.folder / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+            self.files = list(dict.fromkeys([CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, *self.files]))
+            self._rewrite_csv()
+            self._write_summary(RUNNING)
+        except BaseException:
+            self._release()
+            raise
+
+    def save_part(self, key: str, payload: Any, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Marks a part of the run finished (a cell of a protocol, an algorithm's grid):
+        ``payload`` is what the caller needs to skip it on resume, ``entries`` the records
+        it wrote. Appended to ``parts.jsonl`` and flushed, after those records."""
+        line = json.dumps(
+            {"key": key, "payload": payload, "entries": list(entries)}, default=_json_default
+        )
+        with _writing(self.folder / PARTS_FILE):
+            with open(self.folder / PARTS_FILE, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        self.parts[key] = {"payload": payload, "entries": list(entries)}
+        if PARTS_FILE not in self.files:
+            self.files.append(PARTS_FILE)
+
+    def keep_finished_parts(self) -> dict[str, Any]:
+        """On resume of a run made of parts: cuts the records back to those of the
+        finished parts (the rest run again) and returns ``{key: payload}``."""
+        self.reset_records([e for part in self.parts.values() for e in part["entries"]])
+        return {key: part["payload"] for key, part in self.parts.items()}
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            _release_lock(self._lock)
+            self._lock = None
+
+    def reset_records(
+        self, records: Sequence[Mapping[str, Any]], series: str | None = None
+    ) -> None:
+        """Replaces every record on disk by ``records`` (given ``series``, or each with its
+        own ``"series"``): on resume, the records the checkpoint (or the finished part of
+        a sweep) holds, so each evaluation is in ``metrics.jsonl`` exactly once. Written
+        to a temporary file and renamed (atomic)."""
+        self.records = [
+            dict(r) if series is None else {"series": str(series), **r} for r in records
+        ]
+        path = self.folder / METRICS_FILE
+        if self._metrics is not None:
+            self._metrics.close()
+        tmp = path.with_name(path.name + ".tmp")
+        with _writing(path):
+            with open(tmp, "w", encoding="utf-8") as f:
+                for entry in self.records:
+                    f.write(json.dumps(entry, default=_json_default) + "\n")
+            os.replace(tmp, path)
+            self._metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._rewrite_csv()
+
+    # -- during the run --------------------------------------------------------------
+    def record(
+        self,
+        series: str,
+        record: Mapping[str, Any],
+        settings: Mapping[str, Any] | None = None,
+    ) -> Record:
+        """Appends one evaluation record of ``series`` and flushes it to disk.
+
+        ``settings``: what places the series (its algorithm, η_l, a data setting), written
+        in the record before its measurements and kept apart from them in the summary
+        (``runs[series]["settings"]``; not among its final metrics)."""
+        if self._metrics is None:
+            raise RuntimeError("RunWriter.record called before open() (use `with RunWriter`).")
+        if settings:
+            self.describe(series, settings=dict(settings))
+        entry = {"series": str(series), **(settings or {}), **record}
+        line = json.dumps(entry, default=_json_default) + "\n"
+        with _writing(self.folder / METRICS_FILE):
+            end = self._metrics.tell()
+            try:
+                self._metrics.write(line)
+                # flush, not fsync: a killed process loses nothing the OS already has, and
+                # an fsync per evaluation would dominate short rounds.
+                self._metrics.flush()
+            except OSError:
+                self._cut(end)  # no torn last line: the file ends with a whole record
+                raise
+        self.records.append(entry)
+        if set(entry) <= set(self._csv_columns) and self._csv is not None:
+            with _writing(self.folder / CSV_FILE):
+                csv.DictWriter(self._csv, fieldnames=self._csv_columns).writerow(entry)
+                self._csv.flush()
+        else:  # a new column: the header changes, so the table is written again
+            self._rewrite_csv()
+        return entry
+
+    def _cut(self, size: int) -> None:
+        try:
+            self._metrics.close()
+        except OSError:
+            pass  # the buffered bytes that failed are dropped with the file object
+        self._metrics = None
+        try:
+            os.truncate(self.folder / METRICS_FILE, size)
+        except OSError:
+            pass
+
+    def describe(self, series: str, /, **info: Any) -> None:
+        """Attaches facts about a series (algorithm, η_l, compile/run seconds) to the
+        summary."""
+        self.series_info.setdefault(str(series), {}).update(info)
+
+    def add(self, **extra: Any) -> None:
+        """Adds top-level fields to the summary (dataset, chosen step sizes, tables...)."""
+        self.extra.update(extra)
+
+    def write_text(self, name: str, text: str) -> Path:
+        """Writes an extra file (e.g. a markdown table) into the folder."""
+        path = self.folder / name
+        path.write_text(text)
+        if name not in self.files:
+            self.files.append(name)
+        return path
+
+    # -- the end ---------------------------------------------------------------------
+    def finish(self, plots: Sequence[PlotSpec] | None = None) -> dict[str, Any]:
+        """Writes the final summary, the CSV and the plots; returns the summary.
+
+        The run has finished when this is called: a CSV or plot that cannot be written (a
+        full disk) is reported on stderr and left out, never turned into a failed run.
+        """
+        for spec in self.plots if plots is None else plots:
+            try:
+                if plot_curves(self.records, spec, self.folder / spec.filename) is not None:
+                    self.files.append(spec.filename)
+            except ImportError:  # matplotlib is an optional extra ("plots")
+                print("matplotlib is not installed: no plots written.", file=sys.stderr)
+                break
+            except OSError as err:
+                print(f"could not write {spec.filename}: {err}", file=sys.stderr)
+        return self._close(FINISHED)
+
+    def close(self, status: str, error: str | None = None) -> dict[str, Any]:
+        """Ends the run with ``status`` (e.g. ``"diverged"``) and an error message, without
+        the CSV and plots; returns the summary."""
+        return self._close(status, error)
+
+    def _close(self, status: str, error: str | None = None) -> dict[str, Any]:
+        self.status = status
+        for name in ("_metrics", "_csv"):
+            if getattr(self, name) is not None:
+                try:
+                    getattr(self, name).close()
+                except OSError:
+                    pass  # a write that failed already said so
+                setattr(self, name, None)
+        return self._write_summary(status, error)
+
+    def summary(self, status: str | None = None, error: str | None = None) -> dict[str, Any]:
+        """The summary dict as it stands (what ``summary.json`` holds)."""
+        runs = {}
+        for name, recs in by_series(self.records).items():
+            info = self.series_info.get(name, {})
+            measured = series_summary(recs, self.targets, info.get("settings", {}))
+            runs[name] = {**info, **measured}
+        for name, info in self.series_info.items():
+            runs.setdefault(name, dict(info))
+        out: dict[str, Any] = {
+            "status": status or self.status,
+            "started_at": self._started.isoformat(timespec="seconds") if self._started else None,
+            "updated_at": _now(),
+            "wall_seconds": round(time.perf_counter() - self._start_clock, 3)
+            if self._started
+            else None,
+            "environment": environment(),
+            "targets": self.targets,
+            **self.extra,
+            "runs": runs,
+        }
+        if len(runs) == 1:
+            # A single-series run: the headline numbers at the top level too.
+            (only,) = runs.values()
+            for key in ("rounds_to_target", "best_test_accuracy", "compile_seconds",
+                        "run_seconds", "seconds_per_round"):  # fmt: skip
+                if key in only:
+                    out[key] = only[key]
+        if error is not None:
+            out["error"] = error
+        out["files"] = list(self.files)
+        return out
+
+    def _write_summary(self, status: str, error: str | None = None) -> dict[str, Any]:
+        summary = self.summary(status, error)
+        with _writing(self.folder / SUMMARY_FILE):
+            _write_json(self.folder / SUMMARY_FILE, summary)
+        return summary
+
+    def _rewrite_csv(self) -> None:
+        """Writes ``metrics.csv`` anew from the records (its columns: every field any
+        record has) and keeps it open: :meth:`record` appends each new row and flushes
+        it, as ``metrics.jsonl``, so the table is complete whenever the run is killed."""
+        if self._csv is not None:
+            self._csv.close()
+            self._csv = None
+        path = self.folder / CSV_FILE
+        if not self.records:
+            path.unlink(missing_ok=True)  # a resume cut back to nothing
+            return
+        self._csv_columns = list(dict.fromkeys(k for r in self.records for k in r))
+        tmp = path.with_name(path.name + ".tmp")
+        with _writing(path):
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                writer = csv.DictWriter(f, fieldnames=self._csv_columns)
+                writer.writeheader()
+                writer.writerows(self.records)
+            os.replace(tmp, path)
+            self._csv = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115
+        if CSV_FILE not in self.files:
+            self.files.append(CSV_FILE)
+
+
+def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bool = False) -> None:
+    """Refuses a folder that holds a run unless ``overwrite``; with it, removes the run's
+    files (only those a writer makes, never anything else in the folder).
+
+    Args:
+      folder: the output folder.
+      overwrite: replace a run found there.
+      dry_run: only check (an early check before loading data must not delete the old
+        run: the new one might still fail to start).
+
+    Raises:
+      FileExistsError: naming the folder, the run's status and what to do.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"output folder {folder} exists and is not a folder.")
+    check_lock(folder)
+    if not any((folder / name).exists() for name in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)):
+        return
+    summary = read_summary(folder)
+    status = (summary or {}).get("status", "unknown")
+    if not overwrite:
+        if status == FINISHED:
+            what = "a finished run"
+        else:
+            num = len(read_records(folder))
+            what = f"an unfinished run (status {status!r}, {num} records kept)"
+        resume = "" if status == FINISHED else " --resume to continue it,"
+        raise FileExistsError(
+            f"output folder {folder} already holds {what}; pass{resume} --overwrite "
+            "(overwrite=True) to replace it, or choose another output folder."
+        )
+    if dry_run:
+        return
+    names = set(_OWN_FILES) | set((summary or {}).get("files", []))
+    for name in names:
+        path = folder / name
+        # Only plain files directly inside the folder: a crafted summary cannot make us
+        # delete anything elsewhere.
+        if path.parent == folder and path.is_file():
+            path.unlink()
+    checkpoints = folder / "checkpoints"  # scaffold_jax.experiments.CHECKPOINTS
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        shutil.rmtree(checkpoints)
+
+
+# ----------------------------------------------------------------------------- the lock
+LOCK_FILE = ".lock"
+
+
+class RunFolderError(OSError):
+    """A run folder could not be written (a full disk, a read-only folder, ...)."""
+
+
+class _writing:
+    """Turns an OSError while writing ``path`` into a one-line :class:`RunFolderError`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if (
+            exc_type is not None
+            and issubclass(exc_type, OSError)
+            and exc_type is not RunFolderError
+        ):
+            reason = exc.strerror or str(exc)
+            raise RunFolderError(
+                exc.errno,
+                f"cannot write {self.path}: {reason}. Every record finished before is in "
+                f"{METRICS_FILE}; free space or choose a writable --out, then --resume.",
+            ) from exc
+        return False
+
+
+def _read_parts(folder: Path) -> dict[str, Any]:
+    parts = {}
+    try:
+        lines = (folder / PARTS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return parts
+    for line in lines:
+        try:
+            part = json.loads(line)
+        except ValueError:
+            break  # a line cut short by a kill: that part runs again
+        parts[part["key"]] = {"payload": part["payload"], "entries": part["entries"]}
+    return parts
+
+
+def _lock_info(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / LOCK_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # half-written or unreadable: treat as another live holder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def check_lock(folder: str | os.PathLike) -> None:
+    """Refuses a folder held by a live run; clears a stale lock (its process is gone),
+    marking the summary it left at ``"running"`` as ``"interrupted"``.
+
+    Raises:
+      FileExistsError: another live process (or one on another host, which cannot be
+        checked) holds the folder.
+    """
+    folder = Path(folder)
+    info = _lock_info(folder)
+    if info is None:
+        return
+    pid, host = info.get("pid"), info.get("host")
+    here = host == platform.node()
+    if here and isinstance(pid, int) and pid == os.getpid():
+        return  # our own (an earlier writer of this process that did not close)
+    if here and isinstance(pid, int) and not _alive(pid):
+        summary = read_summary(folder)
+        if summary is not None and summary.get("status") == RUNNING:
+            summary["status"] = INTERRUPTED
+            summary["error"] = (
+                f"the process (pid {pid} on {host}) stopped without closing the run, e.g. "
+                "killed with SIGKILL; resume it with --resume"
+            )
+            _write_json(folder / SUMMARY_FILE, summary)
+        (folder / LOCK_FILE).unlink(missing_ok=True)
+        return
+    where = f"pid {pid} on host {host}, since {info.get('started')}" if info else "unknown"
+    raise FileExistsError(
+        f"output folder {folder} is in use by a running scaffold-jax ({where}); wait for it "
+        f"to finish or stop it (kill -INT {pid}), or choose another output folder. If that "
+        f"process is gone (another host), delete {folder / LOCK_FILE}."
+    )
+
+
+def _take_lock(folder: Path) -> Path:
+    path = folder / LOCK_FILE
+    info = {"pid": os.getpid(), "host": platform.node(), "started": _now()}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        check_lock(folder)  # stale: cleared; live: raises
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info))
+    return path
+
+
+def _release_lock(path: Path) -> None:
+    info = _lock_info(path.parent)
+    if info and info.get("pid") == os.getpid():
+        path.unlink(missing_ok=True)

@@ -56,7 +56,7 @@ from typing import Any
 
 from scaffold_jax import compilation_cache
 from scaffold_jax.experiments import DIAGNOSE_FIELDS, ConfigError, RunConfig
-from scaffold_jax.experiments.commands import SETTING_OWNERS
+from scaffold_jax.experiments.commands import DATA_OWNERS
 from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
 from scaffold_jax.types import HParam
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Whose declared options mean something to ``diagnose`` (not the algorithms').
-DIAGNOSE_OPTIONS = SETTING_OWNERS
+DIAGNOSE_OPTIONS = DATA_OWNERS
 
 
 def _config_flags(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
@@ -435,18 +435,23 @@ def _config(args: argparse.Namespace, validate: bool = True) -> RunConfig:
 def _run_command(args: argparse.Namespace) -> int:
     from scaffold_jax import experiments
 
-    _checked_checkpoint_flags(args)
-    experiments.run(
-        _config(args),
-        overwrite=args.overwrite,
-        quiet=args.quiet,
-        resume=args.resume,
-        checkpoint=not args.no_checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_minutes=args.checkpoint_minutes,
-        tensorboard=args.tensorboard,
-    )
+    experiments.run(_config(args), **_folder_options(args))
     return 0
+
+
+def _folder_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``run`` and ``sweep`` take from the flags besides the config: the folder,
+    checkpoint and output options."""
+    _checked_checkpoint_flags(args)
+    return {
+        "overwrite": args.overwrite,
+        "quiet": args.quiet,
+        "resume": args.resume,
+        "checkpoint": not args.no_checkpoint,
+        "checkpoint_every": args.checkpoint_every,
+        "checkpoint_minutes": args.checkpoint_minutes,
+        "tensorboard": args.tensorboard,
+    }
 
 
 def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
@@ -495,7 +500,6 @@ def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
 def _sweep_command(args: argparse.Namespace) -> int:
     from scaffold_jax import experiments
 
-    _checked_checkpoint_flags(args)
     axes = _grid_axes(args.grid)
     if args.lr_grid:
         if "client_lr" in axes:
@@ -509,13 +513,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
         axes,
         args.seeds,
         args.target,
-        quiet=args.quiet,
-        overwrite=args.overwrite,
-        resume=args.resume,
-        checkpoint=not args.no_checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_minutes=args.checkpoint_minutes,
-        tensorboard=args.tensorboard,
+        **_folder_options(args),
     )
     return 0
 

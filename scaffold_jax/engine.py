@@ -65,8 +65,8 @@ from scaffold_jax.types import (
     SimState,
     resolve_hparams,
 )
-
-WEIGHTINGS = ("uniform", "num_examples")
+from scaffold_jax.weighting import WEIGHTINGS
+from scaffold_jax.weighting import make as make_weighting
 
 #: The plan of a full-data pass (:class:`~scaffold_jax.types.FullDataPass`): every example
 #: of the client once, as one batch.
@@ -270,15 +270,16 @@ subsample; :func:`train_objective`)."""
 
 
 def train_objective(sim: Simulation, params: PyTree, data, model=None) -> dict[str, jax.Array]:
-    """``train_loss``, the federated objective f(x) = (1/N) Σ_i f_i(x) (Σ_i n_i f_i / Σ_i n_i
-    under ``weighting="num_examples"``), over the training examples of materialised data.
+    """``train_loss``, the federated objective f(x) = Σ_i p_i f_i(x) / Σ_j p_j under the
+    simulation's weighting (uniform: (1/N) Σ_i f_i; ``"num_examples"``: the mean over all
+    examples), over the training examples of materialised data.
 
     With ``sim.train_eval_examples = m`` smaller than the n training examples, it is
     estimated on a FIXED uniform subsample of m examples (the same at every evaluation, so
-    curves compare like with like), each weighted by n/m times its weight in f (1/(N n_i)
-    or 1/n): an unbiased estimate, at m/n of the cost of the full pass. ``None``: every
-    example, the exact objective. Under the ``"local"`` statistics policy every example
-    is evaluated with its own client's statistics.
+    curves compare like with like), each weighted by n/m times its weight in f
+    (p_i / (Σ_j p_j n_i)): an unbiased estimate, at m/n of the cost of the full pass.
+    ``None``: every example, the exact objective. Under the ``"local"`` statistics policy
+    every example is evaluated with its own client's statistics.
     """
     if not hasattr(data, "examples"):
         return {}
@@ -288,18 +289,22 @@ def train_objective(sim: Simulation, params: PyTree, data, model=None) -> dict[s
         owner = jnp.repeat(jnp.arange(data.num_clients), data.counts, total_repeat_length=n)
         losses = sim.per_example(sim.problem.loss_fn, params, data.examples, model, owner)
         sums = jax.ops.segment_sum(losses, owner, num_segments=data.num_clients)
-        if sim.weighting == "num_examples":
-            return {"train_loss": jnp.sum(sums) / n}
-        return {"train_loss": jnp.mean(sums / data.counts.astype(jnp.float32))}
+        means = sums / data.counts.astype(jnp.float32)
+        if sim.weighting == "uniform":
+            return {"train_loss": jnp.mean(means)}
+        weights = sim.client_weights(data)
+        return {"train_loss": jnp.sum(weights * means) / jnp.sum(weights)}
     # Static indices (n and m are shapes): a constant of the program, drawn once. Each
     # example's client is found from the clients' sorted row offsets.
     index = np.sort(np.random.default_rng(0).choice(n, m, replace=False)).astype(np.int32)
     examples = jax.tree.map(lambda a: a[index], data.examples)
     owner = jnp.searchsorted(data.offsets, index, side="right") - 1
     losses = sim.per_example(sim.problem.loss_fn, params, examples, model, owner)
-    if sim.weighting == "num_examples":
-        return {"train_loss": jnp.mean(losses)}
-    weight = 1.0 / (data.num_clients * data.counts[owner].astype(jnp.float32))
+    if sim.weighting == "uniform":
+        weight = 1.0 / (data.num_clients * data.counts[owner].astype(jnp.float32))
+    else:  # example e of client i stands for p_i / (Σ_j p_j n_i) of the objective
+        weights = sim.client_weights(data)
+        weight = weights[owner] / (jnp.sum(weights) * data.counts[owner].astype(jnp.float32))
     return {"train_loss": (n / m) * jnp.sum(weight * losses)}
 
 
@@ -354,7 +359,9 @@ class Simulation:
       problem: the :class:`~scaffold_jax.types.Problem` (initial params and loss).
       plan: the :class:`~scaffold_jax.data.batching.BatchPlan` of the local steps.
       clients_per_round: S.
-      weighting: ``"uniform"`` (the paper's 1/|S| averaging) or ``"num_examples"``.
+      weighting: a registered weighting (:data:`scaffold_jax.weighting.WEIGHTINGS`):
+        ``"uniform"`` (the paper's 1/|S| averaging), ``"num_examples"``, a plugin's.
+      weighting_options: its options (given, else their declared defaults).
       eval_batch_size: examples per chunk in the jitted evaluation.
       client_chunk: how many sampled clients run in one vmapped chunk of the round:
         ``"auto"`` (all S on an accelerator or a client mesh, cache-sized chunks on CPU,
@@ -395,6 +402,7 @@ class Simulation:
         plan: BatchPlan,
         clients_per_round: int,
         weighting: str = "uniform",
+        weighting_options: Mapping[str, Any] | None = None,
         eval_batch_size: int = 4096,
         client_chunk: int | str | None = "auto",
         layout: Any = None,
@@ -404,13 +412,15 @@ class Simulation:
     ):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting={weighting!r} is unknown; use one of {WEIGHTINGS}.")
+        if not isinstance(weighting, str) or weighting not in WEIGHTINGS:
+            raise ValueError(WEIGHTINGS.unknown_message(str(weighting)))
         self.algorithm = algorithm
         self.problem = problem
         self.plan = plan
         self.clients_per_round = check_count("clients_per_round (S)", clients_per_round)
         self.weighting = weighting
+        self.weighting_options = dict(weighting_options or {})
+        self._weigh = make_weighting(weighting, self.weighting_options)
         self.eval_batch_size = check_count("eval_batch_size", eval_batch_size)
         if not (client_chunk is None or (isinstance(client_chunk, str) and client_chunk == "auto")):
             try:
@@ -439,8 +449,8 @@ class Simulation:
         """A new simulation with some constructor arguments changed (e.g. ``layout=``)."""
         names = (
             "algorithm", "problem", "plan", "clients_per_round", "weighting",
-            "eval_batch_size", "client_chunk", "layout", "evaluators", "train_eval_examples",
-            "sampler",
+            "weighting_options", "eval_batch_size", "client_chunk", "layout", "evaluators",
+            "train_eval_examples", "sampler",
         )  # fmt: skip
         return type(self)(**{name: changes.get(name, getattr(self, name)) for name in names})
 
@@ -587,15 +597,17 @@ class Simulation:
         new_state = SimState(server=server, clients=clients, round=state.round + 1, model=new_model)
         return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
 
+    def client_weights(self, data) -> jax.Array:
+        """Every client's weight p_i (float32 ``[N]``) under the simulation's weighting."""
+        return self._weigh(data.counts.astype(jnp.float32))
+
     def weights(self, data, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The aggregation weights of clients ``ids`` and the total weight of all N:
         ``(1, N)`` uniform, ``(n_i, Σ n_j)`` with ``weighting="num_examples"``."""
-        if self.weighting == "num_examples":
-            return (
-                data.counts[ids].astype(jnp.float32),
-                jnp.sum(data.counts.astype(jnp.float32)),
-            )
-        return jnp.ones(ids.shape, jnp.float32), jnp.asarray(data.num_clients, jnp.float32)
+        if self.weighting == "uniform":  # no [N] vector: a million procedural clients
+            return jnp.ones(ids.shape, jnp.float32), jnp.asarray(data.num_clients, jnp.float32)
+        weights = self.client_weights(data)
+        return weights[ids], jnp.sum(weights)
 
     def full_data_pass(self, full_pass, server, rows, ids, weights, data, chunk):
         """Runs a :class:`~scaffold_jax.types.FullDataPass` for clients ``ids`` (rows

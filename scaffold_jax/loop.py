@@ -498,6 +498,8 @@ def run_identity(
         "seed": int(seed),
         "hparams": {k: np.asarray(v).tolist() for k, v in hparams.items()},
     }
+    if simulation.weighting_options:  # only then: identities of earlier runs resume
+        identity["weighting_options"] = simulation.weighting_options
     if simulation.sampler is not uniform:
         # Only another sampler is named: identities written before samplers existed resume.
         identity["sampler"] = _describe(simulation.sampler)

@@ -25,7 +25,9 @@ parameters and defaults (``scaffold-jax run --help`` prints them):
   (with β₂ = 0.99) and damped to ``≈ g / (10 τ)`` where ``|g| ≪ τ``.
 - ``yogi``: ``optax.scale_by_yogi`` (FedYogi; optax's form has bias correction too).
 
-A plugin adds one with ``OPTIMIZERS.register("name", OptimizerSpec(build, params, help))``.
+A plugin adds one with ``OPTIMIZERS.register("name", OptimizerSpec(build, params, help))``,
+``params`` mapping each parameter to an :class:`~scaffold_jax.registry.Option` (its default
+and range) or simply to its default.
 
 Examples:
   >>> canonical("adam:eps=1e-3")
@@ -43,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaffold_jax.registry import Registry
+from scaffold_jax.registry import Option, Registry
 
 
 class OptimizerSpec(NamedTuple):
@@ -51,13 +53,21 @@ class OptimizerSpec(NamedTuple):
 
     Attributes:
       build: ``build(**params) -> optax.GradientTransformation | None`` (None: plain SGD).
-      params: its parameters and their defaults (floats).
+      params: its parameters, each an :class:`~scaffold_jax.registry.Option` (a number:
+        the default of a float with no range).
       help: one line for ``--help`` and the docs.
     """
 
     build: Callable[..., optax.GradientTransformation | None]
-    params: Mapping[str, float]
+    params: Mapping[str, Option | float]
     help: str
+
+    @property
+    def options(self) -> dict[str, Option]:
+        return {
+            k: v if isinstance(v, Option) else Option(float(v), k, "float")
+            for k, v in self.params.items()
+        }
 
 
 class FedAdamState(NamedTuple):
@@ -92,13 +102,21 @@ def scale_by_fedadam(b1: float = 0.9, b2: float = 0.99, tau: float = 1e-3):
     return optax.GradientTransformation(init, update)
 
 
+def _decay(default: float, name: str) -> Option:
+    return Option(default, f"{name}: decay rate", "float", low=0.0, high=1.0)
+
+
+def _floor(default: float, name: str = "eps") -> Option:
+    return Option(default, f"{name}: numerical floor", "float", low=0.0, strict=True)
+
+
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
 OPTIMIZERS.register("sgd", OptimizerSpec(lambda: None, {}, "plain SGD (no transformation)"))
 OPTIMIZERS.register(
     "momentum",
     OptimizerSpec(
         lambda momentum: optax.trace(decay=momentum),
-        {"momentum": 0.9},
+        {"momentum": _decay(0.9, "momentum")},
         "heavy-ball momentum, optax.trace (FedAvgM on the server)",
     ),
 )
@@ -106,7 +124,10 @@ OPTIMIZERS.register(
     "adagrad",
     OptimizerSpec(
         lambda initial_accumulator, eps: optax.scale_by_rss(initial_accumulator, eps),
-        {"initial_accumulator": 0.1, "eps": 1e-7},
+        {
+            "initial_accumulator": Option(0.1, "initial accumulator", "float", low=0.0),
+            "eps": _floor(1e-7),
+        },  # fmt: skip
         "optax.scale_by_rss (FedAdagrad on the server)",
     ),
 )
@@ -114,7 +135,7 @@ OPTIMIZERS.register(
     "adam",
     OptimizerSpec(
         lambda b1, b2, eps: optax.scale_by_adam(b1, b2, eps),
-        {"b1": 0.9, "b2": 0.999, "eps": 1e-8},
+        {"b1": _decay(0.9, "b1"), "b2": _decay(0.999, "b2"), "eps": _floor(1e-8)},
         "optax.scale_by_adam: with bias correction, eps outside the square root",
     ),
 )
@@ -122,7 +143,7 @@ OPTIMIZERS.register(
     "fedadam",
     OptimizerSpec(
         scale_by_fedadam,
-        {"b1": 0.9, "b2": 0.99, "tau": 1e-3},
+        {"b1": _decay(0.9, "b1"), "b2": _decay(0.99, "b2"), "tau": _floor(1e-3, "tau")},
         "the paper's FedAdam (Reddi et al. 2021): no bias correction, v starts at tau^2",
     ),
 )
@@ -130,7 +151,7 @@ OPTIMIZERS.register(
     "yogi",
     OptimizerSpec(
         lambda b1, b2, eps: optax.scale_by_yogi(b1, b2, eps),
-        {"b1": 0.9, "b2": 0.999, "eps": 1e-3},
+        {"b1": _decay(0.9, "b1"), "b2": _decay(0.999, "b2"), "eps": _floor(1e-3)},
         "optax.scale_by_yogi (FedYogi on the server)",
     ),
 )
@@ -149,12 +170,12 @@ def parse(spec: Any) -> tuple[str, dict[str, float]]:
             "optionally with parameters, e.g. 'adam:b2=0.99,eps=1e-3'."
         )
     name, _, rest = spec.strip().partition(":")
-    entry = OPTIMIZERS[name.strip()]  # unknown: the registry's message lists the names
-    values = dict(entry.params)
+    declared = OPTIMIZERS[name.strip()].options  # unknown: the message lists the names
+    values = {k: option.default for k, option in declared.items()}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, text = (s.strip() for s in item.partition("="))
-        if key not in entry.params:
-            takes = ", ".join(entry.params) or "no parameters"
+        if key not in declared:
+            takes = ", ".join(declared) or "no parameters"
             raise ValueError(
                 f"optimizer {spec!r}: {name} has no parameter {key!r}; it takes {takes}."
             )
@@ -165,8 +186,11 @@ def parse(spec: Any) -> tuple[str, dict[str, float]]:
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(
                 f"optimizer {spec!r}: {key} = {text!r} is invalid; give a finite number, "
-                f"e.g. {key}={entry.params[key]:g}."
+                f"e.g. {key}={declared[key].default:g}."
             )
+        error = declared[key].error(key, value)
+        if error is not None:
+            raise ValueError(f"optimizer {spec!r}: {error}")
         values[key] = value
     return name.strip(), values
 
@@ -175,8 +199,8 @@ def canonical(spec: Any) -> str:
     """The spec's one spelling: the name, then the non-default parameters in the order
     the optimizer declares them (what run identities and records store)."""
     name, values = parse(spec)
-    defaults = OPTIMIZERS[name].params
-    changed = [f"{k}={values[k]:g}" for k in defaults if values[k] != defaults[k]]
+    declared = OPTIMIZERS[name].options
+    changed = [f"{k}={values[k]:g}" for k, o in declared.items() if values[k] != o.default]
     return name if not changed else f"{name}:{','.join(changed)}"
 
 
@@ -210,6 +234,6 @@ def describe() -> str:
     """``name (param=default, ...)`` for every registered optimizer, for ``--help``."""
     parts = []
     for name, entry in OPTIMIZERS.items():
-        args = ", ".join(f"{k}={v:g}" for k, v in entry.params.items())
+        args = ", ".join(f"{k}={o.default:g}" for k, o in entry.options.items())
         parts.append(f"{name} ({args})" if args else name)
     return "; ".join(parts)

@@ -128,6 +128,21 @@ def fig3_protocol(quick: bool = False, **overrides: Any) -> Fig3Protocol:
     return _override(base, overrides).validate()
 
 
+def _chosen(result: CellResult, target, metric="test_accuracy", higher_is_better=True):
+    """``(j, facts)``: the config of a cell the one selection policy chooses, and what a
+    protocol's cell reports of it (rounds, η_l, its series, the diverged η_l, timing)."""
+    j, rounds = result.choose(target, metric, higher_is_better)
+    diverged = [c["client_lr"] for c, d in zip(result.configs, result.diverged, strict=True) if d]
+    return j, {
+        "rounds": rounds,
+        "client_lr": result.configs[j]["client_lr"],
+        "series": result.series[j],
+        "diverged_lrs": diverged,
+        "compile_seconds": round(result.compile_seconds, 3),
+        "run_seconds": round(result.run_seconds, 3),
+    }
+
+
 def _one_step(method: str) -> bool:
     """Whether ``method`` takes one full-batch step a round (its registered default plan is
     ``"full"``: large-batch SGD), so K and epochs do not apply to it."""
@@ -228,29 +243,19 @@ def reproduce_fig3(
         cells = []
         for grid_cell in grid.cells:
             result = done[grid_cell.key]
-            j, rounds = result.choose(protocol.target, "relative_error", False)
-            chosen = result.series[j]
             labels = grid_cell.labels
-            plot.panels[f"G = {labels['G']:g}"].append(chosen)
+            j, cell = _chosen(result, protocol.target, "relative_error", False)
+            plot.panels[f"G = {labels['G']:g}"].append(cell["series"])
             cell = {
                 "method": labels["algorithm"],
                 "local_steps": labels["local_steps"],
                 "warm_controls": bool(grid_cell.config.options.get("warm_controls")),
                 "G": labels["G"],
-                "rounds": rounds,
-                "client_lr": result.configs[j]["client_lr"],
-                "series": chosen,
+                **cell,
                 "final_error": result.records[j][-1]["error"],
-                "diverged_lrs": [
-                    c["client_lr"]
-                    for c, d in zip(result.configs, result.diverged, strict=True)
-                    if d
-                ],  # fmt: skip
-                "compile_seconds": round(result.compile_seconds, 3),
-                "run_seconds": round(result.run_seconds, 3),
             }
             cells.append(cell)
-            writer.describe(chosen, chosen=True, **cell)
+            writer.describe(cell["series"], chosen=True, **cell)
         table = fig3_table(cells, protocol)
         wall = time.perf_counter() - start
         problems = {
@@ -654,28 +659,17 @@ def reproduce_table(
         cells = []
         for grid_cell in grid.cells:
             result = done[grid_cell.key]
-            j, rounds = result.choose(target)
             labels = grid_cell.labels
-            panels[f"s = {labels['similarity']:g}%"].append(result.series[j])
+            j, cell = _chosen(result, target)
+            panels[f"s = {labels['similarity']:g}%"].append(cell["series"])
             cell = {
                 "method": labels["algorithm"],
-                "epochs": labels["epochs"],
-                "sampled": labels["sampled"],
-                "similarity": labels["similarity"],
-                "rounds": rounds,
+                **{k: labels[k] for k in ("epochs", "sampled", "similarity")},
+                **cell,
                 "best_accuracy": results.best_value(result.records[j]),
-                "client_lr": result.configs[j]["client_lr"],
-                "series": result.series[j],
-                "diverged_lrs": [
-                    c["client_lr"]
-                    for c, d in zip(result.configs, result.diverged, strict=True)
-                    if d
-                ],  # fmt: skip
-                "compile_seconds": round(result.compile_seconds, 3),
-                "run_seconds": round(result.run_seconds, 3),
             }
             cells.append(cell)
-            writer.describe(result.series[j], chosen=True, **cell)
+            writer.describe(cell["series"], chosen=True, **cell)
         wall = time.perf_counter() - start
         info = next(iter(done.values())).info
         table = format_table(protocol, cells, info, target, wall)

@@ -574,6 +574,7 @@ def _drive_chunk(
         "plan": repr(sweep.simulation.plan),
         "clients_per_round": sweep.simulation.clients_per_round,
         "weighting": sweep.simulation.weighting,
+        "weighting_options": sweep.simulation.weighting_options,
     }))  # fmt: skip
     with Checkpointer(directory, max_to_keep=2) as checkpointer:
         restore = resume and checkpointer.latest_round() is not None

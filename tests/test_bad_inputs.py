@@ -187,7 +187,9 @@ CASES = [
          "plan must be a BatchPlan, got tuple.",
          lambda ctx: sj.Simulation(sj.fedavg(ctx.problem.loss_fn), ctx.problem, (2, 1), 2)),
     Case("weighting", "unknown weighting", "Simulation(...)", ValueError,
-         "weighting='size' is unknown; use one of ('uniform', 'num_examples').",
+         "weighting 'size' is unknown; use one of uniform, num_examples (an entry defined "
+         "outside scaffold_jax is registered when its module is imported: pass --plugin "
+         "MODULE_OR_FILE.py (config key 'plugins')).",
          lambda ctx: simulation(ctx, weighting="size")),
     Case("eval-batch-size", "evaluation chunk < 1", "Simulation(...)", ValueError,
          "eval_batch_size = 0 is invalid: it must be >= 1.",

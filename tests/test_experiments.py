@@ -111,7 +111,10 @@ def test_the_partition_is_resolved_from_its_fields(fields, partition):
             {"batch_plan": "full", "local_epochs": 2},
             r"local_epochs = 2 does not apply to batch_plan = 'full'",
         ),
-        ({"local_steps": 5, "local_epochs": 2}, r"local_steps = 5 and local_epochs = 2 are both"),
+        (
+            {"local_steps": 5, "local_epochs": 2},
+            r"local_epochs = 2, local_steps = 5 are conflicting batch plan settings",
+        ),
         (
             {"targets": [0.5, 70]},
             r"targets = \[0.5, 70\] is invalid: every target must be an accuracy in \(0, 1\]",

@@ -57,7 +57,9 @@ def test_the_plugin_options_are_config_keys_but_no_fields(blobs, lab):
     for name in ("dropout_rate", "width", "size_sigma", "feature_scale", "cyclic_stride"):
         assert name in declared and name not in RunConfig.field_names(), name
     config = _config(blobs, dropout_rate=0.25, size_sigma=2.0).validate()
-    assert config.options == {"dropout_rate": 0.25, "size_sigma": 2.0}
+    assert config.options == {
+        "dropout_rate": 0.25, "size_sigma": 2.0, "local_steps": 3, "batch_size": 8
+    }  # fmt: skip
     assert config.resolved("model") == {"dropout_rate": 0.25, "width": 16}
     assert config.resolved_partition() == ("lognormal", {"sigma": 2.0})
     with pytest.raises(ConfigError, match=r"dropout_rate = 1.5 is invalid: it must be a number"):
@@ -128,7 +130,8 @@ def test_the_command_line_runs_every_plugin_entry(blobs, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["sampler"] == "cyclic"
     assert config["options"] == {
-        "dropout_rate": 0.2, "width": 8, "size_sigma": 1.0, "feature_scale": 0.5
+        "dropout_rate": 0.2, "width": 8, "size_sigma": 1.0, "feature_scale": 0.5,
+        "local_steps": 3, "batch_size": 8,
     }  # fmt: skip
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["round"] == 12 and records[-1]["test_accuracy"] > 0.6
@@ -189,3 +192,36 @@ def test_an_api_resume_with_another_sampler_is_refused(blobs, lab, tmp_path):
         other.run(built.data, built.hparams, resume=True, **args)
     resumed = sim.run(built.data, built.hparams, resume=True, **{**args, "num_rounds": 3})
     assert resumed.records[-1]["round"] == 3
+
+
+def test_a_weighting_with_an_option_weighs_the_round_and_the_objective(blobs, lab):
+    """A plugin weighting (p_i = min(n_i, cap)) from the config: with the cap above every
+    client's size it IS num_examples, with cap 1 it is uniform (rounds and train_loss)."""
+    config = _config(blobs, partition="lognormal", size_sigma=1.0, clients_per_round=12)
+    built = experiments.build(config)
+    counts = np.asarray(built.data.counts)
+    assert counts.min() > 1 and len(set(counts.tolist())) > 1  # unequal clients
+
+    def run(name, **options):
+        sim = experiments.build(config.replace(weighting=name, **options)).simulation
+        assert sim.weighting == name and sim.weighting_options == {
+            k: float(v) for k, v in options.items()
+        }
+        return sim.run(built.data, built.hparams, 3, eval_every=3, seed=1)
+
+    examples, uniform = run("num_examples"), run("uniform")
+    for other, cap in ((examples, float(counts.max())), (uniform, 1.0)):
+        capped = run("capped_examples", weight_cap=cap)
+        for name in ("test_loss", "train_loss"):
+            assert capped.final(name) == pytest.approx(other.final(name), rel=1e-5)
+        np.testing.assert_allclose(
+            jax.tree.leaves(capped.state.server)[0], jax.tree.leaves(other.state.server)[0],
+            rtol=1e-5, atol=1e-6,
+        )  # fmt: skip
+    # In between it is neither (the weights differ where clients exceed the cap).
+    middle = run("capped_examples", weight_cap=float(np.median(counts)))
+    assert middle.final("train_loss") != pytest.approx(examples.final("train_loss"), rel=1e-6)
+    assert middle.final("train_loss") != pytest.approx(uniform.final("train_loss"), rel=1e-6)
+    # An option of a weighting the config does not choose is refused.
+    with pytest.raises(ConfigError, match="weight_cap = 3.0 does not apply to weighting"):
+        config.replace(weight_cap=3.0).validate()

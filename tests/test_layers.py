@@ -17,7 +17,7 @@ PACKAGE = Path(scaffold_jax.__file__).parent
 # graph must still be free of circles. A sub-package's modules share its layer.
 LAYERS = [
     ["types", "tree", "registry", "compilation_cache", "resources"],
-    ["local", "optimizers", "sampling", "layout", "data"],
+    ["local", "optimizers", "sampling", "weighting", "layout", "data"],
     ["algorithms", "models"],
     ["engine"],
     ["checkpoint", "diagnostics"],

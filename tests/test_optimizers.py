@@ -47,6 +47,9 @@ def test_specs_parse_with_defaults_and_have_one_canonical_spelling():
         ("sgd:momentum=0.9", r"sgd has no parameter 'momentum'; it takes no parameters"),
         ("momentum:momentum=fast", r"momentum = 'fast' is invalid; give a finite number"),
         ("momentum:momentum", r"momentum = '' is invalid"),
+        # Each parameter is a declared option with its range.
+        ("adam:b2=1.5", r"'adam:b2=1.5': b2 = 1.5 is invalid: it must be a number >= 0 and <= 1"),
+        ("fedadam:tau=0", r"tau = 0.0 is invalid: it must be a number > 0"),
         ("", r"give a name \(sgd, momentum, adagrad, adam, fedadam, yogi\)"),
         (3, r"optimizer 3 is invalid"),
     ],

@@ -469,7 +469,7 @@ def test_a_client_with_no_data_is_rejected():
 
 
 def test_unknown_weighting_is_rejected(small_problem):
-    with pytest.raises(ValueError, match="weighting='size' is unknown"):
+    with pytest.raises(ValueError, match="weighting 'size' is unknown"):
         _sim(small_problem, weighting="size")
 
 

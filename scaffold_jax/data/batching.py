@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+
+from scaffold_jax.registry import Option, Registry
 
 _KINDS = ("fixed", "epochs", "fraction", "full")
 
@@ -169,6 +173,53 @@ def _integer(name: str, value) -> int:
     if isinstance(value, bool) or int(value) != value:
         raise ValueError(f"{name} = {value!r} is invalid: it must be a whole number.")
     return int(value)
+
+
+class PlanSpec(NamedTuple):
+    """A registered batch plan a config names (``batch_plan``).
+
+    Attributes:
+      make: ``make(**options) -> BatchPlan``.
+      description: one line for help texts.
+      options: ``{name: Option}``, its declared options (an option without a default is
+        required).
+    """
+
+    make: Callable[..., BatchPlan]
+    description: str
+    options: Mapping[str, Option]
+
+
+_EPOCHS = Option(1, "local epochs (fraction / epochs plans)", "int", low=1)
+_STEPS = Option(1, "local steps K (fixed / full plans)", "int", low=1)
+_BATCH = Option(None, "batch size B (fixed / epochs plans)", "int", low=1)
+
+#: The batch plans a config may name; with ``batch_plan`` unset the config infers one from
+#: the options it gives (see :meth:`scaffold_jax.experiments.RunConfig.resolved_plan_kind`).
+PLANS: Registry[PlanSpec] = Registry("batch plan")
+PLANS.register("fraction", PlanSpec(
+    lambda batch_fraction, local_epochs: BatchPlan.fraction_of_data(batch_fraction, local_epochs),
+    "batches of a fraction of the client's data, for E epochs (the paper's local methods)",
+    {"batch_fraction": Option(0.2, "batch as a fraction of the client's data (0.2 = 5 steps "
+                              "per epoch)", "float", low=0.0, high=1.0, strict=True,
+                              what="in (0, 1] (the paper uses 0.2)"),
+     "local_epochs": _EPOCHS},
+))  # fmt: skip
+PLANS.register("epochs", PlanSpec(
+    lambda batch_size, local_epochs: BatchPlan.epochs(batch_size, local_epochs),
+    "batches of B examples for E epochs (clients of different sizes take different K)",
+    {"batch_size": _BATCH, "local_epochs": _EPOCHS},
+))  # fmt: skip
+PLANS.register("fixed", PlanSpec(
+    lambda batch_size, local_steps: BatchPlan.fixed(batch_size, local_steps),
+    "K steps of B examples",
+    {"batch_size": _BATCH, "local_steps": Option(None, _STEPS.help, "int", low=1)},
+))  # fmt: skip
+PLANS.register("full", PlanSpec(
+    lambda local_steps: BatchPlan.full(local_steps),
+    "K full-batch steps on the client's data (the paper's SGD: K = 1)",
+    {"local_steps": _STEPS},
+))  # fmt: skip
 
 
 def _permutations(

@@ -25,10 +25,8 @@ from scaffold_jax.experiments.commands import (
     sweep_grid,
 )
 from scaffold_jax.experiments.config import (
-    BATCH_PLANS,
     DATASETS,
     OPTION_OWNERS,
-    WEIGHTINGS,
     RunConfig,
     config_reference,
     declared_hparams,
@@ -49,8 +47,8 @@ from scaffold_jax.loop import DivergenceError
 from scaffold_jax.registry import ConfigError
 
 __all__ = [
-    "BATCH_PLANS", "CHECKPOINTS", "DATASETS", "DIAGNOSE_FIELDS", "OPTION_OWNERS",
-    "RESUMABLE_CHANGES", "WEIGHTINGS", "Built", "Cell", "CellResult", "ConfigError",
+    "CHECKPOINTS", "DATASETS", "DIAGNOSE_FIELDS", "OPTION_OWNERS",
+    "RESUMABLE_CHANGES", "Built", "Cell", "CellResult", "ConfigError",
     "DivergenceError", "Grid", "Outcome", "RunConfig", "build", "built_summary", "canonical",
     "check_resumable", "config_reference", "data_fingerprint", "declared_hparams",
     "declared_options", "diagnose", "format_run_summary", "load_config_file", "load_dataset",

@@ -134,7 +134,8 @@ def build(
     # A problem brought by the data (a quadratic family's) is new at every build: it is the
     # same when its functions are and its initial params equal.
     key = ("simulation", config.algorithm, _text(config.resolved_options()), repr(plan),
-           clients_per_round, config.weighting, config.train_eval_examples, config.sampler,
+           clients_per_round, config.weighting, _text(config.resolved("weighting")),
+           config.train_eval_examples, config.sampler,
            _text(config.resolved("sampler")), problem.loss_fn, problem.accuracy_fn,
            problem.update_state, problem.num_classes, problem.state_policy,
            tree_digest((problem.params, problem.model_state)))  # fmt: skip
@@ -146,6 +147,7 @@ def build(
             plan,
             clients_per_round,
             config.weighting,
+            weighting_options=config.resolved("weighting"),
             train_eval_examples=config.train_eval_examples or None,
             sampler=sampling.make(config.sampler, config.resolved("sampler")),
         )

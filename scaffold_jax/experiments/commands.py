@@ -148,8 +148,10 @@ NOT_AXES = {
     "rounds": "the horizon is one for the whole sweep (--rounds)",
     "eval_every": "the evaluation cadence is one for the whole sweep (--eval-every)",
 }
+#: Whose options shape the data and the model (what ``diagnose`` measures).
+DATA_OWNERS = ("model", "partition", "dataset")
 #: Whose numeric options are a sweep's outer (data / shape) axes.
-SETTING_OWNERS = ("model", "partition", "dataset")
+SETTING_OWNERS = (*DATA_OWNERS, "batch_plan")
 #: The tidy table of a sweep: one row per config × seed (results.sweep_table).
 SWEEP_CSV = "sweep.csv"
 

@@ -18,7 +18,7 @@ import numpy as np
 from scaffold_jax import sampling
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import assembly, natural, sources, synthetic
-from scaffold_jax.data.batching import BatchPlan
+from scaffold_jax.data.batching import PLANS, BatchPlan
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
 from scaffold_jax.engine import MAX_SEED, SEED_WHY
 from scaffold_jax.models import MODELS
@@ -37,9 +37,7 @@ from scaffold_jax.types import (
     HParams,
     resolve_hparams,
 )
-
-BATCH_PLANS = ("fraction", "epochs", "fixed", "full")
-WEIGHTINGS = ("uniform", "num_examples")
+from scaffold_jax.weighting import WEIGHTINGS
 
 
 def declared_hparams() -> dict[str, HParam]:
@@ -64,6 +62,8 @@ OPTION_OWNERS: dict[str, Registry] = {
     "partition": PARTITIONERS,
     "dataset": DATASETS,
     "sampler": sampling.SAMPLERS,
+    "batch_plan": PLANS,
+    "weighting": WEIGHTINGS,
 }
 
 
@@ -214,12 +214,12 @@ class RunConfig:
     client_fraction: float | None = _opt(
         None, "fraction of clients sampled per round (default 0.2)", "float"
     )
-    batch_plan: str | None = _opt(None, "local batch plan", "str", BATCH_PLANS)
-    local_epochs: int | None = _opt(None, "local epochs (fraction / epochs plans)", "int")
-    local_steps: int | None = _opt(None, "local steps K (fixed / full plans)", "int")
-    batch_size: int | None = _opt(None, "batch size B (fixed / epochs plans)", "int")
-    batch_fraction: float | None = _opt(
-        None, "batch as a fraction of the client's data (0.2 = 5 steps per epoch)", "float"
+    batch_plan: str | None = _opt(
+        None,
+        "local batch plan (default: inferred from the plan options given; fraction, or "
+        "the algorithm's own, e.g. SGD's full)",
+        "str",
+        PLANS,
     )
     rounds: int = _opt(100, "communication rounds", "int")
     eval_every: int = _opt(5, "evaluate every this many rounds", "int")
@@ -299,7 +299,13 @@ class RunConfig:
         algorithm, model, dataset and (for a pooled dataset) partitioner; unknown names
         are left out (validation names them)."""
         out = []
-        named = [("algorithm", self.algorithm), ("sampler", self.sampler)]
+        named = [
+            ("algorithm", self.algorithm),
+            ("sampler", self.sampler),
+            ("weighting", self.weighting),
+        ]
+        if self.batch_plan is None or self.batch_plan in PLANS:
+            named.append(("batch_plan", self.resolved_plan_kind()))
         if not self.brings_problem:
             named.append(("model", self.model))
         for kind, name in named:
@@ -361,7 +367,7 @@ class RunConfig:
         self._validate_options(errors)
         for name, value in (("client_lr", self.client_lr), ("server_lr", self.server_lr)):
             check.number(name, value, low=0.0, strict=True, what="finite and > 0", float32=True)
-        check.choice("weighting", self.weighting, WEIGHTINGS)
+        check.registered("weighting", self.weighting, WEIGHTINGS)
         if check.type("dataset", self.dataset, str, "a dataset name"):
             if self.is_natural:
                 self._validate_natural(errors)
@@ -621,54 +627,27 @@ class RunConfig:
             errors.append(f"{fields} are conflicting partition settings: give one of them.")
 
     def _validate_plan(self, check: _Checker, errors: list[str]) -> None:
-        check.integer("local_epochs", self.local_epochs, low=1, optional=True)
-        check.integer("local_steps", self.local_steps, low=1, optional=True)
-        check.integer("batch_size", self.batch_size, low=1, optional=True)
-        check.number(
-            "batch_fraction", self.batch_fraction, low=0.0, high=1.0, strict=True,
-            optional=True, what="in (0, 1] (the paper uses 0.2)",
-        )  # fmt: skip
-        fields = {
-            "local_epochs": self.local_epochs,
-            "local_steps": self.local_steps,
-            "batch_size": self.batch_size,
-            "batch_fraction": self.batch_fraction,
-        }
-        uses = {
-            "fraction": ("local_epochs", "batch_fraction"),
-            "epochs": ("local_epochs", "batch_size"),
-            "fixed": ("local_steps", "batch_size"),
-            "full": ("local_steps",),
-        }
-        needs = {"epochs": ("batch_size",), "fixed": ("local_steps", "batch_size")}
-        if self.batch_plan is not None:
-            if not check.choice("batch_plan", self.batch_plan, BATCH_PLANS):
-                return
-            for name, value in fields.items():
-                if value is not None and name not in uses[self.batch_plan]:
-                    errors.append(
-                        f"{name} = {value!r} does not apply to batch_plan = "
-                        f"{self.batch_plan!r}, which uses {' and '.join(uses[self.batch_plan])}."
-                    )
-            for name in needs.get(self.batch_plan, ()):
-                if fields[name] is None:
-                    errors.append(f"batch_plan = {self.batch_plan!r} needs {name}.")
+        """The plan's own options are checked with every chosen entry's; here: the plan
+        is registered and the options it cannot do without are given."""
+        if self.batch_plan is not None and not check.registered(
+            "batch_plan", self.batch_plan, PLANS
+        ):
             return
-        if self.local_steps is not None and self.local_epochs is not None:
+        kind = self.resolved_plan_kind()
+        declared = {n for _, spec in PLANS.items() for n in spec.options}
+        given = {k: v for k, v in self.options.items() if k in declared and v is not None}
+        if self.batch_plan is None and not any(
+            set(given) <= set(spec.options) for _, spec in PLANS.items()
+        ):
+            fields = ", ".join(f"{f} = {v!r}" for f, v in given.items())
+            plans = "; ".join(f"{n}: {', '.join(spec.options)}" for n, spec in PLANS.items())
             errors.append(
-                f"local_steps = {self.local_steps} and local_epochs = {self.local_epochs} are "
-                "both set: give K steps or a number of epochs, not both."
+                f"{fields} are conflicting batch plan settings: give the options of one plan "
+                f"({plans}), or batch_plan."
             )
-        if self.batch_size is not None and self.batch_fraction is not None:
-            errors.append(
-                f"batch_size = {self.batch_size} and batch_fraction = {self.batch_fraction} "
-                "are both set: give one of them."
-            )
-        if self.local_steps is not None and self.batch_fraction is not None:
-            errors.append(
-                f"local_steps = {self.local_steps} does not combine with batch_fraction = "
-                f"{self.batch_fraction}: use local_epochs (0.2 = 5 steps per epoch)."
-            )
+        for name, option in PLANS[kind].options.items():
+            if option.default is None and self.options.get(name) is None:
+                errors.append(f"batch_plan = {kind!r} needs {name}.")
 
     # ------------------------------------------------------------------ resolution
     def resolved_partition_kind(self) -> str:
@@ -686,29 +665,29 @@ class RunConfig:
         kind = self.resolved_partition_kind()
         return kind, factory_kwargs(PARTITIONERS[kind].options, self.resolved("partition"))
 
+    def resolved_plan_kind(self) -> str:
+        """``batch_plan``, else the plan the given options point to: ``local_steps`` →
+        ``fixed`` (with ``batch_size``) or ``full``; ``batch_size`` → ``epochs``; nothing
+        given → the algorithm's default plan (SGD: ``full``), else ``fraction``."""
+        if self.batch_plan is not None:
+            return self.batch_plan
+        given = {k for k, v in self.options.items() if v is not None} if isinstance(
+            self.options, Mapping
+        ) else set()  # fmt: skip
+        if "local_steps" in given:
+            return "fixed" if "batch_size" in given else "full"
+        if "batch_size" in given:
+            return "epochs"
+        plan_options = {name for _, spec in PLANS.items() for name in spec.options}
+        default = ALGORITHMS[self.algorithm].default_plan if self.algorithm in ALGORITHMS else None
+        if default in PLANS and not given & plan_options:
+            return default  # e.g. the paper's SGD: one gradient on the client's full data
+        return "fraction"
+
     def resolved_plan(self) -> BatchPlan:
-        """The :class:`BatchPlan` after defaults (see the class docstring)."""
-        kind = self.batch_plan
-        if kind is None:
-            if self.local_steps is not None:
-                kind = "fixed" if self.batch_size is not None else "full"
-            elif self.batch_size is not None:
-                kind = "epochs"
-            elif (
-                ALGORITHMS[self.algorithm].default_plan == "full"
-                and self.local_epochs is None
-                and (self.batch_fraction is None)
-            ):
-                kind = "full"  # e.g. the paper's SGD: one gradient on the client's full data
-            else:
-                kind = "fraction"
-        if kind == "full":
-            return BatchPlan.full(self.local_steps or 1)
-        if kind == "fixed":
-            return BatchPlan.fixed(self.batch_size, self.local_steps)
-        if kind == "epochs":
-            return BatchPlan.epochs(self.batch_size, self.local_epochs or 1)
-        return BatchPlan.fraction_of_data(self.batch_fraction or 0.2, self.local_epochs or 1)
+        """The :class:`BatchPlan` after defaults (see :meth:`resolved_plan_kind`)."""
+        spec = PLANS[self.resolved_plan_kind()]
+        return spec.make(**factory_kwargs(spec.options, self.resolved("batch_plan")))
 
     def resolved_partition_seed(self) -> int:
         """The seed of the data (subsets, split, held-out tests, natural client draw)."""
@@ -816,10 +795,11 @@ def config_reference() -> str:
         "",
         "## Declared options",
         "",
-        "Options the registered algorithms, models, partitioners and datasets declare (a",
-        "variant, a width, a concentration...); in the `options` table, at the top level",
-        "(`hidden_sizes = [32]`) or as a flag (`--hidden-sizes 32`). A numeric option of a",
-        "model, partitioner or dataset is an axis of `scaffold-jax sweep --grid`. A value",
+        "Options the registered algorithms, models, partitioners, datasets, batch plans,",
+        "samplers and weightings declare (a variant, a width, a concentration...); in the",
+        "`options` table, at the top level (`hidden_sizes = [32]`) or as a flag",
+        "(`--hidden-sizes 32`). A numeric option of a model, partitioner, dataset or batch",
+        "plan is an axis of `scaffold-jax sweep --grid`. A value",
         "for an option the chosen entries do not declare is an error, unless it is that",
         "option's default. A plugin's entries declare theirs the same way.",
         "",

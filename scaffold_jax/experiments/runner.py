@@ -317,7 +317,7 @@ class _Runner:
         first_error = {}  # a known optimum f*: each config's error at round 0
         self.written = []  # the cell's records in the order written (its part's entries)
 
-        def write(j: int, record: Mapping[str, Any]) -> None:
+        def write(j: int, record: Mapping[str, Any], board: bool = True) -> None:
             metrics = {k: v for k, v in record.items() if k not in ("config", "config_index")}
             f_star = built.info.get("f_star")
             if f_star is not None and "test_loss" in metrics:
@@ -327,7 +327,7 @@ class _Runner:
             entry = self.writer.record(series[j], metrics, settings=result.settings[j])
             result.records[j].append(entry)
             self.written.append(entry)
-            if self.board is not None:  # the measurements, not the settings
+            if board and self.board is not None:  # the measurements, not the settings
                 self.board({"series": series[j], **metrics})
 
         directory = self.directory(cell)
@@ -344,8 +344,8 @@ class _Runner:
             self.board.purge_from(0)
 
         def on_restore(records):
-            for record in records:
-                write(0, record)
+            for record in records:  # TensorBoard has them from the interrupted process
+                write(0, record, board=False)
             if self.board is not None:  # the rounds after the checkpoint run again
                 self.board.purge_from(records[-1]["round"] + 1 if records else 0)
             # The rounds before the checkpoint ran in another process: not in the rate.
@@ -541,6 +541,9 @@ def run_grid(
     )  # fmt: skip
     writer, progress = runner.writer, runner.progress
     done: dict[str, CellResult] = {}
+    # The first cell is built before the folder is touched: a config that only its build
+    # refuses (an algorithm's check, a missing dataset) leaves the folder as it was.
+    first = runner.build(grid.cells[0])
     with writer:
         writer.add(experiment=grid.experiment)
         if tensorboard:
@@ -550,7 +553,8 @@ def run_grid(
             kept = {k: CellResult.from_part(p) for k, p in writer.keep_finished_parts().items()}
         try:
             for cell in grid.cells:
-                built = runner.build(cell)
+                built = first if first is not None else runner.build(cell)
+                first = None  # the next cells are built in turn; one cell's data at a time
                 part = kept.get(cell.key)
                 if part is not None and part.horizon != [
                     cell.config.rounds,

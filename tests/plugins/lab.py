@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from scaffold_jax import models, sampling
+from scaffold_jax import models, sampling, weighting
 from scaffold_jax.data import partition, sources
 from scaffold_jax.registry import Option
 
@@ -133,3 +133,19 @@ sampling.SAMPLERS.register(
         },
     ),
 )
+
+
+def capped_examples(counts, *, cap):
+    """Each client counts its examples up to ``cap`` (a large client does not dominate)."""
+    return jnp.minimum(counts, cap)
+
+
+weighting.WEIGHTINGS.register(
+    "capped_examples",
+    weighting.WeightingSpec(
+        capped_examples,
+        "each client counts min(n_i, cap)",
+        {"weight_cap": Option(100.0, "the most a client counts", "float", low=0.0, strict=True,
+                              argument="cap")},
+    ),
+)  # fmt: skip

@@ -142,13 +142,21 @@ class CellResult:
         return j, rounds
 
     def to_part(self) -> dict[str, Any]:
-        return json.loads(json.dumps(dataclasses.asdict(self), default=_json_default))
+        """All but the records (the part's entries hold them), JSON-able."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del values["records"]
+        return json.loads(json.dumps(values, default=_json_default))
 
     @classmethod
-    def from_part(cls, part: Mapping[str, Any]) -> CellResult:
+    def from_part(cls, part: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]):
+        """The finished cell a part holds, its records read back from the part's entries."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in part.items() if k in fields}
-        return cls(**{**values, "targets": tuple(values.get("targets", ()))})
+        of = {name: j for j, name in enumerate(values["series"])}
+        records = [[] for _ in values["series"]]
+        for entry in entries:
+            records[of[entry["series"]]].append(dict(entry))
+        return cls(**{**values, "records": records, "targets": tuple(values["targets"])})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,7 +558,10 @@ def run_grid(
             runner.open_board()
         kept = {}
         if resume:
-            kept = {k: CellResult.from_part(p) for k, p in writer.keep_finished_parts().items()}
+            kept = {
+                key: CellResult.from_part(payload, writer.parts[key]["entries"])
+                for key, payload in writer.keep_finished_parts().items()
+            }
         try:
             for cell in grid.cells:
                 built = first if first is not None else runner.build(cell)

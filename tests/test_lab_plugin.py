@@ -225,3 +225,33 @@ def test_a_weighting_with_an_option_weighs_the_round_and_the_objective(blobs, la
     # An option of a weighting the config does not choose is refused.
     with pytest.raises(ConfigError, match="weight_cap = 3.0 does not apply to weighting"):
         config.replace(weight_cap=3.0).validate()
+
+
+def test_a_sweep_resumes_only_onto_its_own_data(lab, tmp_path, capsys):
+    """A finished sweep resumed with more rounds continues every cell from its
+    checkpoints (each round once in the records); resumed after its data changed in place
+    under the same --data-dir, it is refused and the folder is left as it was."""
+    data = tmp_path / "blobs"
+    data.mkdir()
+    lab.write_blobs(data)
+    out = tmp_path / "sweep"
+    argv = [
+        "sweep", "--plugin", LAB, "--dataset", "blobs_npz", "--data-dir", str(data),
+        "--model", "dropout_mlp", "--algorithms", "fedavg", "sgd", "--lr-grid", "0.1", "0.3",
+        "--num-clients", "8", "--clients-per-round", "4", "--eval-every", "2",
+        "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    assert main([*argv, "--rounds", "4"]) == 0
+    assert main([*argv, "--rounds", "6", "--resume"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rounds = {}
+    for r in records:
+        rounds.setdefault(r["series"], []).append(r["round"])
+    assert len(rounds) == 4 and all(v == [0, 2, 4, 6] for v in rounds.values()), rounds
+    summary = (out / "summary.json").read_bytes()
+    lab.write_blobs(data, seed=1)  # other data, same folder and flags
+    capsys.readouterr()
+    assert main([*argv, "--rounds", "6", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a finished cell 'fedavg' of another run" in err and "data_fingerprint" in err
+    assert (out / "summary.json").read_bytes() == summary

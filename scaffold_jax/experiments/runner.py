@@ -291,6 +291,32 @@ class _Runner:
         self.board = results.TensorBoardSink(self.folder, series_prefix=not self.grid.single)
         self.writer.files.append(results.TENSORBOARD_DIR)
 
+    def kept_cells(self) -> dict[str, CellResult]:
+        """The finished cells of the folder a resume keeps: those of this grid run with
+        the same horizon (another horizon runs the cell again, from its checkpoint), each
+        checked against its cell's identity (built for that, then let go).
+
+        Raises:
+          ConfigError: a finished cell of another run (other data, model, options).
+        """
+        kept, parts = {}, results.read_parts(self.folder)
+        for cell in self.grid.cells:
+            part = parts.get(cell.key)
+            horizon = [cell.config.rounds, cell.config.eval_every]
+            if part is None or part["payload"].get("horizon") != horizon:
+                continue
+            result = CellResult.from_part(part["payload"], part["entries"])
+            built = self.build(cell)
+            identity = {
+                **run_identity(cell.config, built),
+                "num_clients": built.info["num_clients"],
+            }
+            _check_kept(
+                result, json.loads(json.dumps(identity, default=_json_default)), self.folder
+            )
+            kept[cell.key] = result
+        return kept
+
     # ------------------------------------------------------------------ one cell
     def execute(self, cell: Cell, built: Built) -> CellResult:
         config = cell.config
@@ -307,7 +333,7 @@ class _Runner:
             cell.key + (" " + _label({k: c[k] for k in named if k in c}) if named else "")
             for c in configs
         ]
-        identity = {**run_identity(config, built), "num_clients": int(built.data.num_clients)}
+        identity = {**run_identity(config, built), "num_clients": built.info["num_clients"]}
         result = CellResult(
             key=cell.key,
             algorithm=config.algorithm,
@@ -548,43 +574,31 @@ def run_grid(
              checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes),
     )  # fmt: skip
     writer, progress = runner.writer, runner.progress
+    # Before the folder is touched: the finished cells a resume keeps (a part of another
+    # run is refused, the folder as it was), and the first cell to run is built (a config
+    # that only its build refuses, an algorithm's check or a missing dataset, leaves the
+    # folder as it was too).
+    kept = runner.kept_cells() if resume else {}
+    todo = [cell for cell in grid.cells if cell.key not in kept]
+    first = runner.build(todo[0]) if todo else None
     done: dict[str, CellResult] = {}
-    # The first cell is built before the folder is touched: a config that only its build
-    # refuses (an algorithm's check, a missing dataset) leaves the folder as it was.
-    first = runner.build(grid.cells[0])
     with writer:
         writer.add(experiment=grid.experiment)
         if tensorboard:
             runner.open_board()
-        kept = {}
         if resume:
-            kept = {
-                key: CellResult.from_part(payload, writer.parts[key]["entries"])
-                for key, payload in writer.keep_finished_parts().items()
-            }
+            writer.keep_finished_parts(kept)
         try:
             for cell in grid.cells:
-                built = first if first is not None else runner.build(cell)
-                first = None  # the next cells are built in turn; one cell's data at a time
-                part = kept.get(cell.key)
-                if part is not None and part.horizon != [
-                    cell.config.rounds,
-                    cell.config.eval_every,
-                ]:
-                    part = None  # another horizon: the cell continues from its checkpoint
-                if part is not None:
-                    identity = {**run_identity(cell.config, built),
-                                "num_clients": int(built.data.num_clients)}  # fmt: skip
-                    _check_kept(part, json.loads(json.dumps(identity, default=_json_default)),
-                                folder)  # fmt: skip
-                    done[cell.key] = part
+                if cell.key in kept:
+                    done[cell.key] = kept[cell.key]
                     progress.write(f"{cell.key}: kept from the interrupted run")
                 else:
-                    done[cell.key] = runner.execute(cell, built)
+                    built = first if first is not None else runner.build(cell)
+                    first = None  # the next cells are built in turn: one cell's data at a time
+                    done[cell.key] = result = runner.execute(cell, built)
                     if not grid.single:  # a run resumes from its checkpoint, every time
-                        writer.save_part(cell.key, done[cell.key].to_part(), runner.written)
-                    if not grid.single:
-                        result = done[cell.key]
+                        writer.save_part(cell.key, result.to_part(), runner.written)
                         progress.write(
                             f"{cell.key}: {len(result.configs)} config(s) x "
                             f"{cell.config.rounds} rounds in {result.run_seconds:.1f} s "
@@ -593,7 +607,7 @@ def run_grid(
                 runner.done += cell.config.rounds
                 progress.update(runner.done)
                 runner.describe(done[cell.key])
-                if grid.single or len(grid.cells) == 1:
+                if len(grid.cells) == 1:
                     writer.add(**done[cell.key].info)
                 else:
                     writer.add(dataset=done[cell.key].info["dataset"])

@@ -64,6 +64,7 @@ from scaffold_jax.results.folder import (
     check_lock,
     environment,
     git_revision,
+    read_parts,
 )
 from scaffold_jax.results.plots import (
     DEFAULT_PLOTS,
@@ -173,6 +174,7 @@ __all__ = [
     "RunFolderError",
     "RunWriter",
     "check_folder",
+    "read_parts",
     "check_lock",
     "environment",
     "git_revision",

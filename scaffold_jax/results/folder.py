@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +242,7 @@ class RunWriter:
             self._start_clock = time.perf_counter()
             if self.resume:
                 self.records = read_records(self.folder)
-                self.parts = _read_parts(self.folder)
+                self.parts = read_parts(self.folder)
                 previous = read_summary(self.folder) or {}
                 self.files = [f for f in previous.get("files", []) if f != CSV_FILE]
             with _writing(self.folder / CONFIG_FILE):
@@ -270,11 +270,14 @@ class RunWriter:
         if PARTS_FILE not in self.files:
             self.files.append(PARTS_FILE)
 
-    def keep_finished_parts(self) -> dict[str, Any]:
+    def keep_finished_parts(self, keys: Iterable[str] | None = None) -> dict[str, Any]:
         """On resume of a run made of parts: cuts the records back to those of the
-        finished parts (the rest run again) and returns ``{key: payload}``."""
-        self.reset_records([e for part in self.parts.values() for e in part["entries"]])
-        return {key: part["payload"] for key, part in self.parts.items()}
+        finished parts (``keys``: only these; the rest run again) and returns
+        ``{key: payload}`` of the parts kept."""
+        keys = list(self.parts) if keys is None else [k for k in keys if k in self.parts]
+        self.parts = {key: self.parts[key] for key in keys}
+        self.reset_records([e for key in keys for e in self.parts[key]["entries"]])
+        return {key: self.parts[key]["payload"] for key in keys}
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -543,7 +546,10 @@ class _writing:
         return False
 
 
-def _read_parts(folder: Path) -> dict[str, Any]:
+def read_parts(folder: str | os.PathLike) -> dict[str, Any]:
+    """The finished parts a folder holds: ``{key: {"payload", "entries"}}`` (a line cut
+    short by a kill, and what follows it, is left out: that part runs again)."""
+    folder = Path(folder)
     parts = {}
     try:
         lines = (folder / PARTS_FILE).read_text().splitlines()

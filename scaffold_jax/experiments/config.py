@@ -634,8 +634,9 @@ class RunConfig:
         ):
             return
         kind = self.resolved_plan_kind()
+        options = self.options if isinstance(self.options, Mapping) else {}  # else: said
         declared = {n for _, spec in PLANS.items() for n in spec.options}
-        given = {k: v for k, v in self.options.items() if k in declared and v is not None}
+        given = {k: v for k, v in options.items() if k in declared and v is not None}
         if self.batch_plan is None and not any(
             set(given) <= set(spec.options) for _, spec in PLANS.items()
         ):
@@ -646,7 +647,7 @@ class RunConfig:
                 f"({plans}), or batch_plan."
             )
         for name, option in PLANS[kind].options.items():
-            if option.default is None and self.options.get(name) is None:
+            if option.default is None and options.get(name) is None:
                 errors.append(f"batch_plan = {kind!r} needs {name}.")
 
     # ------------------------------------------------------------------ resolution

@@ -154,5 +154,7 @@ def test_a_batchnorm_resnet_keeps_each_clients_statistics_from_the_command_line(
     assert [r["round"] for r in records] == [0, 1, 2]
     assert all(np.isfinite(r["client_accuracy_mean"]) for r in records)
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["resnet_norm"], saved["state_policy"]) == ("batch", "local")
+    assert (saved["options"]["resnet_norm"], saved["options"]["state_policy"]) == (
+        "batch", "local"
+    )  # fmt: skip
     assert_resumes_for_one_more_round(argv, out)

@@ -290,7 +290,7 @@ def train_objective(sim: Simulation, params: PyTree, data, model=None) -> dict[s
         losses = sim.per_example(sim.problem.loss_fn, params, data.examples, model, owner)
         sums = jax.ops.segment_sum(losses, owner, num_segments=data.num_clients)
         means = sums / data.counts.astype(jnp.float32)
-        if sim.weighting == "uniform":
+        if sim.equal_weights:
             return {"train_loss": jnp.mean(means)}
         weights = sim.client_weights(data)
         return {"train_loss": jnp.sum(weights * means) / jnp.sum(weights)}
@@ -300,7 +300,7 @@ def train_objective(sim: Simulation, params: PyTree, data, model=None) -> dict[s
     examples = jax.tree.map(lambda a: a[index], data.examples)
     owner = jnp.searchsorted(data.offsets, index, side="right") - 1
     losses = sim.per_example(sim.problem.loss_fn, params, examples, model, owner)
-    if sim.weighting == "uniform":
+    if sim.equal_weights:
         weight = 1.0 / (data.num_clients * data.counts[owner].astype(jnp.float32))
     else:  # example e of client i stands for p_i / (Σ_j p_j n_i) of the objective
         weights = sim.client_weights(data)
@@ -421,6 +421,7 @@ class Simulation:
         self.weighting = weighting
         self.weighting_options = dict(weighting_options or {})
         self._weigh = make_weighting(weighting, self.weighting_options)
+        self.equal_weights = WEIGHTINGS[weighting].equal
         self.eval_batch_size = check_count("eval_batch_size", eval_batch_size)
         if not (client_chunk is None or (isinstance(client_chunk, str) and client_chunk == "auto")):
             try:
@@ -604,7 +605,7 @@ class Simulation:
     def weights(self, data, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The aggregation weights of clients ``ids`` and the total weight of all N:
         ``(1, N)`` uniform, ``(n_i, Σ n_j)`` with ``weighting="num_examples"``."""
-        if self.weighting == "uniform":  # no [N] vector: a million procedural clients
+        if self.equal_weights:  # no [N] vector: a million procedural clients
             return jnp.ones(ids.shape, jnp.float32), jnp.asarray(data.num_clients, jnp.float32)
         weights = self.client_weights(data)
         return weights[ids], jnp.sum(weights)

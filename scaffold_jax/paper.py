@@ -128,19 +128,34 @@ def fig3_protocol(quick: bool = False, **overrides: Any) -> Fig3Protocol:
     return _override(base, overrides).validate()
 
 
-def _chosen(result: CellResult, target, metric="test_accuracy", higher_is_better=True):
-    """``(j, facts)``: the config of a cell the one selection policy chooses, and what a
-    protocol's cell reports of it (rounds, η_l, its series, the diverged η_l, timing)."""
-    j, rounds = result.choose(target, metric, higher_is_better)
-    diverged = [c["client_lr"] for c, d in zip(result.configs, result.diverged, strict=True) if d]
-    return j, {
-        "rounds": rounds,
-        "client_lr": result.configs[j]["client_lr"],
-        "series": result.series[j],
-        "diverged_lrs": diverged,
-        "compile_seconds": round(result.compile_seconds, 3),
-        "run_seconds": round(result.run_seconds, 3),
-    }
+def _chosen_cells(
+    grid, done, writer, panels, *, panel, lead, tail, target, metric="test_accuracy",
+    higher_is_better=True,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """What a protocol reports of each cell: the config the one selection policy chooses
+    (its rounds, η_l, series, the diverged η_l, timing) between the cell's own facts
+    (``lead(cell)``, ``tail(chosen records)``); its series drawn in ``panels[panel(labels)]``
+    and marked chosen in the summary."""
+    cells = []
+    for grid_cell in grid.cells:
+        result = done[grid_cell.key]
+        j, rounds = result.choose(target, metric, higher_is_better)
+        diverged = [c["client_lr"] for c, d in zip(result.configs, result.diverged, strict=True)
+                    if d]  # fmt: skip
+        cell = {
+            **lead(grid_cell),
+            "rounds": rounds,
+            "client_lr": result.configs[j]["client_lr"],
+            "series": result.series[j],
+            "diverged_lrs": diverged,
+            "compile_seconds": round(result.compile_seconds, 3),
+            "run_seconds": round(result.run_seconds, 3),
+            **tail(result.records[j]),
+        }
+        panels[panel(grid_cell.labels)].append(cell["series"])
+        writer.describe(cell["series"], chosen=True, **cell)
+        cells.append(cell)
+    return cells
 
 
 def _one_step(method: str) -> bool:
@@ -240,22 +255,18 @@ def reproduce_fig3(
 
     def report(done: Mapping[str, CellResult], writer: results.RunWriter) -> None:
         nonlocal table
-        cells = []
-        for grid_cell in grid.cells:
-            result = done[grid_cell.key]
-            labels = grid_cell.labels
-            j, cell = _chosen(result, protocol.target, "relative_error", False)
-            plot.panels[f"G = {labels['G']:g}"].append(cell["series"])
-            cell = {
-                "method": labels["algorithm"],
-                "local_steps": labels["local_steps"],
-                "warm_controls": bool(grid_cell.config.options.get("warm_controls")),
-                "G": labels["G"],
-                **cell,
-                "final_error": result.records[j][-1]["error"],
-            }
-            cells.append(cell)
-            writer.describe(cell["series"], chosen=True, **cell)
+        cells = _chosen_cells(
+            grid, done, writer, plot.panels,
+            panel=lambda labels: f"G = {labels['G']:g}",
+            lead=lambda cell: {
+                "method": cell.labels["algorithm"],
+                "local_steps": cell.labels["local_steps"],
+                "warm_controls": bool(cell.config.options.get("warm_controls")),
+                "G": cell.labels["G"],
+            },
+            tail=lambda records: {"final_error": records[-1]["error"]},
+            target=protocol.target, metric="relative_error", higher_is_better=False,
+        )  # fmt: skip
         table = fig3_table(cells, protocol)
         wall = time.perf_counter() - start
         problems = {
@@ -583,7 +594,11 @@ def table_grid(protocol: TableProtocol, dataset: sources.Dataset) -> Grid:
     """A table as a grid: a cell per column (similarity) and row (method, epochs, sampled)
     over the row's η_l grid, on ``dataset`` (resolved from ``"auto"``)."""
     target = table_target(protocol, dataset.name)
-    model_options = {"hidden_sizes": protocol.hidden_sizes} if protocol.model == "mlp" else {}
+    model_options = (
+        {"hidden_sizes": protocol.hidden_sizes}
+        if "hidden_sizes" in MODELS[protocol.model].options
+        else {}
+    )
     vary_sampling = len({r.sampled for r in protocol.all_rows}) > 1
     # An in-memory dataset (not registered) is handed to the runner in place of the
     # configs' default one: the records and tables name it.
@@ -661,20 +676,16 @@ def reproduce_table(
 
     def report(done: Mapping[str, CellResult], writer: results.RunWriter) -> None:
         nonlocal table
-        cells = []
-        for grid_cell in grid.cells:
-            result = done[grid_cell.key]
-            labels = grid_cell.labels
-            j, cell = _chosen(result, target)
-            panels[f"s = {labels['similarity']:g}%"].append(cell["series"])
-            cell = {
-                "method": labels["algorithm"],
-                **{k: labels[k] for k in ("epochs", "sampled", "similarity")},
-                **cell,
-                "best_accuracy": results.best_value(result.records[j]),
-            }
-            cells.append(cell)
-            writer.describe(cell["series"], chosen=True, **cell)
+        cells = _chosen_cells(
+            grid, done, writer, panels,
+            panel=lambda labels: f"s = {labels['similarity']:g}%",
+            lead=lambda cell: {
+                "method": cell.labels["algorithm"],
+                **{k: cell.labels[k] for k in ("epochs", "sampled", "similarity")},
+            },
+            tail=lambda records: {"best_accuracy": results.best_value(records)},
+            target=target,
+        )  # fmt: skip
         wall = time.perf_counter() - start
         info = next(iter(done.values())).info
         table = format_table(protocol, cells, info, target, wall)

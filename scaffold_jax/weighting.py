@@ -44,17 +44,22 @@ class WeightingSpec(NamedTuple):
       weigh: ``weigh(counts, **options) -> [N]`` positive weights (traceable).
       description: one line for help texts.
       options: ``{name: Option}``, its declared options, passed as keywords.
+      equal: every client counts the same whatever its size (the engine then needs no
+        ``[N]`` weight vector: a million procedural clients cost nothing here).
     """
 
     weigh: Callable[..., jax.Array]
     description: str
     options: Mapping[str, Option] = {}
+    equal: bool = False
 
 
 WEIGHTINGS: Registry[WeightingSpec] = Registry("weighting")
 WEIGHTINGS.register(
     "uniform",
-    WeightingSpec(jnp.ones_like, "every client counts the same (the paper's 1/|S| averaging)"),
+    WeightingSpec(
+        jnp.ones_like, "every client counts the same (the paper's 1/|S| averaging)", equal=True
+    ),
 )
 WEIGHTINGS.register(
     "num_examples",

@@ -94,6 +94,7 @@ def build(
       dataset: an already loaded dataset, e.g. from :func:`load_dataset` (skips loading;
         ``max_*_examples`` and the partition still apply).
       reuse: a dict the caller keeps across builds (the runner, for the cells of a grid):
+        the last data assembled is kept, and
         a model and a simulation equal to one built before are that one, so its programs
         compile once for every cell that shares them (a table's columns, Figure 3's G).
 
@@ -103,23 +104,26 @@ def build(
         looked and how to get it).
     """
     config.validate()
-    options = {**config.resolved("dataset"), **config.resolved("partition")}
-    assembled = assembly.assemble(
-        config.canonical_dataset(),
+    reuse = {} if reuse is None else reuse
+    arguments = dict(
         num_clients=config.num_clients,
         seed=config.resolved_partition_seed(),
-        options=options,
+        options={**config.resolved("dataset"), **config.resolved("partition")},
         partitioner=config.resolved_partition_kind() if config.chose("partition") else None,
         data_dir=config.data_dir,
         download=config.download,
         max_train_examples=config.max_train_examples,
         max_test_examples=config.max_test_examples,
         client_holdout=config.client_holdout,
-        loaded=dataset,
     )
+    # The last data assembled is kept: the cells of a grid that share it come one after
+    # the other (a table's rows of a column, a sweep's algorithms of a setting).
+    key = (config.canonical_dataset(), _text(arguments), id(dataset))
+    if reuse.get("data", (None,))[0] != key:
+        reuse["data"] = (key, assembly.assemble(key[0], **arguments, loaded=dataset))
+    assembled = reuse["data"][1]
     data = assembled.data
     problem = assembled.problem
-    reuse = {} if reuse is None else reuse
     if problem is None:
         key = ("model", config.model, tuple(assembled.example_shape), assembled.num_classes,
                _text(config.resolved("model")), config.seed)  # fmt: skip

@@ -30,11 +30,12 @@ def data_fingerprint(data: FederatedData) -> str:
     )
 
 
-def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
+def run_identity(config: RunConfig, built: Built, fingerprint: str | None = None) -> dict:
     """What, beyond the engine's own identity (:func:`scaffold_jax.loop.run_identity`),
     fixes a command-line run's result: the data (name, source, folder, subset sizes,
-    partition and a fingerprint of the arrays), the model and the algorithm's options."""
-    return {
+    partition, N and a fingerprint of the arrays: ``fingerprint`` if the caller has it),
+    the model and the algorithm's options; in the form it has after a JSON round trip."""
+    identity = {
         "dataset": built.info["dataset"],
         # A dataset read back from its cache names the cache file: the origin counts.
         "dataset_source": _origin(built.info["dataset_source"]),
@@ -42,11 +43,13 @@ def run_identity(config: RunConfig, built: Built) -> dict[str, Any]:
         "max_train_examples": config.max_train_examples,
         "max_test_examples": config.max_test_examples,
         "partition": built.info["partition"],
-        "data_fingerprint": data_fingerprint(built.data),
+        "num_clients": built.info["num_clients"],
+        "data_fingerprint": fingerprint or data_fingerprint(built.data),
         "model": config.model,
         "model_options": config.resolved("model"),
         "algorithm_options": config.resolved_options(),
     }
+    return json.loads(json.dumps(identity, default=str))
 
 
 def _origin(source: str) -> str:

@@ -33,7 +33,12 @@ from scaffold_jax import results
 from scaffold_jax import sweep as sweeps
 from scaffold_jax.experiments.build import Built, build, built_summary, load_dataset
 from scaffold_jax.experiments.config import RunConfig
-from scaffold_jax.experiments.identity import CHECKPOINTS, check_resumable, run_identity
+from scaffold_jax.experiments.identity import (
+    CHECKPOINTS,
+    check_resumable,
+    data_fingerprint,
+    run_identity,
+)
 from scaffold_jax.loop import DivergenceError
 from scaffold_jax.loop import run as run_loop
 from scaffold_jax.progress import Progress
@@ -244,7 +249,8 @@ class _Runner:
         self.checkpoint_every = options["checkpoint_every"]
         self.checkpoint_seconds = 60.0 * options["checkpoint_minutes"]
         self.loaded: dict[tuple, Any] = {}
-        self.reuse: dict[tuple, Any] = {}  # models and simulations shared by cells
+        self.reuse: dict[tuple, Any] = {}  # data, models and simulations shared by cells
+        self._fingerprinted: tuple[Any, str | None] = (None, None)  # (data, its fingerprint)
         if options["dataset"] is not None:
             first = grid.cells[0].config
             self.loaded[self._source(first)] = options["dataset"]
@@ -291,6 +297,14 @@ class _Runner:
         self.board = results.TensorBoardSink(self.folder, series_prefix=not self.grid.single)
         self.writer.files.append(results.TENSORBOARD_DIR)
 
+    def identity(self, cell: Cell, built: Built) -> dict[str, Any]:
+        """The cell's :func:`run_identity`; the data's fingerprint is taken once per
+        dataset the cells share (a table's rows share their column's)."""
+        data = built.data
+        if data is not self._fingerprinted[0]:
+            self._fingerprinted = (data, data_fingerprint(data))
+        return run_identity(cell.config, built, self._fingerprinted[1])
+
     def kept_cells(self) -> dict[str, CellResult]:
         """The finished cells of the folder a resume keeps: those of this grid run with
         the same horizon (another horizon runs the cell again, from its checkpoint), each
@@ -306,14 +320,7 @@ class _Runner:
             if part is None or part["payload"].get("horizon") != horizon:
                 continue
             result = CellResult.from_part(part["payload"], part["entries"])
-            built = self.build(cell)
-            identity = {
-                **run_identity(cell.config, built),
-                "num_clients": built.info["num_clients"],
-            }
-            _check_kept(
-                result, json.loads(json.dumps(identity, default=_json_default)), self.folder
-            )
+            _check_kept(result, self.identity(cell, self.build(cell)), self.folder)
             kept[cell.key] = result
         return kept
 
@@ -333,7 +340,6 @@ class _Runner:
             cell.key + (" " + _label({k: c[k] for k in named if k in c}) if named else "")
             for c in configs
         ]
-        identity = {**run_identity(config, built), "num_clients": built.info["num_clients"]}
         result = CellResult(
             key=cell.key,
             algorithm=config.algorithm,
@@ -344,7 +350,7 @@ class _Runner:
             diverged_round=[-1] * len(configs),
             mean_client_drift=[None] * len(configs),
             info=dict(built.info),
-            identity=json.loads(json.dumps(identity, default=_json_default)),
+            identity=self.identity(cell, built),
             targets=tuple(self.grid.targets),
             horizon=[config.rounds, config.eval_every],
         )

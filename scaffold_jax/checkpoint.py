@@ -20,6 +20,16 @@ any instant leaves either the complete new step or only a temporary directory, w
 step listing ignores; a :class:`Checkpointer` deletes such leftovers when it opens the
 directory. The last ``max_to_keep`` steps are kept.
 
+Failed saves. A save that cannot be written (a full disk, a read-only folder) raises one
+:class:`CheckpointWriteError` (an ``OSError``: its errno, and one line naming the round and
+the directory) instead of orbax's and tensorstore's errors; the threads orbax started for it
+are waited for, its temporary directory is removed, and orbax's reports of the same error
+from its threads (absl log records with tracebacks, "Event loop is closed" from late
+tensorstore callbacks) are not printed. The steps saved before are intact, so the run
+resumes from the newest of them. A directory deleted or moved while the checkpointer is
+open, or lying in a run folder (:class:`scaffold_jax.results.RunWriter`) that was, is
+never recreated: saving raises instead.
+
 Verification and fallback. Orbax does not checksum: a flipped byte in an array file restores
 silently as a wrong value (we checked with orbax 0.12.8). So the SHA-256 of every leaf and of
 the metadata itself are recorded at save time and checked at restore time.
@@ -70,10 +80,17 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -92,6 +109,11 @@ _CORRUPT_SUFFIX = ".corrupt"
 
 class CheckpointError(ValueError):
     """No checkpoint in a directory could be read (all of them are corrupt)."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only or vanished folder);
+    the checkpoints saved before it are intact."""
 
 
 class _Corrupt(Exception):
@@ -254,10 +276,23 @@ class Checkpointer:
             raise ValueError(f"max_to_keep = {max_to_keep} is invalid: it must be >= 1.")
         self._ocp = ocp
         self.directory = Path(directory).absolute()
+        self._failed = False
+        _filter_orbax_noise()
+        _check_run_folders(self.directory)  # never recreate a run folder deleted or moved
         if _is_writer():
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise CheckpointWriteError(
+                    err.errno,
+                    f"cannot create the checkpoint folder {self.directory}: {err.strerror or err}.",
+                ) from err
             self._remove_partial_saves()
         _barrier("open")
+        # The directory and the folders above it, as they are (see _check_place and
+        # _undo_recreated).
+        self._chain = [(p, _place_of(p)) for p in (self.directory, *self.directory.parents)]
+        self._place = self._chain[0][1]
         options = ocp.CheckpointManagerOptions(
             max_to_keep=int(max_to_keep),
             # Synchronous: when save() returns the step is on disk, so an interrupt or a
@@ -279,8 +314,13 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for orbax to finish and releases its threads."""
-        self._manager.close()
-        self._arrays_handler.close()
+        for close in (self._manager.close, self._arrays_handler.close):
+            try:
+                close()
+            except Exception:
+                if not self._failed:
+                    raise
+                # After a failed save orbax may report that error again: said already.
 
     # ------------------------------------------------------------------ listing
     def rounds(self) -> list[int]:
@@ -328,6 +368,7 @@ class Checkpointer:
         if step is None:
             step = int(state.round)
         step = int(step)
+        self._check_place(step)
         if _step_dir(self.directory, step).exists():
             raise ValueError(
                 f"a checkpoint for round {step} already exists in {self.directory}; "
@@ -365,19 +406,104 @@ class Checkpointer:
         arrays = {f"{i:05d}": a for i, a in enumerate(leaves) if a.size > 0}
         arrays["key"] = key_data
         ocp = self._ocp
-        self._manager.reload()
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
-        if not saved:  # pragma: no cover - orbax declines only for read-only managers
-            raise RuntimeError(f"orbax declined to save round {step} in {self.directory}.")
-        self._manager.wait_until_finished()
+        threads = set(threading.enumerate())
+        # Orbax's log of this save is held back: passed on once it succeeded, dropped when
+        # it failed (its warnings then only repeat the error raised).
+        held = _HeldLog()
+        absl = logging.getLogger("absl")
+        absl.addFilter(held)
+        try:
+            self._manager.reload()
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+            if not saved:  # pragma: no cover - orbax declines only for read-only managers
+                raise RuntimeError(f"orbax declined to save round {step} in {self.directory}.")
+            self._manager.wait_until_finished()
+            self._check_place(step)  # moved during the save: orbax wrote at the old path
+        except Exception as err:
+            self._failed = True
+            error = self._save_failed(step, err, threads)
+            if error is None:
+                raise
+            raise error from err
+        finally:
+            absl.removeFilter(held)
+        if not self._failed:
+            held.release(absl)
         _barrier(f"saved-{step}")  # no process lists the directory before the step is there
         return _step_dir(self.directory, step)
+
+    def _check_place(self, step: int) -> None:
+        """Raises when the directory (or the run folder it lies in) was deleted or moved
+        since it was opened: orbax would recreate it, a half folder at the old path."""
+        _check_run_folders(self.directory)
+        if self._place is not None and _place_of(self.directory) != self._place:
+            raise CheckpointWriteError(
+                errno.ENOENT,
+                f"cannot write checkpoint round {step} in {self.directory}: that folder was "
+                "deleted or moved while the run was writing it. Every record finished "
+                "before is kept; resume where the run's folder is now (--resume).",
+            )
+
+    def _save_failed(
+        self, step: int, err: Exception, threads: set[threading.Thread]
+    ) -> Exception | None:
+        """Cleans up after a save that raised ``err`` and returns the error to raise
+        instead (None: ``err`` itself, not a failed write): orbax's threads for it are
+        waited for and, for a failed write, its temporary directory removed, so that what
+        is left is exactly the steps saved before."""
+        _settle(threads)
+        try:
+            self._check_place(step)  # a folder deleted or moved: say that, not ENOENT
+        except OSError as moved:
+            if _is_writer():
+                self._undo_recreated(step)
+            return moved
+        problem = _os_problem(err)
+        if problem is None:
+            return None  # not the disk's: left as it is (the next opening clears it)
+        if _is_writer():
+            for _ in range(3):  # a late tensorstore write may recreate a file once
+                with contextlib.suppress(OSError):
+                    self._remove_partial_saves()
+                time.sleep(0.05)
+                if not any(_TMP_MARK in p.name for p in _entries(self.directory)):
+                    break
+        code, reason = problem
+        if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            then = "free space, then --resume"
+        else:
+            then = "make it writable, then --resume"
+        return CheckpointWriteError(
+            code,
+            f"cannot write checkpoint round {step} in {self.directory}: {reason}. Every "
+            f"record finished before is kept; {then}.",
+        )
+
+    def _undo_recreated(self, step: int) -> None:
+        """Removes what a save wrote at the directory's path after the directory was
+        moved or deleted (orbax writes by path, creating the folders it misses): the
+        step's folders, then each folder emptied by that up to the first one that was
+        there when the checkpointer opened. Anything else found there is left alone."""
+        for path, place in self._chain:
+            now = _place_of(path)
+            if now is not None and now == place:
+                break  # an original folder: nothing above it was recreated
+            if now is None:
+                continue
+            if path == self.directory:
+                for entry in _entries(path):
+                    if entry.name == str(step) or entry.name.startswith(f"{step}{_TMP_MARK}"):
+                        shutil.rmtree(entry, ignore_errors=True)
+            try:
+                path.rmdir()  # only when empty
+            except OSError:
+                break
 
     # ------------------------------------------------------------------ restoring
     def restore_latest(self, like_state: PyTree) -> Restored:
@@ -542,6 +668,146 @@ def latest_round(directory: str | os.PathLike) -> int | None:
         return None
     rounds = [int(p.name) for p in Path(directory).iterdir() if p.name.isdigit() and p.is_dir()]
     return max(rounds) if rounds else None
+
+
+def latest_extra(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``extra`` of the newest checkpoint in ``directory`` whose metadata reads and
+    verifies (None if none): a caller checks a run's identity with it before touching
+    anything else, without restoring the state."""
+    if not Path(directory).is_dir():
+        return None
+    rounds = sorted(
+        (int(p.name) for p in Path(directory).iterdir() if p.name.isdigit() and p.is_dir()),
+        reverse=True,
+    )
+    for step in rounds:
+        try:
+            meta = json.loads((_step_dir(Path(directory), step) / "meta" / "metadata").read_text())
+            return _verified_payload(meta)["extra"]
+        except Exception:  # unreadable or damaged: the restore will say so, or use an older
+            continue
+    return None
+
+
+# ---------------------------------------------------------------------- failed saves
+def _check_run_folders(directory: Path) -> None:
+    from scaffold_jax.results.folder import check_run_folders  # no cycle: results is light
+
+    check_run_folders(directory)
+
+
+def _place_of(directory: Path) -> tuple[int, int] | None:
+    """The directory's (device, inode), None if it cannot be read."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
+
+
+def _settle(before: set[threading.Thread], timeout: float = 30.0) -> None:
+    """Waits for the threads orbax started for a save that failed (those still writing,
+    or failing in turn), so that its temporary directory can be removed for good."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread in before or thread is threading.current_thread():
+            continue
+        if type(thread).__module__.startswith("orbax"):
+            # threading's own join: orbax's re-raises the thread's error, said already.
+            threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _os_problem(err: BaseException) -> tuple[int, str] | None:
+    """The operating-system error behind a failed save, as (errno, its text): an
+    OSError, or tensorstore's ``[os_error_code='28']`` in the text of the ValueError that
+    orbax passes on; None if there is none (not a failed write: a bug to show as is)."""
+    seen, error = set(), err
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno:
+            return error.errno, error.strerror or str(error)
+        found = _OS_ERROR_CODE.search(str(error))
+        if found:
+            code = int(found.group(1))
+            return code, os.strerror(code)
+        error = error.__cause__ or error.__context__
+    text = str(err)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO):
+        if os.strerror(code) in text:
+            return code, os.strerror(code)
+    return None
+
+
+class _HeldLog(logging.Filter):
+    """Holds back the records it sees (see :meth:`Checkpointer.save`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def release(self, logger: logging.Logger) -> None:
+        for record in self.records:
+            logger.handle(record)
+        self.records.clear()
+
+
+_NOISE_FILTERED = False
+
+
+def _filter_orbax_noise() -> None:
+    """Keeps orbax's second and third reports of a failed save off stderr (once per
+    process, when the first :class:`Checkpointer` opens): its threads log the error they
+    hand to the caller (absl ERROR records with a traceback each), and tensorstore writes
+    still in flight complete into the closed event loop of that thread ("Event loop is
+    closed", an unraisable exception). The caller gets the error itself, once
+    (:class:`CheckpointWriteError`). Every other record and unraisable exception is
+    passed on as before."""
+    global _NOISE_FILTERED
+    if _NOISE_FILTERED:
+        return
+    _NOISE_FILTERED = True
+    logging.getLogger("absl").addFilter(_not_a_rethrown_error)
+    sys.unraisablehook = _UnraisableFilter(sys.unraisablehook)
+
+
+def _not_a_rethrown_error(record: logging.LogRecord) -> bool:
+    return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
+class _UnraisableFilter:
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        if not _late_loop_callback(unraisable):
+            self.previous(unraisable)
+
+
+def _late_loop_callback(unraisable) -> bool:
+    """A callback into an event loop that orbax already closed after a failed save."""
+    value = unraisable.exc_value
+    if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 # ---------------------------------------------------------------------- helpers

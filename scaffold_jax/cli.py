@@ -25,8 +25,10 @@ Each run writes its output folder (see :mod:`scaffold_jax.results`): ``config.js
 ``metrics.jsonl``, ``summary.json``, ``metrics.csv`` and plots; a folder that already
 holds a run is refused unless ``--overwrite``.
 
-Exit status: 0 success; 1 a run that could not start or did not finish (missing data,
-an occupied folder, divergence); 2 invalid arguments or config; 130 (SIGINT) or 143
+Exit status: 0 success; 1 a run that could not start or did not finish although its
+arguments were valid (missing data, an occupied or full folder, divergence); 2 invalid
+arguments or config (what argparse, the config's checks or its build refuse: a
+:class:`~scaffold_jax.registry.ConfigError`); 130 (SIGINT) or 143
 (SIGTERM) interrupted: the folder keeps every finished record and says
 ``"status": "interrupted"``.
 
@@ -57,7 +59,7 @@ from typing import Any
 from scaffold_jax import compilation_cache
 from scaffold_jax.experiments import DIAGNOSE_FIELDS, ConfigError, RunConfig
 from scaffold_jax.experiments.commands import DATA_OWNERS
-from scaffold_jax.loop import DivergenceError, RunTerminated, sigterm_exits
+from scaffold_jax.loop import RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
 from scaffold_jax.types import HParam
 
@@ -593,15 +595,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``scaffold-jax``; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        # The plugins first: what they register has flags (and a broken one says so).
         _preload_plugins(argv)
-    except ValueError as err:
-        print(f"scaffold-jax: error: {err}", file=sys.stderr)
-        return 2
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "no_compile_cache", False):
-        compilation_cache.enable()
-    try:
+        args = build_parser().parse_args(argv)
+        if not getattr(args, "no_compile_cache", False):
+            compilation_cache.enable()
         commands = {
             "run": _run_command,
             "reproduce": _reproduce_command,
@@ -610,19 +608,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         with sigterm_exits():
             return commands[args.command](args)
-    except (FileExistsError, FileNotFoundError, DivergenceError, OSError) as err:
-        # DivergenceError first: it is a ValueError, but the config was valid.
+    except ConfigError as err:  # what the flags, the config or its build got wrong
+        print(f"scaffold-jax: error: {err}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:
+        # A run that could not start or finish although the arguments were valid: missing
+        # data, an occupied or unwritable folder, divergence, a failed check at run time.
         from scaffold_jax.data.sources import DatasetNotFoundError
 
         message = err.for_cli() if isinstance(err, DatasetNotFoundError) else err
         print(f"scaffold-jax: error: {message}", file=sys.stderr)
         return 1
-    except ValueError as err:  # ConfigError, and the library's own input checks
-        print(f"scaffold-jax: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("scaffold-jax: interrupted; finished records are kept.", file=sys.stderr)
         return 130
+    except Exception as err:
+        from scaffold_jax.registry import plugin_blamed
+
+        where = plugin_blamed(err)
+        if where is None:
+            raise  # a bug of scaffold_jax: its traceback is what a report needs
+        print(
+            f"scaffold-jax: error: a plugin failed at {where}: {type(err).__name__}: {err}",
+            file=sys.stderr,
+        )
+        return 1
     except SystemExit as err:  # RunTerminated, or SIGTERM outside a running loop
         if err.code != 128 + 15:
             raise  # another exit (a plugin's sys.exit): not ours to report

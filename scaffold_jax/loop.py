@@ -46,7 +46,9 @@ import jax.random as jr
 import numpy as np
 
 from scaffold_jax import engine
-from scaffold_jax.engine import MAX_SEED, SEED_WHY, check_count
+from scaffold_jax.data.federated import data_fingerprint
+from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY, check_count
+from scaffold_jax.registry import ConfigError
 from scaffold_jax.sampling import uniform
 from scaffold_jax.types import HParams, PyTree, SimState, format_hparams
 
@@ -293,7 +295,8 @@ def drive(
       eval_every: evaluation period E.
       finish: makes the caller's result from an :class:`Outcome`; its value is returned,
         and attached as ``result`` to the exceptions the loop raises.
-      callback: a record sink, called with every new record as it is made.
+      callback: a record sink, called with every new record, after the checkpoint of
+        its round (when one is due) is written.
       checkpointer: a :class:`~scaffold_jax.checkpoint.Checkpointer`, or None.
       checkpoint_every: checkpoint period in rounds (with a checkpointer).
       identity: what fixes the run's trajectory; stored with every checkpoint and compared
@@ -318,6 +321,7 @@ def drive(
     if phase is None:
         phase = lambda text: contextlib.nullcontext()
     records: list[Record] = []
+    pending: dict[str, Any] = {}  # a checkpoint's round metrics since its last evaluation
     resumed_from = None
     seconds_before = 0.0  # run time spent by the process(es) before a resume
     if resume_into is not None:
@@ -325,6 +329,7 @@ def drive(
         check_same_run(restored.extra.get("identity"), identity, str(restored.path))
         state, key, resumed_from = restored.state, restored.key, restored.round
         records = list(restored.extra.get("records", []))
+        pending = restored.extra.get("pending", {})
         seconds_before = float(restored.extra.get("seconds", 0.0))
         start = int(restored.extra.get("start_round", 0))
         if on_restore is not None:
@@ -340,7 +345,7 @@ def drive(
     end = start + num_rounds
     current = task.round_of(state)
     if current > end:
-        raise ValueError(
+        raise ConfigError(
             f"the checkpoint is at round {current}, past the end of this run (round "
             f"{end} = {start} + num_rounds {num_rounds}); pass a larger num_rounds."
         )
@@ -370,7 +375,11 @@ def drive(
             program = task.compile_block(state, key, longest)
     compile_seconds = time.perf_counter() - t0
     block_metrics: list[dict[str, np.ndarray]] = []
-    since_record: list[dict[str, np.ndarray]] = []
+    # The rounds since the last evaluation, for the means a record reports; a checkpoint
+    # between two evaluations holds them (``pending``), so a resumed record is exact.
+    since_record: list[dict[str, np.ndarray]] = (
+        [{k: np.asarray(v["values"], v["dtype"]) for k, v in pending.items()}] if pending else []
+    )
     eval_seconds = 0.0
     save_every_seconds = checkpoint_seconds
     checkpoint_seconds = 0.0
@@ -381,28 +390,37 @@ def drive(
         spent = time.perf_counter() - run_start
         return seconds_before + spent - checkpoint_seconds
 
-    def record() -> None:
+    def record() -> list[Record]:
+        """Evaluates and returns the new records (kept in ``records``: the next
+        checkpoint holds them); :func:`deliver` hands them over."""
         nonlocal eval_seconds
         t0 = time.perf_counter()
         metrics = jax.device_get(evaluate(state))
         eval_seconds += time.perf_counter() - t0
-        # The clients' own training loss, free: the mean over the rounds since the last
-        # evaluation of their local steps' minibatch losses (none before a round ran).
-        local = [m["local_loss"] for m in since_record if "local_loss" in m]
-        if local:
-            metrics["local_loss"] = np.mean(np.concatenate(local), axis=0)
+        # Free with every round, as means over the rounds since the last evaluation (none
+        # before a round ran): the clients' own training loss (their local steps' minibatch
+        # losses) and the client drift (mean ‖y_i − x‖).
+        for name in RECORDED_ROUND_METRICS:
+            values = [m[name] for m in since_record if name in m]
+            if values:
+                metrics[name] = np.mean(np.concatenate(values), axis=0)
         since_record.clear()
-        for entry in task.records(state, metrics, current, elapsed()):
-            records.append(entry)
+        new = task.records(state, metrics, current, elapsed())
+        records.extend(new)
+        return new
+
+    def deliver(new: list[Record]) -> None:
+        for entry in new:
             if callback is not None:
                 callback(entry)
-        if on_block is not None:
+        if new and on_block is not None:
             on_block(current)
 
     def save() -> None:
         nonlocal checkpoint_seconds, last_save
         t0 = last_save = time.perf_counter()
         extra = {"identity": identity, "start_round": start, "records": records}
+        extra["pending"] = _pending(since_record)
         extra["seconds"] = elapsed()
         checkpointer.save(state, key, extra, step=current)
         checkpoint_seconds += time.perf_counter() - t0
@@ -450,9 +468,10 @@ def drive(
 
     with _DeferredSignals() as signals:
         if resumed_from is None:
-            record()
+            new = record()
             if checkpointer is not None:
                 save()  # so that resume works even if round r0 + 1 is never reached
+            deliver(new)
         while current < end:
             stop_if_signalled(signals)
             boundary = next_boundary(current)
@@ -466,8 +485,7 @@ def drive(
                 task.check(state, metrics, first, current)
             except Diverged as err:
                 raise DivergenceError(str(err), outcome("diverged"), err.diverged_round) from None
-            if due(current, eval_every):
-                record()
+            new = record() if due(current, eval_every) else []
             if checkpointer is not None and (
                 due(current, checkpoint_every)
                 or (
@@ -476,21 +494,48 @@ def drive(
                 )
             ):
                 save()
+            # After the checkpoint: a sink never holds a record a resume would make again.
+            deliver(new)
         # A signal during the last block (or before a run with nothing left to do) is
         # still honoured: the caller asked to stop whatever comes after this run.
         stop_if_signalled(signals)
     return outcome("finished")
 
 
+#: Round metrics every record reports as their mean since the previous evaluation.
+RECORDED_ROUND_METRICS = ("local_loss", "client_drift")
+
+
+def _pending(since_record: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """The recorded round metrics of the rounds since the last evaluation, JSON-able for
+    a checkpoint (a float32 round-trips exactly through a Python float)."""
+    out = {}
+    for name in RECORDED_ROUND_METRICS:
+        values = [m[name] for m in since_record if name in m]
+        if values:
+            array = np.concatenate(values)
+            out[name] = {"values": array.tolist(), "dtype": str(array.dtype)}
+    return out
+
+
 # ----------------------------------------------------------------------------- identity
 def run_identity(
-    simulation: engine.Simulation, data, hparams: HParams, seed: int
+    simulation: engine.Simulation,
+    data,
+    hparams: HParams,
+    seed: int,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """What fixes a single run's trajectory; a resumed run must agree on all of it.
+    """What fixes a single run's trajectory; a resumed run must agree on all of it: the
+    algorithm and the options it was built with, the data (N and a fingerprint of its
+    arrays: ``fingerprint`` if the caller has it), plan, S, weighting, sampler, the
+    hyper-parameters and the seed.
 
     ``hparams`` holds exactly the algorithm's declared hyper-parameters (resolved)."""
     identity = {
         "algorithm": simulation.algorithm.name,
+        "algorithm_options": dict(simulation.algorithm.options),
+        "data_fingerprint": fingerprint or data_fingerprint(data),
         "num_clients": int(data.num_clients),
         "clients_per_round": simulation.clients_per_round,
         "weighting": simulation.weighting,
@@ -531,7 +576,7 @@ def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], whe
         if saved.get(k) != v
     ]
     if diffs:
-        raise ValueError(
+        raise ConfigError(
             f"cannot resume from {where}: it belongs to a different run ({'; '.join(diffs)}). "
             "Resume with the same algorithm, data, batch plan, S, weighting, hparams and "
             "seed, or start a new run in another checkpoint directory."
@@ -615,7 +660,12 @@ def run(
     The root key is ``jax.random.key(seed)``; round r uses ``fold_in(root, r)``, so a run
     resumed from a state at round r continues exactly as an uninterrupted one. To resume,
     pass the arguments of the interrupted call unchanged: ``num_rounds`` still counts from
-    r0, and ``callback`` sees only the new records. The data and the state are placed in
+    r0, and ``callback`` sees only the new records. A record is handed to ``callback``
+    once the checkpoint of its round (if one is due) is written, so with the default
+    cadence (a checkpoint at every evaluation) no record is ever handed over twice, even
+    across a crash; with a sparser one the records after the newest checkpoint are made
+    again on resume (``on_restore`` gets the ones the checkpoint holds: a sink that
+    persists records rewrites its copy with them). The data and the state are placed in
     the simulation's layout first.
 
     Divergence. After every block the server state is checked; NaN or Inf stops the run
@@ -658,7 +708,7 @@ def run(
       KeyboardInterrupt: SIGINT (after the current block and its checkpoint).
       RunTerminated: SIGTERM (after the current block and its checkpoint).
     """
-    num_rounds = check_count("num_rounds", num_rounds)
+    num_rounds = check_count("num_rounds", num_rounds, maximum=MAX_ROUNDS, why=ROUNDS_WHY)
     eval_every = check_count("eval_every", num_rounds if eval_every is None else eval_every)
     seed = check_count("seed", seed, minimum=0, maximum=MAX_SEED, why=SEED_WHY)
     hparams = simulation.resolve_hparams(hparams)
@@ -688,7 +738,11 @@ def run(
         )
 
     simulation.check(data)
-    identity = {**run_identity(simulation, data, hparams, seed), **dict(identity or {})}
+    identity = dict(identity or {})
+    identity = {
+        **run_identity(simulation, data, hparams, seed, identity.get("data_fingerprint")),
+        **identity,
+    }
     identity = json.loads(json.dumps(identity))
     layout = simulation.layout
     data = layout.place_data(data)

@@ -38,6 +38,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from scaffold_jax.registry import Option, Registry
+from scaffold_jax.types import FLOAT32_TINY
 
 
 class OptimizerSpec(NamedTuple):
@@ -103,11 +105,21 @@ def scale_by_fedadam(b1: float = 0.9, b2: float = 0.99, tau: float = 1e-3):
 
 
 def _decay(default: float, name: str) -> Option:
-    return Option(default, f"{name}: decay rate", "float", low=0.0, high=1.0)
+    # [0, 1): at 1 the average never forgets (momentum sums every gradient) and Adam's
+    # bias correction 1 / (1 - b^t) divides by 0.
+    return Option(
+        default, f"{name}: decay rate", "float", low=0.0, high=math.nextafter(1.0, 0.0),
+        what="a number in [0, 1)",
+    )  # fmt: skip
 
 
 def _floor(default: float, name: str = "eps") -> Option:
-    return Option(default, f"{name}: numerical floor", "float", low=0.0, strict=True)
+    # > 0, and a normal float32: the updates are float32, where 1e-50 is 0 and the floor
+    # would divide by zero.
+    return Option(
+        default, f"{name}: numerical floor", "float", low=FLOAT32_TINY,
+        what=f"a number > 0, at least {FLOAT32_TINY:.8g} (the smallest normal float32)",
+    )  # fmt: skip
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
@@ -161,8 +173,9 @@ def parse(spec: Any) -> tuple[str, dict[str, float]]:
     """``"NAME:PARAM=VALUE,..."`` → ``(name, {param: value})`` with every default filled in.
 
     Raises:
-      ValueError: not a string, an unknown optimizer or parameter, or a value that is not
-        a finite number (the message lists what the optimizer takes).
+      ValueError: not a string, an unknown optimizer or parameter, a parameter given
+        twice, or a value that is not a finite number in the parameter's range (the
+        message lists what the optimizer takes, or the range).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(
@@ -172,6 +185,7 @@ def parse(spec: Any) -> tuple[str, dict[str, float]]:
     name, _, rest = spec.strip().partition(":")
     declared = OPTIMIZERS[name.strip()].options  # unknown: the message lists the names
     values = {k: option.default for k, option in declared.items()}
+    given: set[str] = set()
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, text = (s.strip() for s in item.partition("="))
         if key not in declared:
@@ -179,6 +193,9 @@ def parse(spec: Any) -> tuple[str, dict[str, float]]:
             raise ValueError(
                 f"optimizer {spec!r}: {name} has no parameter {key!r}; it takes {takes}."
             )
+        if key in given:  # the last would silently win
+            raise ValueError(f"optimizer {spec!r}: {key} is given twice; give it once.")
+        given.add(key)
         try:
             value = float(text) if eq else float("nan")
         except ValueError:

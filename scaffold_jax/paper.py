@@ -16,6 +16,8 @@ family, start point, error target, η_l grid) and :class:`TableProtocol` (datase
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import sys
 import time
@@ -27,8 +29,9 @@ import jax
 
 from scaffold_jax import results
 from scaffold_jax.algorithms import ALGORITHMS
-from scaffold_jax.data import assembly, sources
-from scaffold_jax.engine import MAX_SEED, SEED_WHY
+from scaffold_jax.data import assembly, sources, synthetic
+from scaffold_jax.data.batching import MAX_LOCAL_STEPS, BatchPlan
+from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY
 from scaffold_jax.experiments import (
     Cell,
     CellResult,
@@ -92,19 +95,28 @@ class Fig3Protocol:
     def validate(self) -> Fig3Protocol:
         errors: list[str] = []
         check = _Checker(errors)
-        check.integer("num_rounds", self.num_rounds, low=1)
+        _check_rounds(check, self.num_rounds)
         check.integer("eval_every", self.eval_every, low=1)
         check.number("target", self.target, low=0.0, high=1.0, strict=True, what="in (0, 1)")
         check.number("delta", self.delta, low=0.0, what=">= 0")
         check.number("mu", self.mu, low=0.0, high=1.0, strict=True, what="in (0, 1)")
-        check.integer("dim", self.dim, low=2)
+        if check.integer("dim", self.dim, low=2):
+            try:  # the N = 2 Hessians d x d must fit in memory (dim = 10**8 would not)
+                synthetic.check_quadratic_size(2, self.dim)
+            except ValueError as err:
+                errors.append(str(err))
         check.number("start_distance", self.start_distance, low=0.0, strict=True, what="> 0")
         _check_seed(check, self.seed)
-        if not self.lr_grid or any(not _is_number(v) or v <= 0 for v in self.lr_grid):
-            errors.append(f"lr_grid = {self.lr_grid!r} is invalid: it must be values > 0.")
-        for m in self.methods:
-            if m not in ALGORITHMS:
-                errors.append(f"methods = {self.methods!r} is invalid: unknown method {m!r}.")
+        _check_list(errors, "gradient_dissimilarities", self.gradient_dissimilarities,
+                    _finite_at_least_zero, "finite numbers >= 0")  # fmt: skip
+        _check_list(errors, "local_steps", self.local_steps, _local_steps,
+                    f"integers in [1, {MAX_LOCAL_STEPS}]")  # fmt: skip
+        _check_lr_grid(errors, "lr_grid", self.lr_grid)
+        if _check_list(errors, "methods", self.methods, _is_str, "algorithm names"):
+            for m in self.methods:
+                if m not in ALGORITHMS:
+                    errors.append(f"methods = {self.methods!r} is invalid: unknown method {m!r}.")
+        check.type("warm_controls", self.warm_controls, bool, "true or false")
         if errors:
             raise ConfigError("invalid fig3 protocol:\n  " + "\n  ".join(errors))
         return self
@@ -114,6 +126,52 @@ def _check_seed(check: _Checker, seed: Any) -> None:
     check.integer(
         "seed", seed, low=0, high=MAX_SEED, what=f"an integer >= 0 and <= {MAX_SEED}{SEED_WHY}"
     )
+
+
+def _check_rounds(check: _Checker, num_rounds: Any) -> None:
+    check.integer(
+        "num_rounds", num_rounds, low=1, high=MAX_ROUNDS,
+        what=f"an integer >= 1 and <= {MAX_ROUNDS}{ROUNDS_WHY}",
+    )  # fmt: skip
+
+
+def _check_list(
+    errors: list[str], name: str, values: Any, fits: Callable[[Any], bool], what: str
+) -> bool:
+    """``values`` must be a non-empty list (or tuple) of elements that ``fits``; False
+    (with a message naming the field and what it takes) otherwise. A protocol field given
+    the wrong type fails here, not later inside the grid (``similarities = 5`` is not a
+    list to iterate)."""
+    if isinstance(values, (list, tuple)) and values and all(fits(v) for v in values):
+        return True
+    errors.append(f"{name} = {values!r} is invalid: it must be a non-empty list of {what}.")
+    return False
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _finite_at_least_zero(value: Any) -> bool:
+    return _is_number(value) and 0 <= value < math.inf
+
+
+def _is_percentage(value: Any) -> bool:
+    return _is_number(value) and 0 <= value <= 100
+
+
+def _local_steps(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_LOCAL_STEPS
+
+
+def _check_lr_grid(errors: list[str], name: str, grid: Any) -> None:
+    """Step sizes: finite, > 0 and normal float32 numbers (hyper-parameters are float32)."""
+    if _check_list(errors, name, grid, _is_number, "step sizes > 0"):
+        for value in grid:
+            if not _Checker(errors).number(
+                name, value, low=0.0, strict=True, what="finite and > 0", float32=True
+            ):
+                return
 
 
 def fig3_protocol(quick: bool = False, **overrides: Any) -> Fig3Protocol:
@@ -419,34 +477,54 @@ class TableProtocol:
         errors: list[str] = []
         check = _Checker(errors)
         check.integer("num_clients", self.num_clients, low=1)
-        check.number(
+        fraction = check.number(
             "batch_fraction", self.batch_fraction, low=0.0, high=1.0, strict=True, what="in (0, 1]"
         )
-        check.integer("num_rounds", self.num_rounds, low=1)
+        _check_rounds(check, self.num_rounds)
         check.integer("eval_every", self.eval_every, low=1)
         check.choice("model", self.model, MODELS)
-        check.number("prox_mu", self.prox_mu, low=0.0, what=">= 0")
+        _check_list(errors, "hidden_sizes", self.hidden_sizes, _positive_int, "integers >= 1")
+        check.number("prox_mu", self.prox_mu, low=0.0, what=">= 0", float32=True)
         _check_seed(check, self.seed)
         check.integer("max_train_examples", self.max_train_examples, low=1, optional=True)
         check.integer("max_test_examples", self.max_test_examples, low=1, optional=True)
+        check.type("data_dir", self.data_dir, str, "a folder path", optional=True)
+        check.type("download", self.download, bool, "true or false")
         if self.target is not None:
             check.number("target", self.target, low=0.0, high=1.0, strict=True, what="in (0, 1]")
-        for s in self.similarities:
-            if not _is_number(s) or not 0 <= s <= 100:
-                errors.append(
-                    f"similarities = {self.similarities!r} is invalid: each must be in [0, 100]."
-                )
-        for row in self.all_rows:
+        _check_list(
+            errors, "similarities", self.similarities, _is_percentage, "percentages in [0, 100]"
+        )
+        extra_ok = self.extra_methods == () or _check_list(
+            errors, "extra_methods", self.extra_methods, _is_str, "algorithm names"
+        )
+        grids_ok = isinstance(self.lr_grids, Mapping)
+        if not grids_ok:
+            errors.append(
+                f"lr_grids = {self.lr_grids!r} is invalid: it must be a table of method names "
+                'and step sizes, e.g. {"scaffold": [0.1, 0.3]}.'
+            )
+        what = "[method, epochs, sampled] rows (epochs an integer >= 1)"
+        rows_ok = _check_list(errors, "rows", self.rows, _is_row, what)
+        for row in self.all_rows if rows_ok and extra_ok else ():
             if row.method not in ALGORITHMS:
                 errors.append(f"rows: method {row.method!r} is unknown.")
-            elif not self.lr_grid(row.method):
+            elif grids_ok and not self.lr_grid(row.method):
                 errors.append(f"lr_grids has no step sizes for method {row.method!r}.")
-            if not 0 < row.sampled <= 1:
+            if not (_is_number(row.sampled) and 0 < row.sampled <= 1):
                 errors.append(f"rows: sampled = {row.sampled!r} must be in (0, 1].")
-        for method, grid in self.lr_grids.items():
-            if not grid or any(not _is_number(v) or v <= 0 for v in grid):
-                errors.append(f"lr_grids[{method!r}] = {grid!r} is invalid: values must be > 0.")
-        if self.dataset != "auto":
+        epochs = [r.epochs for r in self.all_rows if not _one_step(r.method)] if (
+            rows_ok and extra_ok and fraction
+        ) else []  # fmt: skip
+        if epochs:
+            try:  # K = epochs x round(1 / batch_fraction) local steps must stay bounded
+                BatchPlan.fraction_of_data(self.batch_fraction, max(epochs))
+            except ValueError as err:
+                errors.append(f"rows: the largest epochs = {max(epochs)}: {err}")
+        for method, grid in self.lr_grids.items() if grids_ok else ():
+            _check_lr_grid(errors, f"lr_grids[{method!r}]", grid)
+        check.type("dataset", self.dataset, str, "'auto' or a dataset name")
+        if isinstance(self.dataset, str) and self.dataset != "auto":
             try:
                 sources.canonical_name(self.dataset)
             except ValueError:
@@ -457,6 +535,14 @@ class TableProtocol:
         if errors:
             raise ConfigError(f"invalid {self.name} protocol:\n  " + "\n  ".join(errors))
         return self
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_row(row: Any) -> bool:
+    return isinstance(row, Row) and isinstance(row.method, str) and _positive_int(row.epochs)
 
 
 def _table_rows(methods_epochs: Sequence[tuple[str, Sequence[int]]], sampled=(0.2,)):
@@ -554,8 +640,11 @@ def _override(protocol, overrides: Mapping[str, Any]):
             f"{', '.join(sorted(known))}."
         )
     fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
-    if "rows" in fixed:
-        fixed["rows"] = tuple(Row(*r) if not isinstance(r, Row) else r for r in fixed["rows"])
+    if isinstance(fixed.get("rows"), tuple):
+        try:
+            fixed["rows"] = tuple(r if isinstance(r, Row) else Row(*r) for r in fixed["rows"])
+        except TypeError:  # not [method, epochs(, sampled)] triples: validate() says so
+            pass
     return dataclasses.replace(protocol, **fixed)
 
 
@@ -645,6 +734,17 @@ def table_grid(protocol: TableProtocol, dataset: sources.Dataset) -> Grid:
     return Grid(protocol.name, cells, saved, [target] if target else (), plots)
 
 
+def _resolved_before(out: str | os.PathLike) -> str | None:
+    """The dataset a protocol folder's run resolved ``"auto"`` to (None: no such run)."""
+    try:
+        saved = json.loads((Path(out) / results.CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if saved.get("protocol", {}).get("dataset") != "auto":
+        return None
+    return saved.get("dataset") if isinstance(saved.get("dataset"), str) else None
+
+
 def reproduce_table(
     protocol: TableProtocol,
     out: str | os.PathLike,
@@ -668,7 +768,12 @@ def reproduce_table(
     protocol.validate()
     start = time.perf_counter()
     if dataset is None:
-        dataset = resolve_dataset(protocol.dataset, protocol.data_dir, protocol.download, quiet)
+        name = protocol.dataset
+        if resume and name == "auto":
+            # What 'auto' chose for the run being resumed, even if EMNIST appeared since:
+            # one table holds one dataset's cells.
+            name = _resolved_before(out) or name
+        dataset = resolve_dataset(name, protocol.data_dir, protocol.download, quiet)
     grid = table_grid(protocol, dataset)
     target = table_target(protocol, dataset.name)
     panels = grid.plots[0].panels

@@ -20,6 +20,7 @@ Examples:
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import importlib.util
 import math
@@ -304,6 +305,68 @@ def restore(snap: Snapshot) -> None:
 _PLUGIN_PREFIX = "scaffold_jax_plugin_"
 
 
+_PLUGIN_MODULES: set[str] = set()  # every plugin module loaded, by name
+
+
+def plugin_blamed(err: BaseException) -> str | None:
+    """``"<file>:<line> (in <function>)"`` of the innermost frame of ``err``'s traceback
+    that runs a plugin's code (None: none does), so that a plugin's bug is reported as
+    the plugin's, in one line."""
+    where = None
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_globals.get("__name__", "")
+        if module in _PLUGIN_MODULES or module.startswith(_PLUGIN_PREFIX):
+            where = f"{frame.f_code.co_filename}:{tb.tb_lineno} (in {frame.f_code.co_name})"
+        tb = tb.tb_next
+    return where
+
+
+def _import_file(path: Path) -> str:
+    """Imports a plugin file under ``scaffold_jax_plugin_<stem>`` (a second file of the
+    same stem in another folder gets a name of its own, never the first one's module);
+    importing the same file again reuses its module."""
+    name = f"{_PLUGIN_PREFIX}{path.stem}"
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(loaded.__file__).resolve() != path.resolve():
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+        name = f"{name}_{digest}"
+    if name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return name
+
+
+def code_of(entry: Any) -> dict[str, str]:
+    """Where an entry's code lives, when outside scaffold_jax: ``{module: "<file> sha256
+    <digest>"}`` of every module that defines one of its callables (a spec's factory, a
+    partial's function). A run's identity holds it, so that a resume refuses a plugin file
+    edited since, or a plugin that replaced a built-in entry; the package's own code is
+    left out (an upgrade of scaffold_jax may resume its runs)."""
+    found: dict[str, str] = {}
+    fields = entry._asdict().values() if hasattr(entry, "_asdict") else vars(entry).values()
+    for value in [entry, *fields] if callable(entry) else fields:
+        value = getattr(value, "func", value)  # functools.partial
+        name = getattr(value, "__module__", None) if callable(value) else None
+        if not name or name == "scaffold_jax" or name.startswith("scaffold_jax."):
+            continue
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path and Path(path).is_file():
+            digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            found[name] = f"{Path(path).name} sha256 {digest}"
+        else:
+            found[name] = "(no source file)"
+    return found
+
+
 def load_plugins(specs: Iterable[str]) -> list[str]:
     """Imports plugin modules so that their entries register themselves.
 
@@ -315,38 +378,37 @@ def load_plugins(specs: Iterable[str]) -> list[str]:
       The names of the imported modules.
 
     Raises:
-      ValueError: a module that cannot be found, or that fails while importing (the
-        original error is chained).
+      ConfigError: a module that cannot be found, or that fails (or exits) while
+        importing (the original error is chained).
     """
     loaded = []
     for spec in specs:
         spec = str(spec)
         path = Path(spec)
+        if spec.endswith(".py") and not path.is_file():
+            raise ConfigError(
+                f"plugin file {spec} "
+                + ("is a directory; give a .py file." if path.is_dir() else "does not exist.")
+            )
         try:
             if spec.endswith(".py"):
-                if not path.is_file():
-                    raise ValueError(f"plugin file {spec} does not exist.")
-                name = f"{_PLUGIN_PREFIX}{path.stem}"
-                if name not in sys.modules:
-                    module_spec = importlib.util.spec_from_file_location(name, path)
-                    module = importlib.util.module_from_spec(module_spec)
-                    sys.modules[name] = module
-                    try:
-                        module_spec.loader.exec_module(module)
-                    except BaseException:
-                        del sys.modules[name]
-                        raise
+                name = _import_file(path)
             else:
                 name = spec
                 importlib.import_module(spec)
-        except ValueError:
-            raise
         except ModuleNotFoundError as err:
-            raise ValueError(
+            raise ConfigError(
                 f"plugin {spec!r} cannot be imported ({err}); give a module on sys.path "
                 "(e.g. mylab.algorithms) or the path of a .py file."
             ) from err
+        except SystemExit as err:  # a script's sys.exit(): never a silent exit 0 here
+            raise ConfigError(
+                f"plugin {spec!r} called sys.exit({err.code!r}) while importing; a plugin "
+                "only registers entries (move its script part under "
+                "`if __name__ == '__main__':`)."
+            ) from err
         except Exception as err:
-            raise ValueError(f"plugin {spec!r} failed while importing: {err!r}") from err
+            raise ConfigError(f"plugin {spec!r} failed while importing: {err!r}") from err
         loaded.append(name)
+        _PLUGIN_MODULES.add(name)
     return loaded

@@ -87,8 +87,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from scaffold_jax.data.federated import data_fingerprint
 from scaffold_jax.engine import (
+    MAX_ROUNDS,
     MAX_SEED,
+    ROUNDS_WHY,
     SEED_WHY,
     Simulation,
     check_count,
@@ -156,6 +159,12 @@ def grid(
     for name, values in axes.items():
         if not values:
             raise ValueError(f"the grid axis {name} is empty; give it at least one value.")
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:  # the same config twice: counted twice in a mean over seeds
+            raise ValueError(
+                f"the grid axis {name} repeats {', '.join(f'{v:g}' for v in repeated)}; give "
+                "each value once."
+            )
     configs = [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
     names = [name for name in axes if name != "seed"]
     hp = HParams({name: [c[name] for c in configs] for name in names})
@@ -470,7 +479,7 @@ class Sweep:
           ValueError: invalid rounds, hyper-parameters, seeds or data.
         """
         sim = self.simulation
-        num_rounds = check_count("num_rounds", num_rounds)
+        num_rounds = check_count("num_rounds", num_rounds, maximum=MAX_ROUNDS, why=ROUNDS_WHY)
         eval_every = check_count("eval_every", num_rounds if eval_every is None else eval_every)
         num_configs = int(np.shape(seeds)[0]) if np.ndim(seeds) else 0
         if num_configs < 1:
@@ -491,6 +500,9 @@ class Sweep:
             for j in range(num_configs)
         ]
 
+        if checkpoint_dir is not None and "data_fingerprint" not in (identity or {}):
+            # Once for every chunk: a resume onto other data is refused.
+            identity = {**dict(identity or {}), "data_fingerprint": data_fingerprint(data)}
         group_seeds, slots, real = _layout(seeds)
         num_seeds, group_size = slots.shape
         per_config = config_bytes(sim, data)
@@ -569,6 +581,7 @@ def _drive_chunk(
     identity = json.loads(json.dumps({
         **dict(identity or {}),
         "algorithm": sweep.simulation.algorithm.name,
+        "algorithm_options": dict(sweep.simulation.algorithm.options),
         "num_clients": int(chunk.data.num_clients),
         "configs": [chunk.result.configs[j] for _, _, j in chunk.slots],
         "plan": repr(sweep.simulation.plan),

@@ -60,7 +60,8 @@ class HParams(Mapping):
 
     Raises:
       ValueError: a concrete value that is finite but beyond float32's range (1e39), which
-        the conversion would silently turn into inf.
+        the conversion would silently turn into inf, or nonzero but below its smallest
+        normal number (1e-50), which it would turn into 0 or a subnormal.
     """
 
     def __init__(self, values: Mapping[str, Any] | None = None, /, **named: Any):
@@ -121,7 +122,7 @@ def hparams(client_lr: Any, server_lr: Any = 1.0, **others: Any) -> HParams:
 
     Raises:
       ValueError: a step size that is not finite and > 0, or another value that is not
-        finite and >= 0.
+        finite and >= 0; or a nonzero value that underflows float32 (below 1.2e-38).
 
     Examples:
       >>> hp = hparams(client_lr=0.1)
@@ -146,11 +147,16 @@ def format_hparams(values: Mapping[str, Any]) -> str:
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: The smallest normal float32. A nonzero value below it becomes 0 or a subnormal in
+#: float32 (which accelerators flush to 0): a step size of 1e-50 would silently be 0.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _check_float32_range(name: str, value: Any) -> None:
-    """ValueError when a concrete value is finite as given but inf once float32 (the
-    conversion :class:`HParams` makes); the message shows the value as given."""
+    """ValueError when a concrete value is finite as given but inf once float32, or
+    nonzero as given but below the smallest normal float32 (0 or a subnormal once
+    converted), the conversion :class:`HParams` makes; the message shows the value as
+    given."""
     if isinstance(value, (jax.Array, jax.core.Tracer)):
         return  # already an array of its own dtype (or traced): nothing is converted here
     try:
@@ -159,13 +165,25 @@ def _check_float32_range(name: str, value: Any) -> None:
         return  # not numbers: jnp.asarray names the problem
     with np.errstate(invalid="ignore"):
         over = np.isfinite(wide) & (np.abs(wide) > _FLOAT32_MAX)
+        under = (wide != 0) & (np.abs(wide) < FLOAT32_TINY)
+    if not (np.any(over) or np.any(under)):
+        return
+    shown = ", ".join(f"{v:.7g}" for v in wide.ravel().tolist())
+    shown = shown if wide.ndim == 0 else f"[{shown}]"
     if np.any(over):
-        shown = ", ".join(f"{v:.7g}" for v in wide.ravel().tolist())
-        shown = shown if wide.ndim == 0 else f"[{shown}]"
         raise ValueError(
             f"{name}={shown} is invalid: hyper-parameters are float32, where it would become "
             f"inf; every value must be finite and at most {_FLOAT32_MAX:.8g} in magnitude."
         )
+    raise ValueError(_underflow_message(name, shown))
+
+
+def _underflow_message(name: str, shown: str) -> str:
+    return (
+        f"{name}={shown} underflows float32 (smallest normal {FLOAT32_TINY:.2g}): "
+        "hyper-parameters are float32, where it would become 0 or a subnormal; every "
+        f"nonzero value must be at least {FLOAT32_TINY:.8g} in magnitude."
+    )
 
 
 def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> None:
@@ -190,14 +208,17 @@ def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> 
         bad = ~np.isfinite(value) | (value < 0) | ((value == 0) & (not allow_zero))
         if maximum is not None:
             bad |= value > np.float32(maximum)
+        # float32 digits (0.1, not 0.10000000149011612).
+        shown = ", ".join(f"{v:.7g}" for v in value.ravel().tolist())
+        shown = shown if value.ndim == 0 else f"[{shown}]"
         if np.any(bad):
             allowed = "finite and >= 0" if allow_zero else "finite and > 0"
             if maximum is not None:
                 allowed += f" and <= {maximum:g}"
-            # float32 digits (0.1, not 0.10000000149011612).
-            shown = ", ".join(f"{v:.7g}" for v in value.ravel().tolist())
-            shown = shown if value.ndim == 0 else f"[{shown}]"
             raise ValueError(f"{name}={shown} is invalid: every value must be {allowed}.")
+        # A subnormal given as a float32 array (the accelerators flush it to 0).
+        if np.any((value != 0) & (np.abs(value) < np.float32(FLOAT32_TINY))):
+            raise ValueError(_underflow_message(name, shown))
 
 
 def resolve_hparams(algorithm: Algorithm, given: HParams | Mapping[str, Any]) -> HParams:
@@ -351,6 +372,9 @@ class Algorithm(NamedTuple):
         ``pre_round``), the new one, the client's state as ``client_update`` returned it
         and its own :class:`ClientOutput` (with the engine's weight). Scaffnew's control
         update reads the averaged model there. None: no such step.
+      options: what the factory was built with, JSON-able (``{"option": 2, ...}``; filled
+        by :func:`scaffold_jax.algorithms.common.records_options`): part of a run's
+        identity, so a resume with another variant is refused.
       check: ``check(num_clients, clients_per_round, weighting)`` raising ValueError,
         naming the fix, for a round shape the algorithm does not support (Scaffnew needs
         S = N); :meth:`Simulation.check <scaffold_jax.engine.Simulation.check>` calls it.
@@ -367,6 +391,7 @@ class Algorithm(NamedTuple):
     warm_start: FullDataPass | None = None
     client_sync: Callable[..., PyTree] | None = None
     check: Callable[[int, int, str], None] | None = None
+    options: Mapping[str, Any] = {}
 
 
 class SimState(NamedTuple):

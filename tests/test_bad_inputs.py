@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import json
 import re
 import shutil
 import struct
@@ -27,10 +28,10 @@ import numpy as np
 import pytest
 
 import scaffold_jax as sj
-from scaffold_jax import checkpoint, cli, paper, resources
+from scaffold_jax import checkpoint, cli, experiments, paper, resources
 from scaffold_jax import sweep as sweeps
-from scaffold_jax.data import partition, sources
-from scaffold_jax.experiments import ConfigError, RunConfig
+from scaffold_jax.data import femnist, partition, sources, synthetic
+from scaffold_jax.experiments import ConfigError, RunConfig, load_config_file
 from scaffold_jax.loop import DivergenceError
 
 DOC = Path(__file__).parent.parent / "docs" / "bad_inputs.md"
@@ -106,6 +107,38 @@ def idx_folder(ctx, labels_test: np.ndarray, type_code: int = 0x08) -> Path:
     return folder
 
 
+def train_only_idx_folder(ctx) -> Path:
+    """A folder with Fashion-MNIST's training IDX files but not its test files."""
+    folder = ctx.tmp / "fmnist"
+    folder.mkdir()
+    write(folder / "train-images-idx3-ubyte", idx_bytes(np.zeros((3, 2, 2), np.uint8)))
+    write(folder / "train-labels-idx1-ubyte", idx_bytes(np.array([0, 1, 2], np.uint8)))
+    return folder
+
+
+def leaf_train_only(ctx) -> Path:
+    """A LEAF FEMNIST folder with train/*.json and no test/."""
+    folder = ctx.tmp / "leaf"
+    (folder / "train").mkdir(parents=True)
+    user = {"x": np.zeros((2, 784)).tolist(), "y": [0, 1]}
+    (folder / "train" / "a.json").write_text(json.dumps({"users": ["w"], "user_data": {"w": user}}))
+    return folder
+
+
+def garbage_h5_folder(ctx) -> Path:
+    """TFF's two FEMNIST file names holding bytes that are no HDF5."""
+    pytest.importorskip("h5py")
+    folder = ctx.tmp / "fem"
+    folder.mkdir()
+    for name in ("fed_emnist_train.h5", "fed_emnist_test.h5"):
+        (folder / name).write_bytes(b"not an hdf5 file" * 10)
+    return folder
+
+
+def json_with_a_repeated_key(ctx) -> Path:
+    return write(ctx.tmp / "dup.json", b'{"rounds": 2, "client_lr": 0.1, "rounds": 3}')
+
+
 def corrupt_every_checkpoint(ctx) -> None:
     for step in ctx.ckpt_dir.iterdir():
         (step / "meta" / "metadata").write_text("{")
@@ -147,6 +180,14 @@ def sweep_args(*argv: str):
 
 
 EMPTY_TEST = {"x": np.zeros((0, 5), np.float32), "y": np.zeros(0, np.int32)}
+# Shared tails of messages below.
+TOO_MANY = (
+    "at most 100000 local steps per round are allowed (a round's batches [S, K, B, ...] are "
+    "built in memory)"
+)
+UNSET = (
+    "or leave data_dir unset to search $SCAFFOLD_JAX_DATA_DIR, the system folders and the cache."
+)
 
 
 # --------------------------------------------------------------------------- the cases
@@ -417,7 +458,7 @@ CASES = [
          "directory.",
          lambda ctx: resume(ctx, data=sj.from_client_arrays(clients(sizes=(2, 9, 5, 13, 3, 7))))),
     Case("resume-other-run", "resume with another step size and seed", "Simulation.run",
-         ValueError,
+         ConfigError,
          "cannot resume from {tmp}/ckpt/2: it belongs to a different run (seed: 0 in the "
          "checkpoint, 1 now; hparams: (client_lr=0.1, server_lr=1.0) in the "
          "checkpoint, (client_lr=0.2, server_lr=1.0) now). Resume with the same "
@@ -425,7 +466,7 @@ CASES = [
          "another checkpoint directory.",
          lambda ctx: resume(ctx, hp=sj.hparams(0.2), seed=1)),
     Case("resume-past-end", "resume with num_rounds below the checkpoint's round",
-         "Simulation.run", ValueError,
+         "Simulation.run", ConfigError,
          "the checkpoint is at round 2, past the end of this run (round 1 = 0 + num_rounds "
          "1); pass a larger num_rounds.",
          lambda ctx: resume(ctx, num_rounds=1)),
@@ -610,6 +651,198 @@ CASES = [
          "--grid seed: seed is not an axis of a sweep: the run seeds are --seeds; --grid "
          "partition_seed=... re-partitions the data.",
          lambda ctx: cli._sweep_command(sweep_args("--grid", "seed=0,1"))),
+    # ----- step sizes below float32's smallest normal (> 0 in Python, 0 once float32)
+    Case("client-lr-underflows-float32", "η_l = 1e-50", "hparams", ValueError,
+         "client_lr=1e-50 underflows float32 (smallest normal 1.2e-38): hyper-parameters are "
+         "float32, where it would become 0 or a subnormal; every nonzero value must be at least "
+         "1.1754944e-38 in magnitude.",
+         lambda ctx: sj.hparams(client_lr=1e-50)),
+    Case("server-lr-subnormal-float32", "η_g = 1e-45 (a float32 subnormal)", "hparams",
+         ValueError,
+         "server_lr=1e-45 underflows float32 (smallest normal 1.2e-38): hyper-parameters are "
+         "float32, where it would become 0 or a subnormal; every nonzero value must be at least "
+         "1.1754944e-38 in magnitude.",
+         lambda ctx: sj.hparams(client_lr=0.1, server_lr=1e-45)),
+    Case("mu-underflows-float32", "FedProx μ = 1e-40 (0 is allowed, 1e-40 is not)", "hparams",
+         ValueError,
+         "prox_mu=1e-40 underflows float32 (smallest normal 1.2e-38): hyper-parameters are "
+         "float32, where it would become 0 or a subnormal; every nonzero value must be at least "
+         "1.1754944e-38 in magnitude.",
+         lambda ctx: sj.hparams(client_lr=0.1, prox_mu=1e-40)),
+    Case("config-client-lr-underflows-float32", "--client-lr 1e-50", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  client_lr = 1e-50 underflows float32 (smallest normal 1.2e-38): "
+         "the step sizes and hyper-parameters are float32, where it would become 0; it must be "
+         "finite and > 0, and at least 1.1754944e-38.",
+         lambda ctx: RunConfig(client_lr=1e-50).validate()),
+    Case("config-mu-underflows-float32", "--prox-mu 1e-40", "RunConfig.validate", ConfigError,
+         "invalid config:\n  prox_mu = 1e-40 underflows float32 (smallest normal 1.2e-38): the "
+         "step sizes and hyper-parameters are float32, where it would become 0; it must be "
+         "finite and >= 0, and 0 or at least 1.1754944e-38.",
+         lambda ctx: RunConfig(algorithm="fedprox", prox_mu=1e-40).validate()),
+    # ----- plans of too many local steps K (they ended in XLA out-of-memory tracebacks)
+    Case("K-too-many", "K = 10**9 local steps", "BatchPlan.fixed", ValueError,
+         f"num_local_steps (K) = 1000000000 is invalid: {TOO_MANY}; use fewer.",
+         lambda ctx: sj.BatchPlan.fixed(batch_size=2, num_steps=10**9)),
+    Case("fraction-makes-K-too-many", "batch fraction = 1e-9 (K = 10**9)",
+         "BatchPlan.fraction_of_data", ValueError,
+         "batch fraction = 1e-09 with num_epochs = 1 makes K = 1000000000 local steps per round "
+         f"(num_epochs * round(1 / fraction)); {TOO_MANY}. Use a larger fraction or fewer epochs.",
+         lambda ctx: sj.BatchPlan.fraction_of_data(1e-9, num_epochs=1)),
+    Case("epochs-make-K-too-many", "10**8 local epochs", "BatchPlan.epochs", ValueError,
+         "num_epochs = 100000000 is invalid: it makes K >= 100000000 local steps per round; "
+         f"{TOO_MANY}. Use fewer epochs.",
+         lambda ctx: sj.BatchPlan.epochs(batch_size=2, num_epochs=10**8)),
+    Case("epochs-K-from-the-data", "batches of 1 over a client of 10**6 examples, 2 epochs",
+         "BatchPlan.shape", ValueError,
+         "batch_size = 1 with num_epochs = 2 makes K = 2000000 local steps per round for the "
+         f"largest client (1000000 examples: num_epochs * ceil(n / batch_size)); {TOO_MANY}. Use a "
+         "larger batch_size or fewer epochs.",
+         lambda ctx: sj.BatchPlan.epochs(batch_size=1, num_epochs=2).shape(10**6)),
+    Case("config-local-steps-too-many", "--local-steps 1000000000", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  local_steps = 1000000000 (batch_plan = 'full'): num_local_steps (K) "
+         f"= 1000000000 is invalid: {TOO_MANY}; use fewer.",
+         lambda ctx: RunConfig(local_steps=10**9).validate()),
+    Case("config-local-epochs-too-many", "--local-epochs 100000000", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  batch_fraction = 0.2, local_epochs = 100000000 (batch_plan = "
+         "'fraction'): batch fraction = 0.2 with num_epochs = 100000000 makes K = 500000000 "
+         f"local steps per round (num_epochs * round(1 / fraction)); {TOO_MANY}. Use a larger "
+         "fraction or fewer epochs.",
+         lambda ctx: RunConfig(local_epochs=10**8).validate()),
+    Case("config-rounds-too-many", "--rounds 2000000000 (it hung before compiling)",
+         "RunConfig.validate", ConfigError,
+         "invalid config:\n  rounds = 2000000000 is invalid: it must be an integer >= 1 and <= "
+         "10000000 (every round's metrics and sampled clients are kept in memory, and the blocks "
+         "of rounds are planned before compiling).",
+         lambda ctx: RunConfig(rounds=2_000_000_000).validate()),
+    # ----- optimizer parameters outside their ranges
+    Case("optimizer-decay-above-1", "adam:b1=2", "optimizers.parse", ValueError,
+         "optimizer 'adam:b1=2': b1 = 2.0 is invalid: it must be a number in [0, 1).",
+         lambda ctx: sj.optimizers.parse("adam:b1=2")),
+    Case("optimizer-decay-1", "adam:b2=1 (bias correction divides by 0)", "optimizers.parse",
+         ValueError,
+         "optimizer 'adam:b2=1': b2 = 1.0 is invalid: it must be a number in [0, 1).",
+         lambda ctx: sj.optimizers.parse("adam:b2=1")),
+    Case("optimizer-momentum-negative", "momentum:momentum=-0.5", "optimizers.parse",
+         ValueError,
+         "optimizer 'momentum:momentum=-0.5': momentum = -0.5 is invalid: it must be a number "
+         "in [0, 1).",
+         lambda ctx: sj.optimizers.parse("momentum:momentum=-0.5")),
+    Case("optimizer-tau-zero", "fedadam:tau=0 (it diverged, blaming the step sizes)",
+         "optimizers.parse", ValueError,
+         "optimizer 'fedadam:tau=0': tau = 0.0 is invalid: it must be a number > 0, at least "
+         "1.1754944e-38 (the smallest normal float32).",
+         lambda ctx: sj.optimizers.parse("fedadam:tau=0")),
+    Case("optimizer-accumulator-negative", "adagrad:initial_accumulator=-1",
+         "optimizers.parse", ValueError,
+         "optimizer 'adagrad:initial_accumulator=-1': initial_accumulator = -1.0 is invalid: it "
+         "must be a number >= 0.",
+         lambda ctx: sj.optimizers.parse("adagrad:initial_accumulator=-1")),
+    Case("optimizer-parameter-twice", "adam:b1=0.5,b1=0.6", "optimizers.parse", ValueError,
+         "optimizer 'adam:b1=0.5,b1=0.6': b1 is given twice; give it once.",
+         lambda ctx: sj.optimizers.parse("adam:b1=0.5,b1=0.6")),
+    Case("config-optimizer-tau-zero", "--server-optimizer fedadam:tau=0", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  server_optimizer = 'fedadam:tau=0' is invalid: optimizer "
+         "'fedadam:tau=0': tau = 0.0 is invalid: it must be a number > 0, at least "
+         "1.1754944e-38 (the smallest normal float32).",
+         lambda ctx: RunConfig(options={"server_optimizer": "fedadam:tau=0"}).validate()),
+    # ----- a given data_dir is used or refused, never searched past
+    Case("data-dir-without-files", "a --data-dir without the dataset's files", "sources.load",
+         FileNotFoundError,
+         "data_dir {tmp} lacks the IDX files of fashion_mnist: missing "
+         "train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz] "
+         "or test-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz] or "
+         "test-labels-idx1-ubyte[.gz] (gzipped or raw) (also looked in {tmp}/fashion_mnist, "
+         f"{{tmp}}/fashion-mnist); put them there, {UNSET}",
+         lambda ctx: sources.load("fashion_mnist", data_dir=ctx.tmp)),
+    Case("data-dir-train-only", "a --data-dir with the training files only", "sources.load",
+         FileNotFoundError,
+         "data_dir {tmp}/fmnist lacks the IDX files of fashion_mnist: missing "
+         "t10k-images-idx3-ubyte[.gz] or test-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz] "
+         "or test-labels-idx1-ubyte[.gz] (gzipped or raw) (also looked in "
+         f"{{tmp}}/fmnist/fashion_mnist, {{tmp}}/fmnist/fashion-mnist); put them there, {UNSET}",
+         lambda ctx: sources.load("fashion_mnist", data_dir=train_only_idx_folder(ctx))),
+    Case("data-dir-no-idx-distribution", "a --data-dir for CIFAR-10 (TFDS only)",
+         "sources.load", FileNotFoundError,
+         "data_dir {tmp} was given, but cifar10 has no IDX files to read from a folder; leave "
+         "data_dir unset to load it from the .npz cache or TFDS (download=True / --download "
+         "fetches it).",
+         lambda ctx: sources.load("cifar10", data_dir=ctx.tmp)),
+    Case("femnist-without-test-split", "a FEMNIST folder without test/", "femnist.load",
+         FileNotFoundError,
+         "{tmp}/leaf/test does not exist: FEMNIST's test split (LEAF's test/*.json) belongs "
+         "beside the training split {tmp}/leaf/train. Put it there, or pass --data-dir "
+         "(data_dir) a folder that holds both splits.",
+         lambda ctx: femnist.load(leaf_train_only(ctx), use_cache=False)),
+    Case("femnist-garbage-h5", "a FEMNIST .h5 file that is not HDF5", "femnist.load",
+         ValueError,
+         "{tmp}/fem/fed_emnist_train.h5 is not a readable HDF5 file (…): it is corrupt or "
+         "truncated; replace it with TFF's file (download it again).",
+         lambda ctx: femnist.load(garbage_h5_folder(ctx), use_cache=False)),
+    # ----- config files, types and sweeps
+    Case("config-file-directory", "--config DIR (a directory)", "load_config_file",
+         ConfigError,
+         "config file {tmp} is a directory; give a .toml or .json file.",
+         lambda ctx: load_config_file(ctx.tmp)),
+    Case("config-json-key-twice", "a JSON config that gives a key twice", "load_config_file",
+         ConfigError,
+         "config file {tmp}/dup.json gives the key 'rounds' twice (2, then 3); give each key "
+         "once.",
+         lambda ctx: load_config_file(json_with_a_repeated_key(ctx))),
+    Case("config-field-wrong-type", "model = [\"mlp\"] (a list for a name), with "
+         "state_policy", "RunConfig.validate", ConfigError,
+         "invalid config:\n  state_policy = 'local' does not apply to this config; remove it "
+         "or set model = 'resnet18'.\n  state_policy = 'local' applies to a model with running "
+         "statistics (resnet18 with resnet_norm = 'batch', or a plugin model that takes "
+         "state_policy); model = ['mlp'] keeps none.\n  model = ['mlp'] is invalid: it must be "
+         "one of 'logreg', 'mlp', 'cnn', 'resnet18', 'char_lstm' (did you mean 'mlp'?); an "
+         "entry defined outside scaffold_jax is registered when its module is imported: pass "
+         "--plugin MODULE_OR_FILE.py (config key 'plugins').",
+         lambda ctx: RunConfig.from_dict({"model": ["mlp"], "state_policy": "local"}).validate()),
+    Case("sweep-seeds-repeated", "sweep --seeds 0 1 0", "experiments.sweep", ConfigError,
+         "--seeds repeats 0: give each seed once (a repeated seed is the same run counted "
+         "twice, which shrinks the spread over seeds).",
+         lambda ctx: experiments.sweep(RunConfig(), seeds=[0, 1, 0])),
+    Case("sweep-grid-seed-repeated", "sweep.grid with seeds [0, 0]", "sweep.grid", ValueError,
+         "the grid axis seed repeats 0; give each value once.",
+         lambda ctx: sj.sweep.grid([0.1], seeds=[0, 0])),
+    Case("api-rounds-too-many", "Simulation.run with num_rounds = 2e9", "Simulation.run",
+         ValueError,
+         "num_rounds = 2000000000 is invalid: it must be <= 10000000 (every round's metrics "
+         "and sampled clients are kept in memory, and the blocks of rounds are planned before "
+         "compiling).",
+         lambda ctx: run(ctx, sim=ctx.sim, num_rounds=2_000_000_000)),
+    Case("sweep-algorithms-repeated", "sweep --algorithms scaffold scaffold",
+         "scaffold-jax sweep", ConfigError,
+         "--algorithms repeats scaffold: give each algorithm once.",
+         lambda ctx: cli._sweep_command(sweep_args("--algorithms", "scaffold", "scaffold"))),
+    # ----- paper protocols
+    Case("protocol-dim-beyond-memory", "reproduce fig3 --set dim=100000 (1 GiB available)",
+         "paper.fig3_protocol", ConfigError,
+         "invalid fig3 protocol:\n  dim=100000 with num_clients=2 needs 480000000000 bytes "
+         "(447.0 GiB) of host memory for the clients' d x d Hessians, in float64, more than the "
+         "1073741824 bytes (1.0 GiB) available; use a smaller dim.",
+         lambda ctx: with_memory(2**30, lambda: paper.fig3_protocol(quick=True, dim=100_000))),
+    Case("protocol-local-steps-too-many", "reproduce fig3 --set local_steps=[2,1000000]",
+         "paper.fig3_protocol", ConfigError,
+         "invalid fig3 protocol:\n  local_steps = (2, 1000000) is invalid: it must be a "
+         "non-empty list of integers in [1, 100000].",
+         lambda ctx: paper.fig3_protocol(quick=True, local_steps=[2, 10**6])),
+    Case("protocol-field-wrong-type", "reproduce table3 --set similarities=5 (not a list)",
+         "TableProtocol.validate", ConfigError,
+         "invalid table3 protocol:\n  similarities = 5 is invalid: it must be a non-empty list "
+         "of percentages in [0, 100].",
+         lambda ctx: paper.table3_protocol(quick=True, similarities=5).validate()),
+    Case("quadratic-dim-beyond-memory", "a quadratic of dim 100000 (1 GiB available)",
+         "synthetic.quadratic_problem", ValueError,
+         "dim=100000 with num_clients=2 needs 480000000000 bytes (447.0 GiB) of host memory for "
+         "the clients' d x d Hessians, in float64, more than the 1073741824 bytes (1.0 GiB) "
+         "available; use a smaller dim.",
+         lambda ctx: with_memory(2**30, lambda: synthetic.quadratic_problem(
+             2, 100_000, beta=1.0, delta=0.3, G=1.0, mu=0.1))),
 ]
 # fmt: on
 

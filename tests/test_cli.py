@@ -283,8 +283,9 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
 
         scalars = read_tensorboard_scalars(out / "tensorboard")
         records = results.read_records(out)
-        # 8 configs x (test_accuracy, test_loss, train_loss, local_loss, seconds)
-        assert len(scalars) == 8 * 5
+        # 8 configs x (test_accuracy, test_loss, train_loss, local_loss, client_drift,
+        # seconds)
+        assert len(scalars) == 8 * 6
         series = "fedavg client_lr=0.1 server_lr=1 seed=1"
         assert scalars[f"{series}/test_accuracy"] == [
             (r["round"], float(np.float32(r["test_accuracy"])))

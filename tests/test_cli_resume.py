@@ -343,13 +343,26 @@ def test_a_full_disk_is_one_clear_line_and_the_run_resumes_afterwards(
     assert _resume_matches(root, environment, out, reference)
 
 
+def _without_timing(value):
+    """A summary or record without what measures time (it differs between any two runs)."""
+    if isinstance(value, dict):
+        return {
+            k: _without_timing(v) for k, v in value.items()
+            if "seconds" not in k and k not in ("started_at", "updated_at", "files")
+        }  # fmt: skip
+    if isinstance(value, list):
+        return [_without_timing(v) for v in value]
+    return value
+
+
 @pytest.mark.parametrize(
-    "records", [10, pytest.param(4 * 7 + 4, marks=pytest.mark.slow)]
-)  # mid first grid; mid second grid (slow: the same path once more)
+    "records",
+    [10, *(pytest.param(n, marks=pytest.mark.slow) for n in (0, 4 * 7 + 4, 2 * 4 * 7 - 1))],
+)  # mid first grid; while compiling, mid second grid, its last record (slow)
 def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, records):
     """Two algorithms: killed mid-grid, --resume keeps a finished grid and continues the
-    unfinished one from its checkpoint; the records (each once) and the summary are those
-    of an uninterrupted sweep."""
+    unfinished one from its checkpoint; the records (each once), sweep.json and
+    summary.json (timing excluded) are those of an uninterrupted sweep."""
     root, environment = env
     argv = ["sweep", "--algorithms", "fedavg", "scaffold", "--lr-grid", "0.1", "0.3",
             "--seeds", "0", "1", "--rounds", "6", "--eval-every", "1",
@@ -370,6 +383,7 @@ def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, record
     while _lines(out) < records:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.005)
+    time.sleep(0.0 if records else 2.0)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     resumed = start(out, "--resume")
@@ -386,3 +400,51 @@ def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, record
     assert len(records) == 2 * 4 * 7  # 2 algorithms x 4 configs x rounds 0..6, once each
     assert (records, summary) == comparable(tmp_path / "full")
     assert results.read_summary(out)["status"] == "finished"
+    assert _without_timing(results.read_summary(out)) == _without_timing(
+        results.read_summary(tmp_path / "full")
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("records", [0, 40, 120, 180])
+def test_a_killed_table3_resumes_to_the_uninterrupted_table(env, tmp_path, records):
+    """`reproduce table3 --quick` killed at any point (while compiling, in a cell, between
+    cells, in the last ones) and resumed: the records (each once), the table and the
+    summary (timing excluded) are the uninterrupted run's."""
+    root, environment = env
+
+    def start(out, *extra):
+        return subprocess.Popen(
+            [sys.executable, "-m", "scaffold_jax.cli", "reproduce", "table3", "--quick",
+             "--out", str(out), "--quiet", *extra],
+            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    full = root / "table3-full"
+    if not full.exists():
+        proc = start(full)
+        assert proc.wait(timeout=600) == 0, proc.stderr.read()
+    out = tmp_path / "killed"
+    proc = start(out)
+    deadline = time.monotonic() + 300
+    while _lines(out) < records:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(0.0 if records else 2.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    resumed = start(out, "--resume")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
+
+    def comparable(folder):
+        records = sorted(
+            (_without_timing(r) for r in results.read_records(folder)),
+            key=lambda r: (r["series"], r["round"]),
+        )
+        return (
+            records,
+            (folder / "table3.md").read_text(),
+            _without_timing(results.read_summary(folder)),
+        )
+
+    assert comparable(out) == comparable(full)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -217,6 +218,7 @@ def test_tff_h5_malformed(tmp_path):
             "pixels", data=np.zeros((2, 28, 27), np.float32)
         )
         f["examples/w"].create_dataset("label", data=np.zeros(2, np.int32))
+    shutil.copyfile(tmp_path / "t" / "fed_emnist_train.h5", tmp_path / "t" / "fed_emnist_test.h5")
     with pytest.raises(ValueError, match=r"\[n, 28, 28\]"):
         femnist.load(tmp_path / "t", use_cache=False)
 
@@ -224,5 +226,6 @@ def test_tff_h5_malformed(tmp_path):
 def test_without_h5py_the_error_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "h5py", None)
     (tmp_path / "fed_emnist_train.h5").write_bytes(b"")
+    (tmp_path / "fed_emnist_test.h5").write_bytes(b"")
     with pytest.raises(ImportError, match=r"scaffold-jax\[femnist\]"):
         femnist.load(tmp_path, use_cache=False)

@@ -48,7 +48,7 @@ def test_specs_parse_with_defaults_and_have_one_canonical_spelling():
         ("momentum:momentum=fast", r"momentum = 'fast' is invalid; give a finite number"),
         ("momentum:momentum", r"momentum = '' is invalid"),
         # Each parameter is a declared option with its range.
-        ("adam:b2=1.5", r"'adam:b2=1.5': b2 = 1.5 is invalid: it must be a number >= 0 and <= 1"),
+        ("adam:b2=1.5", r"'adam:b2=1.5': b2 = 1.5 is invalid: it must be a number in \[0, 1\)"),
         ("fedadam:tau=0", r"tau = 0.0 is invalid: it must be a number > 0"),
         ("", r"give a name \(sgd, momentum, adagrad, adam, fedadam, yogi\)"),
         (3, r"optimizer 3 is invalid"),

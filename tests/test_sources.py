@@ -245,16 +245,10 @@ def test_unknown_dataset_name():
 def test_nothing_found_lists_every_place_and_every_remedy(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "SYSTEM_DIRS", {"fashion_mnist": (str(tmp_path / "sys"),)})
     monkeypatch.setenv(sources.ENV_DATA_DIR, str(tmp_path / "env"))
-    (tmp_path / "given").mkdir()
     with pytest.raises(FileNotFoundError) as err:
-        sources.load(
-            "fashion_mnist",
-            data_dir=tmp_path / "given",
-            cache_dir=tmp_path / "cache",
-            tfds_data_dir=tmp_path / "tfds",
-        )
+        sources.load("fashion_mnist", cache_dir=tmp_path / "cache", tfds_data_dir=tmp_path / "tfds")
     msg = str(err.value)
-    assert str(tmp_path / "given") in msg and str(tmp_path / "env") in msg
+    assert "data_dir (not given)" in msg and str(tmp_path / "env") in msg
     assert str(tmp_path / "sys") in msg and str(tmp_path / "cache" / "fashion_mnist.npz") in msg
     assert "TFDS (" in msg and "not prepared" in msg
     assert "apt-get install dataset-fashion-mnist" in msg

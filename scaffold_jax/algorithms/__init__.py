@@ -41,7 +41,7 @@ from scaffold_jax.algorithms.scaffold import (
     scaffold,
 )
 from scaffold_jax.algorithms.sgd import sgd
-from scaffold_jax.registry import Option, Registry, factory_kwargs
+from scaffold_jax.registry import ConfigError, Option, Registry, factory_kwargs
 from scaffold_jax.types import Algorithm, HParam
 
 
@@ -96,6 +96,12 @@ class AlgorithmSpec(NamedTuple):
     def named(self, algorithm: Algorithm) -> Algorithm:
         """``algorithm`` (built by :attr:`factory`) with its registry key as its name,
         checked against :attr:`declared_hparams`."""
+        if not isinstance(algorithm, Algorithm):
+            factory = f"{self.factory.__module__}.{getattr(self.factory, '__qualname__', '?')}"
+            raise ConfigError(
+                f"algorithm {self.name!r}: its factory {factory} returned "
+                f"{type(algorithm).__name__}, not an Algorithm; make it return one."
+            )
         declared = self.declared_hparams
         if declared is not None and set(algorithm.hparams) != set(declared):
             raise ValueError(

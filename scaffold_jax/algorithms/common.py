@@ -11,7 +11,9 @@ Factories take it as an optax transformation or by name (``"adam:eps=1e-3"``, se
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+import inspect
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ import optax
 from scaffold_jax import optimizers
 from scaffold_jax.local import Correction, local_sgd
 from scaffold_jax.tree import weighted_mean
-from scaffold_jax.types import ClientOutput, HParams, PyTree
+from scaffold_jax.types import Algorithm, ClientOutput, HParams, PyTree
 
 
 class ServerState(NamedTuple):
@@ -128,3 +130,30 @@ def stateless_init(server_optimizer):
 
 def server_params(state) -> PyTree:
     return state.params
+
+
+def records_options(factory):
+    """Decorates an algorithm factory ``factory(loss_fn, **options)`` so that the
+    :class:`Algorithm` it builds carries the options it was called with (defaults filled
+    in) as :attr:`Algorithm.options`: the run identity compares them on resume. A value
+    that is not plain data (an optax transformation) is named by its type."""
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def build(loss_fn, *args, **kwargs) -> Algorithm:
+        algorithm = factory(loss_fn, *args, **kwargs)
+        bound = signature.bind(loss_fn, *args, **kwargs)
+        bound.apply_defaults()
+        options = {k: _plain(v) for k, v in list(bound.arguments.items())[1:]}
+        return algorithm._replace(options=options)
+
+    return build
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    try:
+        return str(jnp.dtype(value))  # a dtype given as jnp.float32
+    except TypeError:
+        return f"<{type(value).__name__}>"

@@ -16,6 +16,7 @@ import optax
 
 from scaffold_jax.algorithms.common import (
     local_update,
+    records_options,
     server_params,
     stateless_init,
     stateless_server_update,
@@ -24,6 +25,7 @@ from scaffold_jax.algorithms.common import (
 from scaffold_jax.types import Algorithm, HParams
 
 
+@records_options
 def fedavg(
     loss_fn,
     server_optimizer: optax.GradientTransformation | str | None = None,

@@ -34,6 +34,7 @@ import optax
 from scaffold_jax.algorithms.common import (
     init_server_optimizer,
     local_update,
+    records_options,
     server_model_step,
     server_params,
     transformation,
@@ -62,6 +63,7 @@ class FedDynClientState(NamedTuple):
     g: PyTree
 
 
+@records_options
 def feddyn(
     loss_fn, server_optimizer: optax.GradientTransformation | str | None = None
 ) -> Algorithm:

@@ -37,6 +37,7 @@ import optax
 from scaffold_jax.algorithms.common import (
     init_server_optimizer,
     local_update,
+    records_options,
     server_model_step,
     transformation,
 )
@@ -79,6 +80,7 @@ def extrapolated_step(hparams: HParams, outputs: ClientOutput) -> tuple[PyTree, 
     return mean, server_lr
 
 
+@records_options
 def fedexp(
     loss_fn,
     average_last_two: bool = False,

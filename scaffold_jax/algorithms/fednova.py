@@ -35,6 +35,7 @@ import optax
 from scaffold_jax.algorithms.common import (
     ServerState,
     local_update,
+    records_options,
     server_model_step,
     server_params,
     stateless_init,
@@ -67,6 +68,7 @@ def normalized_delta(outputs: ClientOutput) -> PyTree:
     return weighted_sum(outputs.delta_params, tau_eff * p * inv_tau)
 
 
+@records_options
 def fednova(
     loss_fn, server_optimizer: optax.GradientTransformation | str | None = None
 ) -> Algorithm:

@@ -14,6 +14,7 @@ import optax
 
 from scaffold_jax.algorithms.common import (
     local_update,
+    records_options,
     server_params,
     stateless_init,
     stateless_server_update,
@@ -27,6 +28,7 @@ HPARAMS = {
 }
 
 
+@records_options
 def fedprox(
     loss_fn,
     server_optimizer: optax.GradientTransformation | str | None = None,

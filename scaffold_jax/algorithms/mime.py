@@ -41,6 +41,7 @@ import optax
 from scaffold_jax.algorithms.common import (
     init_server_optimizer,
     local_update,
+    records_options,
     server_model_step,
     server_params,
     transformation,
@@ -141,6 +142,7 @@ def _mime(loss_fn, name, corrected, base_optimizer, server_optimizer) -> Algorit
     )
 
 
+@records_options
 def mime(
     loss_fn,
     base_optimizer: optax.GradientTransformation | str | None = DEFAULT_BASE,
@@ -165,6 +167,7 @@ def mime(
     return _mime(loss_fn, "mime", True, base_optimizer, server_optimizer)
 
 
+@records_options
 def mimelite(
     loss_fn,
     base_optimizer: optax.GradientTransformation | str | None = DEFAULT_BASE,

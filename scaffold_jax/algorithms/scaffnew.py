@@ -47,6 +47,7 @@ import optax
 from scaffold_jax.algorithms.common import (
     ServerState,
     local_update,
+    records_options,
     server_params,
     transformation,
 )
@@ -91,6 +92,7 @@ NO_SERVER_OPTIMIZER = (
 )
 
 
+@records_options
 def scaffnew(loss_fn, server_optimizer: str | None = None) -> Algorithm:
     """Scaffnew (Algorithm 2 of Mishchenko et al. 2022), a round per communication.
 

@@ -49,6 +49,7 @@ import optax
 from scaffold_jax.algorithms.common import (
     init_server_optimizer,
     local_update,
+    records_options,
     server_model_step,
     server_params,
     transformation,
@@ -139,6 +140,7 @@ def option_name(option: object) -> object:
         return option
 
 
+@records_options
 def scaffold(
     loss_fn,
     option: int | str = 2,

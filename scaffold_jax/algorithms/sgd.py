@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from scaffold_jax.algorithms.common import (
+    records_options,
     server_params,
     stateless_init,
     stateless_server_update,
@@ -25,6 +26,7 @@ from scaffold_jax.local import batch_grad, flatten_steps
 from scaffold_jax.types import Algorithm, ClientOutput, HParams
 
 
+@records_options
 def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = None) -> Algorithm:
     """Large-batch SGD: one gradient per sampled client over all its ``[K, B]`` batches."""
     server_optimizer = transformation(server_optimizer)

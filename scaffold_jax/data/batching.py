@@ -34,6 +34,13 @@ from scaffold_jax.registry import Option, Registry
 
 _KINDS = ("fixed", "epochs", "fraction", "full")
 
+#: The most local steps K a plan may give a client in one round. A round's batches
+#: ``[S, K, B, ...]`` and its per-step metrics are built in memory, and its K steps run as
+#: one scan: 10**9 steps would fail deep inside XLA (out of memory) instead of here.
+MAX_LOCAL_STEPS = 100_000
+_TOO_MANY = f"at most {MAX_LOCAL_STEPS} local steps per round are allowed (a round's batches "
+_TOO_MANY += "[S, K, B, ...] are built in memory)"
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
@@ -59,6 +66,26 @@ class BatchPlan:
                 f"batch fraction = {self.fraction} is invalid: it must be in (0, 1]; "
                 "the paper uses 0.2 (5 steps per epoch)."
             )
+        if self.kind in ("fixed", "full") and self.num_steps > MAX_LOCAL_STEPS:
+            raise ValueError(
+                f"num_local_steps (K) = {self.num_steps} is invalid: {_TOO_MANY}; use fewer."
+            )
+        if self.kind == "epochs" and self.num_epochs > MAX_LOCAL_STEPS:
+            # Every epoch is at least one step, whatever the data.
+            raise ValueError(
+                f"num_epochs = {self.num_epochs} is invalid: it makes K >= {self.num_epochs} "
+                f"local steps per round; {_TOO_MANY}. Use fewer epochs."
+            )
+        if self.kind == "fraction":
+            per_epoch = 1.0 / self.fraction  # inf for the smallest subnormal fraction
+            num_steps = self.num_epochs * round(per_epoch) if per_epoch < 1e300 else math.inf
+            if num_steps > MAX_LOCAL_STEPS:
+                steps = f"= {num_steps}" if per_epoch < 1e300 else "> 1e300"
+                raise ValueError(
+                    f"batch fraction = {self.fraction} with num_epochs = {self.num_epochs} makes "
+                    f"K {steps} local steps per round (num_epochs * round(1 / fraction)); "
+                    f"{_TOO_MANY}. Use a larger fraction or fewer epochs."
+                )
 
     @classmethod
     def fixed(cls, batch_size: int, num_steps: int) -> BatchPlan:
@@ -95,9 +122,15 @@ class BatchPlan:
         if self.kind == "fixed":
             return self.num_steps, min(self.batch_size, max_count)
         if self.kind == "epochs":
-            return self.num_epochs * math.ceil(max_count / self.batch_size), min(
-                self.batch_size, max_count
-            )
+            num_steps = self.num_epochs * math.ceil(max_count / self.batch_size)
+            if num_steps > MAX_LOCAL_STEPS:  # the one plan whose K depends on the data
+                raise ValueError(
+                    f"batch_size = {self.batch_size} with num_epochs = {self.num_epochs} makes "
+                    f"K = {num_steps} local steps per round for the largest client "
+                    f"({max_count} examples: num_epochs * ceil(n / batch_size)); {_TOO_MANY}. "
+                    "Use a larger batch_size or fewer epochs."
+                )
+            return num_steps, min(self.batch_size, max_count)
         if self.kind == "fraction":
             spe = self.steps_per_epoch_fraction
             return self.num_epochs * spe, math.ceil(max_count / spe)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scaffold_jax.data.batching import BatchPlan
+from scaffold_jax.tree import tree_digest
 
 Examples = Any  # a pytree of arrays with a leading example axis, e.g. {"x": ..., "y": ...}
 
@@ -257,3 +258,14 @@ def _first(bad: np.ndarray, a: np.ndarray) -> tuple[int, Any]:
     """The example (leading index) of the first True in ``bad`` and its value."""
     flat = int(np.flatnonzero(bad.reshape(-1))[0])
     return flat // max(1, a[0].size), a.reshape(-1)[flat].item()
+
+
+def data_fingerprint(data: Any) -> str:
+    """SHA-256 of a federated dataset's arrays (a materialised one's examples, counts and
+    test set; a procedural one's keys, constants and counts): two runs on the same
+    fingerprint trained on the same data, client for client. Part of every run's
+    identity, so a resume onto other data (another subset, partition seed, file) is
+    refused, and the same data read from another folder is not."""
+    return tree_digest(
+        (data.examples, data.counts, data.test) if hasattr(data, "examples") else data
+    )

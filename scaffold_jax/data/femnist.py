@@ -192,22 +192,30 @@ def read_tff_h5(
     h5py = _h5py()
     path = Path(path)
     out = {}
-    with h5py.File(path, "r") as f:
-        if "examples" not in f:
-            raise ValueError(f"{path} is not a TFF federated file: no 'examples' group.")
-        group = f["examples"]
-        for cid in sorted(group.keys()):
-            where = f"{path} client {cid!r}"
-            client = group[cid]
-            if "pixels" not in client or "label" not in client:
-                raise ValueError(f"{where}: expected datasets 'pixels' and 'label'.")
-            x = np.asarray(client["pixels"][()], dtype=np.float32)
-            if x.ndim != 3 or x.shape[1:] != IMAGE_SHAPE:
-                raise ValueError(f"{where}: pixels must be [n, 28, 28], got {x.shape}.")
-            y = _labels(client["label"][()], num_classes, where)
-            if len(y) != len(x):
-                raise ValueError(f"{where}: {len(x)} images but {len(y)} labels.")
-            out[str(cid)] = {"x": convert_pixels(x, pixels, where), "y": y}
+    try:
+        with h5py.File(path, "r") as f:
+            if "examples" not in f:
+                raise ValueError(f"{path} is not a TFF federated file: no 'examples' group.")
+            group = f["examples"]
+            for cid in sorted(group.keys()):
+                where = f"{path} client {cid!r}"
+                client = group[cid]
+                if "pixels" not in client or "label" not in client:
+                    raise ValueError(f"{where}: expected datasets 'pixels' and 'label'.")
+                x = np.asarray(client["pixels"][()], dtype=np.float32)
+                if x.ndim != 3 or x.shape[1:] != IMAGE_SHAPE:
+                    raise ValueError(f"{where}: pixels must be [n, 28, 28], got {x.shape}.")
+                y = _labels(client["label"][()], num_classes, where)
+                if len(y) != len(x):
+                    raise ValueError(f"{where}: {len(x)} images but {len(y)} labels.")
+                out[str(cid)] = {"x": convert_pixels(x, pixels, where), "y": y}
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # h5py's own message names no file ("file signature not found")
+        raise ValueError(
+            f"{path} is not a readable HDF5 file ({err}): it is corrupt or truncated; "
+            "replace it with TFF's file (download it again)."
+        ) from err
     return out
 
 
@@ -267,9 +275,10 @@ def load(
       ``y`` int32, clients sorted by id, ``num_classes`` 62 (10 for digits only).
 
     Raises:
-      FileNotFoundError: no FEMNIST files in ``data_dir``.
+      FileNotFoundError: no FEMNIST files in ``data_dir``, or a training split without
+        its test split (the message names the folder or file missing).
       ImportError: HDF5 files but no h5py.
-      ValueError: malformed files.
+      ValueError: malformed files (the message names the file).
     """
     if format not in ("auto", "leaf", "tff"):
         raise ValueError(f"format = {format!r} is unknown; use 'auto', 'leaf' or 'tff'.")
@@ -300,18 +309,27 @@ def load(
         {"build": _BUILD_VERSION, "format": kind, "pixels": pixels, "num_classes": num_classes},
         _fingerprint(files),
     )
+    if not (test_src.is_dir() if kind == "leaf" else test_src.is_file()):
+        # Runs evaluate every writer on their own test examples: no silent empty test set.
+        what = "LEAF's test/*.json" if kind == "leaf" else f"TFF's {test_src.name}"
+        raise FileNotFoundError(
+            f"{test_src} does not exist: FEMNIST's test split ({what}) belongs beside the "
+            f"training split {train_src}. Put it there, or pass --data-dir (data_dir) a "
+            "folder that holds both splits."
+        )
     cache = natural.cache_file("femnist", key, cache_dir)
     ds = natural.load_clients(cache, key) if use_cache else None
     if ds is None:
         if kind == "leaf":
             train = read_leaf_folder(train_src, pixels, num_classes)
-            test = read_leaf_folder(test_src, pixels, num_classes) if test_src.is_dir() else {}
+            test = read_leaf_folder(test_src, pixels, num_classes)
         else:
             train = read_tff_h5(train_src, pixels, num_classes)
-            test = read_tff_h5(test_src, pixels, num_classes) if test_src.is_file() else {}
+            test = read_tff_h5(test_src, pixels, num_classes)
         if not test:
-            warnings.warn(
-                f"no FEMNIST test files next to {train_src}: clients get no test.", stacklevel=2
+            raise ValueError(
+                f"{test_src} holds no test writers: FEMNIST's test split must hold the "
+                "writers' test examples; replace it with the one made with the training split."
             )
         ds = _combine(
             train,

@@ -597,14 +597,17 @@ def load(
     loader's: ``loader(data_dir, **options)``, its declared options completed with their
     defaults.
 
-    Looks, in order, in: ``data_dir`` (IDX files), ``$SCAFFOLD_JAX_DATA_DIR``, the system
+    A given ``data_dir`` is the one place looked at: its IDX files are loaded, or a
+    FileNotFoundError names the folder and the files it lacks (never another copy from
+    elsewhere). Without it, looks in order in: ``$SCAFFOLD_JAX_DATA_DIR``, the system
     folders (:data:`SYSTEM_DIRS`, e.g. Debian's ``/usr/share/datasets/fashion-mnist``), the
     ``.npz`` cache, a TFDS dataset already prepared in ``tfds_data_dir``, and finally (only
     with ``allow_download=True``) a TFDS download. In ``data_dir`` and the env folder the
     sub-folders named after the dataset (e.g. ``fashion-mnist/``, ``gzip/`` for NIST's
-    EMNIST zip) are tried before the folder itself. A folder without the files does not
-    stop the search (the error lists it if nothing else has the data); a folder WITH the
-    files but a malformed one raises at once. EMNIST images come back upright.
+    EMNIST zip) are tried before the folder itself. An env or system folder without the
+    files does not stop the search (the error lists it if nothing else has the data); a
+    folder WITH the files but a malformed one raises at once. EMNIST images come back
+    upright.
 
     Args:
       name: one of :data:`DATASETS` (aliases such as ``"fashion-mnist"`` are accepted).
@@ -618,8 +621,9 @@ def load(
       The :class:`Dataset`; its ``source`` says where it came from.
 
     Raises:
-      FileNotFoundError: nothing had the data; the message lists every place looked at and
-        how to get the data.
+      FileNotFoundError: a given ``data_dir`` without the files (the message names the
+        folder and the files), or nothing had the data (the message lists every place
+        looked at and how to get the data).
       ValueError: an unknown name, or files that exist but are malformed.
     """
     name = canonical_name(name)
@@ -628,14 +632,10 @@ def load(
         values = resolve_options(spec.options, options or {})
         return spec.loader(data_dir, **factory_kwargs(spec.options, values))
     looked: list[str] = []
-    if data_dir is not None and not Path(data_dir).expanduser().is_dir():
-        # Given explicitly, it must exist: a typo must not silently load another copy.
-        what = "is not a folder" if Path(data_dir).expanduser().exists() else "does not exist"
-        raise FileNotFoundError(
-            f"data_dir {os.fspath(data_dir)} {what}; pass the folder that holds the IDX files "
-            f"of {name}, or leave data_dir unset to search ${ENV_DATA_DIR}, the system folders "
-            "and the cache."
-        )
+    if data_dir is not None:
+        # Given explicitly, it is used or refused: a folder without the files (a typo, a
+        # half-copied download) must not silently load another copy from elsewhere.
+        return _load_data_dir(name, spec, Path(data_dir).expanduser())
 
     env_dir = os.environ.get(ENV_DATA_DIR) or None
     folders: list[tuple[str, Path | None]] = []  # in search order; None: not configured
@@ -683,6 +683,45 @@ def load(
         except FileNotFoundError as err:
             looked.append(f"TFDS ({err})")
     raise DatasetNotFoundError(name, spec, looked, allow_download)
+
+
+def _load_data_dir(name: str, spec: DatasetSpec, root: Path) -> Dataset:
+    """The dataset from the IDX files in ``root`` (or its dataset-named sub-folders).
+
+    Raises:
+      FileNotFoundError: ``root`` is not a folder, the dataset has no IDX distribution,
+        or no candidate folder holds all four files (naming the files missing from the
+        one that holds the most of them).
+    """
+    unset = f"or leave data_dir unset to search ${ENV_DATA_DIR}, the system folders and the cache"
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise FileNotFoundError(
+            f"data_dir {root} {what}; pass the folder that holds the IDX files of {name}, {unset}."
+        )
+    if spec.idx_prefix is None:
+        raise FileNotFoundError(
+            f"data_dir {root} was given, but {name} has no IDX files to read from a folder; "
+            "leave data_dir unset to load it from the .npz cache or TFDS (download=True / "
+            "--download fetches it)."
+        )
+    closest = None  # (folder, missing names) of the candidate with the most files
+    for folder in _idx_folders(root, spec):
+        files, missing = _find_idx_files(folder, spec.idx_prefix)
+        if files is not None:
+            return load_idx_folder(
+                folder, name, spec.num_classes, spec.transposed, prefix=spec.idx_prefix
+            )
+        if folder.is_dir() and (closest is None or len(missing) <= len(closest[1])):
+            closest = (folder, missing)
+    folder, missing = closest
+    lead = f"data_dir {root}" if folder == root else f"data_dir {root} (its sub-folder {folder})"
+    others = [str(f) for f in _idx_folders(root, spec) if f != folder]
+    also = f" (also looked in {', '.join(others)})" if others else ""
+    raise FileNotFoundError(
+        f"{lead} lacks the IDX files of {name}: missing {', '.join(missing)} (gzipped or "
+        f"raw){also}; put them there, {unset}."
+    )
 
 
 class DatasetNotFoundError(FileNotFoundError):

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData, from_client_arrays
 from scaffold_jax.registry import Option, Registry
@@ -265,6 +266,7 @@ def quadratic_problem(
             f"clients, -beta otherwise){hint}"
         )
 
+    check_quadratic_size(n, d)
     rng = np.random.default_rng(seed)
     # Haar-random basis: QR of a Gaussian matrix with the signs of R's diagonal fixed.
     z = rng.standard_normal((d, d))
@@ -322,6 +324,16 @@ def quadratic_problem(
         A=A_st,
         b=b_st,
     )
+
+
+def check_quadratic_size(num_clients: int, dim: int) -> None:
+    """ValueError when :func:`quadratic_problem`'s arrays do not fit in host memory: its N
+    Hessians d x d are built in float64 (and read back from their float32 copy), so
+    ``dim = 10**8`` would otherwise fail inside numpy asking for petabytes."""
+    _check_host_memory(
+        8 * dim * dim * (2 * num_clients + 2), f"dim={dim!r} with num_clients={num_clients}",
+        "the clients' d x d Hessians, in float64", "use a smaller dim",
+    )  # fmt: skip
 
 
 def figure3_problem(
@@ -506,6 +518,20 @@ def _materialise(key, alpha, beta, client_ids, js, *, dim, num_classes, iid) -> 
     return out
 
 
+def _check_host_memory(needed: int, what: str, holds: str, fix: str) -> None:
+    """ValueError when building data needs more host memory than is available."""
+    available = resources.available_memory_bytes(jax.devices("cpu")[0])
+    if needed > available:
+        # (an absurd size, dim = 10**400, is beyond format_bytes' float)
+        size = f"{needed} bytes ({resources.format_bytes(needed)})" if needed < 2**100 else (
+            "more than 2**100 bytes"
+        )  # fmt: skip
+        raise ValueError(
+            f"{what} needs {size} of host memory for {holds}, more than the {available} bytes "
+            f"({resources.format_bytes(available)}) available; {fix}."
+        )
+
+
 def _validate_synthetic(num_clients, alpha, beta, dim, num_classes, sizes, max_size):
     if isinstance(num_clients, bool) or int(num_clients) != num_clients or num_clients < 1:
         raise ValueError(f"num_clients={num_clients!r} is invalid: it must be an integer >= 1.")
@@ -582,6 +608,11 @@ def synthetic_alpha_beta(
     n, dim, num_classes = int(num_clients), int(dim), int(num_classes)
     key = jr.key(seed)
     totals = _client_sizes(key, n, sizes, max_size)
+    _check_host_memory(
+        int(totals.sum()) * (4 * dim + 4), f"dim={dim!r} with num_clients={n}",
+        f"{int(totals.sum())} examples of {dim} float32 features",
+        "use a smaller dim or fewer clients (or procedural_synthetic, which keeps none)",
+    )  # fmt: skip
     n_test = np.floor(test_fraction * totals).astype(np.int64)
     n_train = totals - n_test  # >= 1 because test_fraction < 1 and totals >= 1
 

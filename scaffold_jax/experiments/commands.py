@@ -245,6 +245,16 @@ def sweep_grid(
             "e.g. --target 0.7."
         )
     names = list(algorithms) or [given.algorithm]
+    # Up front: a repeated algorithm would fail only after the whole grid ran (two cells
+    # share its key), and a repeated seed is the same run counted twice (std 0).
+    for flag, values, why in (
+        ("--algorithms", names, "give each algorithm once"),
+        ("--seeds", list(seeds), "give each seed once (a repeated seed is the same run "
+         "counted twice, which shrinks the spread over seeds)"),
+    ):  # fmt: skip
+        repeated = dict.fromkeys(v for i, v in enumerate(values) if v in values[:i])
+        if repeated:
+            raise ConfigError(f"{flag} repeats {' '.join(map(str, repeated))}: {why}.")
     for name in names:
         if name not in ALGORITHMS:
             raise ConfigError(ALGORITHMS.unknown_message(name))

@@ -9,7 +9,7 @@ import difflib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import assembly, natural, sources, synthetic
 from scaffold_jax.data.batching import PLANS, BatchPlan
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
-from scaffold_jax.engine import MAX_SEED, SEED_WHY
+from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY
 from scaffold_jax.models import MODELS
 from scaffold_jax.registry import (
     PLUGIN_HINT,
@@ -31,6 +31,7 @@ from scaffold_jax.registry import (
     load_plugins,
 )
 from scaffold_jax.types import (
+    FLOAT32_TINY,
     STATE_POLICIES,
     STEP_SIZES,
     HParam,
@@ -426,7 +427,10 @@ class RunConfig:
                 f"{self.client_fraction} are both set: give one of them."
             )
         self._validate_plan(check, errors)
-        check.integer("rounds", self.rounds, low=1)
+        check.integer(
+            "rounds", self.rounds, low=1, high=MAX_ROUNDS,
+            what=f"an integer >= 1 and <= {MAX_ROUNDS}{ROUNDS_WHY}",
+        )  # fmt: skip
         check.integer("eval_every", self.eval_every, low=1)
         check.integer("train_eval_examples", self.train_eval_examples, low=0)
         if check.type("targets", self.targets, (list, tuple), "a list of accuracies"):
@@ -646,9 +650,20 @@ class RunConfig:
                 f"{fields} are conflicting batch plan settings: give the options of one plan "
                 f"({plans}), or batch_plan."
             )
+        complete = True
         for name, option in PLANS[kind].options.items():
             if option.default is None and options.get(name) is None:
                 errors.append(f"batch_plan = {kind!r} needs {name}.")
+                complete = False
+        values = self.resolved("batch_plan")
+        if complete and all(PLANS[kind].options[n].error(n, v) is None for n, v in values.items()):
+            # Each option in its range can still make a plan of too many local steps K
+            # (batch_fraction = 1e-9: K = 10**9); the plan says so, here rather than in XLA.
+            try:
+                self.resolved_plan()
+            except ValueError as err:
+                given = ", ".join(f"{n} = {v!r}" for n, v in values.items())
+                errors.append(f"{given} (batch_plan = {kind!r}): {err}")
 
     # ------------------------------------------------------------------ resolution
     def resolved_partition_kind(self) -> str:
@@ -989,6 +1004,15 @@ class _Checker:
                 f"{what}, and at most {_FLOAT32_MAX:.8g} (the largest float32; the step sizes "
                 "and hyper-parameters are float32, where a larger value becomes inf)",
             )
+        if float32 and v != 0 and abs(v) < FLOAT32_TINY:
+            # 1e-50 is > 0 here, but 0 (or a subnormal, flushed to 0) once float32.
+            least = f"{'' if strict else '0 or '}at least {FLOAT32_TINY:.8g}"
+            self.errors.append(
+                f"{name} = {value!r} underflows float32 (smallest normal {FLOAT32_TINY:.2g}): "
+                "the step sizes and hyper-parameters are float32, where it would become 0; "
+                f"it must be {what}, and {least}."
+            )
+            return False
         return True
 
 
@@ -998,14 +1022,34 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _TABLES = ("hparams", "options")
 
 
+def _unique_keys(path: Path) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A json ``object_pairs_hook`` that refuses a key given twice in one object."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(
+                    f"config file {path} gives the key {key!r} twice ({out[key]!r}, then "
+                    f"{value!r}); give each key once."
+                )
+            out[key] = value
+        return out
+
+    return hook
+
+
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Reads a TOML (``.toml``) or JSON (``.json``) config file into a flat dict.
 
     Raises:
-      ConfigError: a missing or unparsable file, an unknown extension, or a non-flat
-        document (only top-level keys are fields).
+      ConfigError: a missing or unparsable file (a key given twice included), a
+        directory, an unknown extension, or a non-flat document (only top-level keys are
+        fields).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a .toml or .json file.")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist.")
     suffix = path.suffix.lower()
@@ -1017,7 +1061,8 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
                 import tomli as tomllib  # type: ignore[no-redef]
             values = tomllib.loads(path.read_text())
         elif suffix == ".json":
-            values = json.loads(path.read_text())
+            # json keeps the last of two equal keys silently; tomllib refuses them.
+            values = json.loads(path.read_text(), object_pairs_hook=_unique_keys(path))
         else:
             raise ConfigError(f"config file {path} has extension {suffix!r}; use .toml or .json.")
     except ConfigError:

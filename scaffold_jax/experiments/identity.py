@@ -10,36 +10,32 @@ from pathlib import Path
 from typing import Any
 
 from scaffold_jax import results
-from scaffold_jax.data.federated import FederatedData
+from scaffold_jax.data.federated import data_fingerprint
 from scaffold_jax.experiments.build import Built
-from scaffold_jax.experiments.config import RunConfig, declared_hparams, declared_options
-from scaffold_jax.registry import ConfigError
-from scaffold_jax.tree import tree_digest
+from scaffold_jax.experiments.config import (
+    OPTION_OWNERS,
+    RunConfig,
+    declared_hparams,
+    declared_options,
+)
+from scaffold_jax.registry import ConfigError, code_of
+from scaffold_jax.types import STEP_SIZES
 
 CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
-#: Fields a resumed run may change: they do not change what the rounds compute.
-RESUMABLE_CHANGES = ("rounds", "eval_every", "targets", "out", "plugins", "train_eval_examples")
-
-
-def data_fingerprint(data: FederatedData) -> str:
-    """SHA-256 of a dataset's arrays (a materialised one's examples, counts and test set; a
-    procedural one's keys, constants and counts): two runs on the same fingerprint trained
-    on the same data, client for client."""
-    return tree_digest(
-        (data.examples, data.counts, data.test) if hasattr(data, "examples") else data
-    )
+#: Fields a resumed run may change: they do not change what the rounds compute or what a
+#: record measures (the data's folder may move: its fingerprint is compared instead).
+RESUMABLE_CHANGES = ("rounds", "eval_every", "targets", "out", "plugins", "data_dir", "download")
 
 
 def run_identity(config: RunConfig, built: Built, fingerprint: str | None = None) -> dict:
     """What, beyond the engine's own identity (:func:`scaffold_jax.loop.run_identity`),
-    fixes a command-line run's result: the data (name, source, folder, subset sizes,
-    partition, N and a fingerprint of the arrays: ``fingerprint`` if the caller has it),
-    the model and the algorithm's options; in the form it has after a JSON round trip."""
+    fixes a command-line run's result: the data (name, subset sizes, partition, N and a
+    fingerprint of the arrays: ``fingerprint`` if the caller has it; not the folder it
+    was read from), the model, the algorithm's options and the code of every chosen
+    entry defined outside scaffold_jax (a plugin file's content hash); in the form it has
+    after a JSON round trip."""
     identity = {
         "dataset": built.info["dataset"],
-        # A dataset read back from its cache names the cache file: the origin counts.
-        "dataset_source": _origin(built.info["dataset_source"]),
-        "data_dir": config.data_dir,
         "max_train_examples": config.max_train_examples,
         "max_test_examples": config.max_test_examples,
         "partition": built.info["partition"],
@@ -49,13 +45,21 @@ def run_identity(config: RunConfig, built: Built, fingerprint: str | None = None
         "model_options": config.resolved("model"),
         "algorithm_options": config.resolved_options(),
     }
+    code = plugin_code(config)
+    if code:  # only then: the identities of runs made of built-in entries stay as they were
+        identity["plugin_code"] = code
     return json.loads(json.dumps(identity, default=str))
 
 
-def _origin(source: str) -> str:
-    """``"<file> (cache of <origin>)"`` → ``<origin>``; other sources as they are."""
-    head, sep, rest = str(source).partition(" (cache of ")
-    return rest[:-1] if sep and rest.endswith(")") else source
+def plugin_code(config: RunConfig) -> dict[str, dict[str, str]]:
+    """``{"<kind> <name>": {module: "<file> sha256 <digest>"}}`` of the chosen entries
+    whose code lives outside scaffold_jax (see :func:`scaffold_jax.registry.code_of`)."""
+    out = {}
+    for kind, name, _ in config.chosen():
+        code = code_of(OPTION_OWNERS[kind][name])
+        if code:
+            out[f"{kind} {name}"] = code
+    return out
 
 
 def canonical(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,6 +76,14 @@ def canonical(values: Mapping[str, Any]) -> dict[str, Any]:
     del out["options"]  # each chosen entry's option is a key of its own, to name it in diffs
     for kind, _, _ in config.chosen():
         out.update(config.resolved(kind))
+    # The algorithm's hyper-parameters at their values (an explicit default equals an
+    # omitted one; another algorithm's, which validation lets pass only at its default,
+    # is left out).
+    try:
+        resolved = config.resolved_hparams()
+    except ValueError:  # an invalid config: compared as given (validation names it)
+        resolved = dict(config.hparams)
+    out["hparams"] = {k: float(v) for k, v in resolved.items() if k not in STEP_SIZES}
     return json.loads(json.dumps({**out, **rest}, default=str))
 
 

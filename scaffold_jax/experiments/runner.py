@@ -89,7 +89,6 @@ class CellResult:
         axes), written in each record apart from the measurements.
       records: per config, its evaluation records (as written, with the cell's labels).
       diverged_round: per config, the round that produced a NaN/Inf, −1 if none.
-      mean_client_drift: per config, the mean over the rounds this process ran.
       info: the built run's facts (dataset, N, S, partition, plan).
       identity: what fixes the cell's results (see :func:`run_identity`), data included.
       compile_seconds, run_seconds, eval_seconds: the cell's timing (every config).
@@ -104,7 +103,6 @@ class CellResult:
     settings: list[dict[str, Any]]
     records: list[list[dict[str, Any]]]
     diverged_round: list[int]
-    mean_client_drift: list[float | None]
     info: dict[str, Any]
     identity: dict[str, Any]
     compile_seconds: float = 0.0
@@ -262,6 +260,9 @@ class _Runner:
         )
         self.board = None
         self.done = 0  # rounds of the cells before the current one
+        # What the folder's summary said before this process: a resume with no round left
+        # to run keeps the timing of the process that ran them.
+        self.previous = (results.read_summary(folder) or {}) if resume else {}
 
     @staticmethod
     def _source(config: RunConfig) -> tuple:
@@ -274,9 +275,14 @@ class _Runner:
         # dataset's draw of clients) is part of getting the data ready.
         what = "the run" if self.grid.single else cell.key
         with self.progress.phase(f"loading {config.dataset} and building {what}"):
-            if source not in self.loaded:
-                self.loaded[source] = load_dataset(config)
-            built = build(config, dataset=self.loaded[source], reuse=self.reuse)
+            try:
+                if source not in self.loaded:
+                    self.loaded[source] = load_dataset(config)
+                built = build(config, dataset=self.loaded[source], reuse=self.reuse)
+            except ConfigError:
+                raise
+            except ValueError as err:  # what the data or a builder refuses: the config's
+                raise ConfigError(str(err)) from err
         info = built.info
         self.progress.write(
             f"{built_summary(built)}; {info['clients_per_round']} clients a round, up to "
@@ -320,9 +326,24 @@ class _Runner:
             if part is None or part["payload"].get("horizon") != horizon:
                 continue
             result = CellResult.from_part(part["payload"], part["entries"])
-            _check_kept(result, self.identity(cell, self.build(cell)), self.folder)
+            identity = self.identity(cell, self.build(cell))
+            _check_same(result.identity, identity, self.folder, f"a finished cell {cell.key!r}")
             kept[cell.key] = result
         return kept
+
+    def check_checkpoints(self, cell: Cell, built: Built) -> None:
+        """Refuses, before the folder is touched, a resume whose checkpoints (the cell's,
+        or its chunks') belong to another run: other data, model, options or plugin code."""
+        from scaffold_jax import checkpoint  # imported late: orbax is slow to import
+
+        directory = self.directory(cell)
+        if directory is None or not directory.is_dir():
+            return
+        identity = self.identity(cell, built)
+        for where in [directory, *sorted(directory.glob("chunk-*"))]:
+            saved = (checkpoint.latest_extra(where) or {}).get("identity")
+            if saved is not None:
+                _check_same(saved, identity, self.folder, f"checkpoints of {cell.key!r}")
 
     # ------------------------------------------------------------------ one cell
     def execute(self, cell: Cell, built: Built) -> CellResult:
@@ -348,7 +369,6 @@ class _Runner:
             settings=[{**cell.labels, **{k: c[k] for k in named if k in c}} for c in configs],
             records=[[] for _ in configs],
             diverged_round=[-1] * len(configs),
-            mean_client_drift=[None] * len(configs),
             info=dict(built.info),
             identity=self.identity(cell, built),
             targets=tuple(self.grid.targets),
@@ -416,10 +436,6 @@ class _Runner:
         except DivergenceError:
             result.diverged_round = [0]
             raise
-        drift = run.round_metrics.get("client_drift")
-        # The rounds run by this process (none: a resume of a finished run).
-        result.mean_client_drift = [float(np.mean(drift)) if drift is not None and len(drift)
-                                    else None]  # fmt: skip
         result.compile_seconds = run.compile_seconds
         result.run_seconds = run.run_seconds
         result.eval_seconds = run.eval_seconds
@@ -462,11 +478,6 @@ class _Runner:
             progress=advance,
         )
         result.diverged_round = [int(r) for r in swept.diverged_round]
-        drift = swept.round_metrics.get("client_drift")
-        if drift is not None:
-            result.mean_client_drift = [
-                float(np.nanmean(d)) if np.isfinite(d).any() else None for d in drift
-            ]
         result.compile_seconds = swept.compile_seconds
         result.run_seconds = swept.run_seconds
         result.eval_seconds = swept.eval_seconds
@@ -479,9 +490,10 @@ class _Runner:
                 "hparams": {k: v for k, v in result.configs[j].items() if k != "seed"},
                 "settings": result.settings[j],
             }
-            if result.mean_client_drift[j] is not None:
-                info["mean_client_drift"] = result.mean_client_drift[j]
-            if self.grid.single:
+            if self.grid.single and result.resumed_from == result.records[0][-1]["round"]:
+                before = self.previous.get("runs", {}).get(name, {})
+                info.update({k: before[k] for k in TIMING if k in before})
+            elif self.grid.single:
                 rounds = max(result.records[0][-1]["round"] - (result.resumed_from or 0), 1)
                 round_seconds = result.run_seconds - result.eval_seconds
                 info.update(
@@ -499,6 +511,11 @@ class _Runner:
             self.writer.describe(name, **info)
 
 
+#: The summary's timing of a single run, from the process that ran its rounds.
+TIMING = ("compile_seconds", "run_seconds", "round_seconds", "eval_seconds",
+          "seconds_per_round", "rounds_per_second", "resumed_from")  # fmt: skip
+
+
 def _has_checkpoint(directory: Path) -> bool:
     # Only a complete checkpoint counts (a save killed half-way leaves a temporary folder).
     from scaffold_jax import checkpoint  # imported late: orbax is slow to import
@@ -506,16 +523,16 @@ def _has_checkpoint(directory: Path) -> bool:
     return directory.is_dir() and checkpoint.latest_round(directory) is not None
 
 
-def _check_kept(part: CellResult, identity: Mapping[str, Any], folder: Path) -> None:
-    saved = part.identity
+def _check_same(saved: Mapping[str, Any], identity: Mapping[str, Any], folder: Path,
+                what: str) -> None:  # fmt: skip
     diffs = [
         f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in identity.items() if saved.get(k) != v
     ]
     if diffs:
         raise ConfigError(
-            f"--resume: {folder} holds a finished cell {part.key!r} of another run "
-            f"({'; '.join(diffs)}). Resume with the same settings and data, or start a new "
-            "run in another folder (or with --overwrite)."
+            f"--resume: {folder} holds {what} of another run ({'; '.join(diffs)}). Resume "
+            "with the same settings, data and plugin code, or start a new run in another "
+            "folder (or with --overwrite)."
         )
 
 
@@ -587,6 +604,8 @@ def run_grid(
     kept = runner.kept_cells() if resume else {}
     todo = [cell for cell in grid.cells if cell.key not in kept]
     first = runner.build(todo[0]) if todo else None
+    if resume and first is not None:  # the cell a kill interrupted: its checkpoints
+        runner.check_checkpoints(todo[0], first)
     done: dict[str, CellResult] = {}
     with writer:
         writer.add(experiment=grid.experiment)

@@ -19,17 +19,21 @@ folder:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
+import errno
 import functools
 import importlib.metadata
 import json
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,11 @@ from scaffold_jax.results.records import (
     read_summary,
     series_summary,
 )
+
+try:  # POSIX: the lock is checked and taken under an flock of the folder (see _guard)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 CONFIG_FILE = "config.json"
 CSV_FILE = "metrics.csv"
@@ -127,12 +136,36 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _temporary_name(path: Path) -> Path:
+    """A name next to ``path`` that no other process picks: two processes rewriting the
+    same file (two resumes started together) never share a temporary file."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, newline: str | None = None, dir_fd: int | None = None):
+    """A new text file that replaces ``path`` when the block ends (written under a
+    temporary name, then renamed: atomic); removed if the block raises. With ``dir_fd``:
+    ``path.name`` in that open folder, wherever it is now."""
+    tmp = _temporary_name(path)
+    src, dst = (tmp.name, path.name) if dir_fd is not None else (tmp, path)
+    fd = os.open(src, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
+    try:
+        with open(fd, "w", encoding="utf-8", newline=newline) as f:
+            yield f
+        os.replace(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(src, dir_fd=dir_fd)
+        raise
+
+
+def _write_json(path: Path, obj: Any, dir_fd: int | None = None) -> None:
     # Written to a temporary name and renamed: a crash mid-write never leaves a truncated
     # summary or config behind.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_json_default, allow_nan=True) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=1, default=_json_default, allow_nan=True) + "\n"
+    with _replacing(path, dir_fd=dir_fd) as f:
+        f.write(text)
 
 
 # ----------------------------------------------------------------------------- writer
@@ -164,6 +197,13 @@ class RunWriter:
     summary it left at ``"running"`` is marked ``"interrupted"``, and the folder can be
     resumed or overwritten. A write that fails (a full disk, a read-only folder) raises
     :class:`RunFolderError` naming the file; records already written stay intact.
+
+    The writer holds the folder it opened (its device and inode, and an open descriptor):
+    before every write it checks (:meth:`check_place`) that the path still leads to that
+    folder and that the folder still holds this writer's lock. A folder deleted or moved
+    under the run stops it with one :class:`RunFolderError`; nothing is ever written at
+    the old path again (a checkpoint included: :func:`check_run_folders`), and a moved
+    folder gets its ``"failed"`` summary where it is now, ready for ``--resume``.
 
     Raises:
       FileExistsError: the folder holds a run and ``overwrite`` is False, or it is in use.
@@ -206,6 +246,10 @@ class RunWriter:
         self._csv = None  # metrics.csv, open for appending, and its columns
         self._csv_columns: list[str] = []
         self._started = None
+        self._abs = Path(os.path.abspath(self.folder))
+        self._dir_fd: int | None = None  # the folder, open: found again wherever it moves
+        self._place: tuple[int, int] | None = None  # its (device, inode) when opened
+        self._lock_id: tuple[int, int] | None = None  # the lock file's
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> RunWriter:
@@ -220,7 +264,9 @@ class RunWriter:
             interrupted = issubclass(exc_type, (KeyboardInterrupt, SystemExit))
             try:
                 self._close(
-                    INTERRUPTED if interrupted else FAILED, error=f"{exc_type.__name__}: {exc}"
+                    INTERRUPTED if interrupted else FAILED,
+                    # RunTerminated's str() is its exit code; its message says where it stopped.
+                    error=f"{exc_type.__name__}: {getattr(exc, 'message', None) or exc}",
                 )
             except OSError:  # the disk that failed the run may fail the summary too
                 pass
@@ -236,8 +282,10 @@ class RunWriter:
             check_folder(self.folder, self.overwrite)
         with _writing(self.folder):
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._lock = _take_lock(self.folder)
+        self._lock_id = _take_lock(self.folder)
+        self._lock = self.folder / LOCK_FILE
         try:
+            self._hold_folder()
             self._started = datetime.datetime.now(datetime.timezone.utc)
             self._start_clock = time.perf_counter()
             if self.resume:
@@ -263,6 +311,7 @@ class RunWriter:
         line = json.dumps(
             {"key": key, "payload": payload, "entries": list(entries)}, default=_json_default
         )
+        self.check_place()
         with _writing(self.folder / PARTS_FILE):
             with open(self.folder / PARTS_FILE, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
@@ -279,10 +328,67 @@ class RunWriter:
         self.reset_records([e for key in keys for e in self.parts[key]["entries"]])
         return {key: self.parts[key]["payload"] for key in keys}
 
+    def _hold_folder(self) -> None:
+        """Remembers the folder just locked (see :meth:`check_place`)."""
+        try:
+            self._dir_fd = os.open(self.folder, _DIR_FLAGS)
+            self._place = _identity(os.fstat(self._dir_fd))
+        except OSError:  # a system that cannot open a folder (Windows): by its path only
+            self._place = _identity(os.stat(self.folder))
+        _OPEN_WRITERS.add(self)
+        self.check_place()  # deleted or moved since the lock was taken
+
+    def check_place(self) -> None:
+        """Raises :class:`RunFolderError` when the folder is no longer the one this writer
+        opened (deleted, moved, or replaced by another at its path) or no longer holds
+        this writer's lock: the run must stop, and write nothing at that path again (a
+        folder there now is not this run's). Called before every write."""
+        if self._place is None:
+            return
+        try:
+            place = _identity(os.stat(self.folder))
+        except OSError:
+            place = None
+        if place != self._place:
+            raise RunFolderError(
+                errno.ENOENT,
+                f"the output folder {self.folder} was deleted or moved while the run was "
+                "writing it; the run stopped and writes nothing more there. If it was moved, "
+                "resume it where it is now: --resume --out <its new place>.",
+            )
+        try:
+            lock = _identity(os.stat(self.folder / LOCK_FILE))
+        except OSError:
+            lock = None
+        if lock != self._lock_id:
+            raise RunFolderError(
+                errno.ENOENT,
+                f"the lock file {self.folder / LOCK_FILE} of this run was deleted or replaced "
+                f"while the run was writing {self.folder} (the folder being deleted, or "
+                "another process taking it); the run stopped and writes nothing more there.",
+            )
+
+    def _moved_but_ours(self) -> bool:
+        """Whether the folder held open is away from its path but still holds this
+        writer's lock (moved, not deleted, and not taken by another process)."""
+        if self._dir_fd is None:
+            return False
+        try:
+            return _identity(os.stat(LOCK_FILE, dir_fd=self._dir_fd)) == self._lock_id
+        except OSError:
+            return False
+
     def _release(self) -> None:
+        _OPEN_WRITERS.discard(self)
         if self._lock is not None:
-            _release_lock(self._lock)
+            # Through the folder held open when there is one: a moved folder's lock goes,
+            # and whatever is at the old path now is never touched.
+            _release_lock(self._lock, self._lock_id, self._dir_fd)
             self._lock = None
+        if self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._dir_fd)
+            self._dir_fd = None
 
     def reset_records(
         self, records: Sequence[Mapping[str, Any]], series: str | None = None
@@ -295,14 +401,13 @@ class RunWriter:
             dict(r) if series is None else {"series": str(series), **r} for r in records
         ]
         path = self.folder / METRICS_FILE
+        self.check_place()
         if self._metrics is not None:
             self._metrics.close()
-        tmp = path.with_name(path.name + ".tmp")
         with _writing(path):
-            with open(tmp, "w", encoding="utf-8") as f:
+            with _replacing(path) as f:
                 for entry in self.records:
                     f.write(json.dumps(entry, default=_json_default) + "\n")
-            os.replace(tmp, path)
             self._metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._rewrite_csv()
 
@@ -320,6 +425,7 @@ class RunWriter:
         (``runs[series]["settings"]``; not among its final metrics)."""
         if self._metrics is None:
             raise RuntimeError("RunWriter.record called before open() (use `with RunWriter`).")
+        self.check_place()  # a deleted folder's open files would take records silently
         if settings:
             self.describe(series, settings=dict(settings))
         entry = {"series": str(series), **(settings or {}), **record}
@@ -363,13 +469,61 @@ class RunWriter:
         """Adds top-level fields to the summary (dataset, chosen step sizes, tables...)."""
         self.extra.update(extra)
 
-    def write_text(self, name: str, text: str) -> Path:
-        """Writes an extra file (e.g. a markdown table) into the folder."""
+    def write_text(self, name: str, text: str, required: bool = False) -> Path | None:
+        """Writes an extra file (a table, a sweep's CSV) into the folder, atomically.
+
+        The records are the run; a file made from them is not. One that cannot be written
+        (a full disk) is reported on stderr and left out of the summary's ``files``, never
+        turned into a failed run: :meth:`finish`'s policy for the plots. ``required``:
+        raise :class:`RunFolderError` instead. A folder deleted or moved under the run
+        always raises (see :meth:`check_place`).
+
+        Returns:
+          The file's path, or None when it could not be written.
+        """
+        self.check_place()
         path = self.folder / name
-        path.write_text(text)
+        try:
+            with _writing(path), _replacing(path) as f:
+                f.write(text)
+        except RunFolderError as err:
+            if required:
+                raise
+            self._left_out(name, err.__cause__ or err)
+            return None
         if name not in self.files:
             self.files.append(name)
         return path
+
+    def write_figure(self, name: str, fig: Any, dpi: int = 120) -> Path | None:
+        """Saves a matplotlib figure into the folder (format from the suffix), with
+        :meth:`write_text`'s policy: one that cannot be written is reported on stderr and
+        left out (a partial file removed), never failing the run.
+
+        Returns:
+          The file's path, or None when it could not be written.
+        """
+        self.check_place()
+        path = self.folder / name
+        try:
+            fig.savefig(path, dpi=dpi)
+        except OSError as err:
+            self._left_out(name, err)
+            return None
+        if name not in self.files:
+            self.files.append(name)
+        return path
+
+    def _left_out(self, name: str, err: BaseException) -> None:
+        """Reports a file of a finished run that could not be written and leaves it out:
+        no partial file stays, and the summary does not list it."""
+        print(f"could not write {name}: {err}; left out of {self.folder}.", file=sys.stderr)
+        path = self.folder / name
+        if path.is_file() and not path.is_symlink():
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if name in self.files:
+            self.files.remove(name)
 
     # -- the end ---------------------------------------------------------------------
     def finish(self, plots: Sequence[PlotSpec] | None = None) -> dict[str, Any]:
@@ -377,16 +531,20 @@ class RunWriter:
 
         The run has finished when this is called: a CSV or plot that cannot be written (a
         full disk) is reported on stderr and left out, never turned into a failed run.
+        A folder deleted or moved under the run has not finished: that raises
+        :class:`RunFolderError` (see :meth:`check_place`).
         """
+        self.check_place()
         for spec in self.plots if plots is None else plots:
             try:
-                if plot_curves(self.records, spec, self.folder / spec.filename) is not None:
+                drawn = plot_curves(self.records, spec, self.folder / spec.filename)
+                if drawn is not None and spec.filename not in self.files:  # a resume has it
                     self.files.append(spec.filename)
             except ImportError:  # matplotlib is an optional extra ("plots")
                 print("matplotlib is not installed: no plots written.", file=sys.stderr)
                 break
             except OSError as err:
-                print(f"could not write {spec.filename}: {err}", file=sys.stderr)
+                self._left_out(spec.filename, err)
         return self._close(FINISHED)
 
     def close(self, status: str, error: str | None = None) -> dict[str, Any]:
@@ -395,7 +553,6 @@ class RunWriter:
         return self._close(status, error)
 
     def _close(self, status: str, error: str | None = None) -> dict[str, Any]:
-        self.status = status
         for name in ("_metrics", "_csv"):
             if getattr(self, name) is not None:
                 try:
@@ -403,7 +560,11 @@ class RunWriter:
                 except OSError:
                     pass  # a write that failed already said so
                 setattr(self, name, None)
-        return self._write_summary(status, error)
+        summary = self._write_summary(status, error)
+        # Only once the summary says so: a summary that could not be written leaves the
+        # run open, and leaving the `with` block then records why it failed.
+        self.status = status
+        return summary
 
     def summary(self, status: str | None = None, error: str | None = None) -> dict[str, Any]:
         """The summary dict as it stands (what ``summary.json`` holds)."""
@@ -440,6 +601,16 @@ class RunWriter:
 
     def _write_summary(self, status: str, error: str | None = None) -> dict[str, Any]:
         summary = self.summary(status, error)
+        try:
+            self.check_place()
+        except RunFolderError:
+            # Nothing at the old path; a folder moved away, still holding this run's lock,
+            # gets the summary that says why the run stopped (through the folder held
+            # open), so that it can be resumed where it is now.
+            if status not in (RUNNING, FINISHED) and self._moved_but_ours():
+                with contextlib.suppress(OSError):
+                    _write_json(self.folder / SUMMARY_FILE, summary, dir_fd=self._dir_fd)
+            raise
         with _writing(self.folder / SUMMARY_FILE):
             _write_json(self.folder / SUMMARY_FILE, summary)
         return summary
@@ -456,13 +627,11 @@ class RunWriter:
             path.unlink(missing_ok=True)  # a resume cut back to nothing
             return
         self._csv_columns = list(dict.fromkeys(k for r in self.records for k in r))
-        tmp = path.with_name(path.name + ".tmp")
         with _writing(path):
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
+            with _replacing(path, newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=self._csv_columns)
                 writer.writeheader()
                 writer.writerows(self.records)
-            os.replace(tmp, path)
             self._csv = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115
         if CSV_FILE not in self.files:
             self.files.append(CSV_FILE)
@@ -535,7 +704,7 @@ class _writing:
         if (
             exc_type is not None
             and issubclass(exc_type, OSError)
-            and exc_type is not RunFolderError
+            and not issubclass(exc_type, RunFolderError)
         ):
             reason = exc.strerror or str(exc)
             raise RunFolderError(
@@ -564,13 +733,73 @@ def read_parts(folder: str | os.PathLike) -> dict[str, Any]:
     return parts
 
 
-def _lock_info(folder: Path) -> dict[str, Any] | None:
+# How long a lock file that is empty or cut short may be "being written": a process
+# killed between creating and writing it (by a version that did not write it whole) left
+# it so; younger, it may be a live process taking the folder, older it is stale.
+_LOCK_GRACE = 5.0
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+_TAKING, _OWN = "taking", "own"
+# The writers open in this process, for check_run_folders.
+_OPEN_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
+def check_run_folders(path: str | os.PathLike) -> None:
+    """Raises :class:`RunFolderError` if ``path`` lies in the folder of a :class:`RunWriter`
+    open in this process and that folder was deleted or moved (see
+    :meth:`RunWriter.check_place`): what writes there besides the writer (checkpoints)
+    calls it first, so that a half folder is never recreated at the old path."""
+    path = Path(os.path.abspath(path))
+    for writer in list(_OPEN_WRITERS):
+        if writer._abs == path or writer._abs in path.parents:
+            writer.check_place()
+
+
+@contextlib.contextmanager
+def _guard(folder: Path):
+    """Serialises checking, clearing and taking the lock among processes: an exclusive
+    ``flock`` on the folder itself, held for the few system calls they take. Without it
+    two processes that both find a stale lock could each clear it and take the folder
+    (the second clearing the first one's new lock). A folder that cannot be opened
+    (missing) or locked (a filesystem without flock), or a holder stuck for 10 s, leaves
+    the lock unguarded: as before, never worse."""
+    fd = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            fd = os.open(folder, _DIR_FLAGS)
+            deadline = time.monotonic() + 10.0
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.005)
     try:
-        return json.loads((folder / LOCK_FILE).read_text())
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+
+def _read_lock(folder: Path) -> tuple[dict[str, Any] | None, float, tuple[int, int] | None]:
+    """The lock's content (None: no lock; ``{}``: empty or cut short), its age in seconds
+    and its identity (device, inode)."""
+    try:
+        with open(folder / LOCK_FILE, "rb") as f:
+            st = os.fstat(f.fileno())
+            raw = f.read()
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}  # half-written or unreadable: treat as another live holder
+        return None, 0.0, None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        info = {}
+    return (info if isinstance(info, dict) else {}), time.time() - st.st_mtime, _identity(st)
 
 
 def _alive(pid: int) -> bool:
@@ -587,51 +816,152 @@ def check_lock(folder: str | os.PathLike) -> None:
     """Refuses a folder held by a live run; clears a stale lock (its process is gone),
     marking the summary it left at ``"running"`` as ``"interrupted"``.
 
+    A lock file that is empty or cut short (a process killed between creating and writing
+    it) is waited for while it is younger than a few seconds (a process may be taking the
+    folder), and is stale after that.
+
     Raises:
       FileExistsError: another live process (or one on another host, which cannot be
         checked) holds the folder.
     """
     folder = Path(folder)
-    info = _lock_info(folder)
+    deadline = time.monotonic() + _LOCK_GRACE + 1.0
+    while True:
+        with _guard(folder):
+            if _check_lock(folder) != _TAKING:
+                return
+        if time.monotonic() > deadline:
+            raise FileExistsError(_taking_message(folder))
+        time.sleep(0.1)
+
+
+def _check_lock(folder: Path) -> str | None:
+    """:func:`check_lock` once, under :func:`_guard`: None (no lock, or a stale one
+    cleared), ``_OWN`` (this process's) or ``_TAKING`` (unreadable, young)."""
+    info, age, identity = _read_lock(folder)
     if info is None:
-        return
+        return None
     pid, host = info.get("pid"), info.get("host")
+    if not isinstance(pid, int) or not isinstance(host, str):
+        if age < _LOCK_GRACE:
+            return _TAKING
+        _clear_stale(
+            folder,
+            identity,
+            f"a process stopped while taking the folder (it left {LOCK_FILE} "
+            f"{'cut short' if info or age < 0 else 'empty'}), e.g. killed with SIGKILL; "
+            "resume it with --resume",
+        )
+        return None
     here = host == platform.node()
-    if here and isinstance(pid, int) and pid == os.getpid():
-        return  # our own (an earlier writer of this process that did not close)
-    if here and isinstance(pid, int) and not _alive(pid):
-        summary = read_summary(folder)
-        if summary is not None and summary.get("status") == RUNNING:
-            summary["status"] = INTERRUPTED
-            summary["error"] = (
-                f"the process (pid {pid} on {host}) stopped without closing the run, e.g. "
-                "killed with SIGKILL; resume it with --resume"
-            )
-            _write_json(folder / SUMMARY_FILE, summary)
-        (folder / LOCK_FILE).unlink(missing_ok=True)
-        return
-    where = f"pid {pid} on host {host}, since {info.get('started')}" if info else "unknown"
+    if here and pid == os.getpid():
+        return _OWN  # an earlier writer of this process
+    if here and not _alive(pid):
+        _clear_stale(
+            folder,
+            identity,
+            f"the process (pid {pid} on {host}) stopped without closing the run, e.g. "
+            "killed with SIGKILL; resume it with --resume",
+        )
+        return None
     raise FileExistsError(
-        f"output folder {folder} is in use by a running scaffold-jax ({where}); wait for it "
-        f"to finish or stop it (kill -INT {pid}), or choose another output folder. If that "
-        f"process is gone (another host), delete {folder / LOCK_FILE}."
+        f"output folder {folder} is in use by a running scaffold-jax (pid {pid} on host "
+        f"{host}, since {info.get('started')}); wait for it to finish or stop it (kill -INT "
+        f"{pid}), or choose another output folder. If that process is gone (another host), "
+        f"delete {folder / LOCK_FILE}."
     )
 
 
-def _take_lock(folder: Path) -> Path:
+def _clear_stale(folder: Path, identity: tuple[int, int] | None, why: str) -> None:
+    summary = read_summary(folder)
+    if summary is not None and summary.get("status") == RUNNING:
+        summary["status"] = INTERRUPTED
+        summary["error"] = why
+        _write_json(folder / SUMMARY_FILE, summary)
     path = folder / LOCK_FILE
-    info = {"pid": os.getpid(), "host": platform.node(), "started": _now()}
+    with contextlib.suppress(FileNotFoundError):
+        if _identity(os.stat(path)) == identity:  # the very file judged stale
+            path.unlink()
+
+
+def _taking_message(folder: Path) -> str:
+    return (
+        f"output folder {folder} is being taken by another process: its lock file "
+        f"{folder / LOCK_FILE} is still unreadable after {_LOCK_GRACE:g} s. Try again; if "
+        "no process uses that folder, delete that file."
+    )
+
+
+def _take_lock(folder: Path) -> tuple[int, int]:
+    """Takes the folder's lock; returns the lock file's identity (device, inode).
+
+    The lock file never exists half-written: it is written under a temporary name, then
+    hard-linked as ``.lock`` (``link(2)`` fails if that exists), all under
+    :func:`_guard`, so that of two processes taking the folder together exactly one does
+    and the other is refused as "in use"."""
+    path = folder / LOCK_FILE
+    text = json.dumps({"pid": os.getpid(), "host": platform.node(), "started": _now()})
+    tmp = _temporary_name(path)
+    with _writing(path):
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        deadline = time.monotonic() + _LOCK_GRACE + 1.0
+        while True:
+            with _guard(folder):
+                state = _check_lock(folder)  # a live holder raises; a stale lock is cleared
+                if state == _OWN and any(w._abs == Path(os.path.abspath(folder))
+                                         for w in _OPEN_WRITERS):  # fmt: skip
+                    raise FileExistsError(
+                        f"output folder {folder} is in use by another writer of this process."
+                    )
+                if state == _OWN:  # left by a writer of this process that is gone
+                    path.unlink(missing_ok=True)
+                if state != _TAKING:
+                    try:
+                        with _writing(path):
+                            _link(tmp, path)
+                        return _identity(os.stat(path))
+                    except FileExistsError:
+                        pass  # taken since (a process not using the guard): check it again
+            if time.monotonic() > deadline:
+                raise FileExistsError(_taking_message(folder))
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _link(tmp: Path, path: Path) -> None:
+    try:
+        os.link(tmp, path)
     except FileExistsError:
-        check_lock(folder)  # stale: cleared; live: raises
+        raise
+    except OSError:  # a filesystem without hard links: an exclusive create, then the text
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(info))
-    return path
+        with os.fdopen(fd, "w") as f:
+            f.write(tmp.read_text())
 
 
-def _release_lock(path: Path) -> None:
-    info = _lock_info(path.parent)
-    if info and info.get("pid") == os.getpid():
-        path.unlink(missing_ok=True)
+def _release_lock(
+    path: Path, identity: tuple[int, int] | None = None, dir_fd: int | None = None
+) -> None:
+    """Removes the lock file if it is still this writer's (``identity``); through the
+    folder held open (``dir_fd``) when given, wherever that folder is now."""
+    with _guard(path.parent):
+        try:
+            if dir_fd is not None:
+                if (
+                    identity is not None
+                    and _identity(os.stat(LOCK_FILE, dir_fd=dir_fd)) == identity
+                ):
+                    os.unlink(LOCK_FILE, dir_fd=dir_fd)
+            elif identity is not None:
+                if _identity(os.stat(path)) == identity:
+                    path.unlink()
+            else:
+                info, _, _ = _read_lock(path.parent)
+                if info and info.get("pid") == os.getpid():
+                    path.unlink(missing_ok=True)
+        except OSError:
+            pass  # gone already (or the folder with it)

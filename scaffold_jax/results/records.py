@@ -119,7 +119,26 @@ def series_summary(
         if any(name in r for r in records):
             out[f"best_{name}"] = best_value(records, name, higher_is_better=False)
     out["final"] = {k: v for k, v in records[-1].items() if k not in skip and is_finite_number(v)}
+    drift = mean_over_rounds(records, "client_drift")
+    if drift is not None:
+        out["mean_client_drift"] = drift
     return out
+
+
+def mean_over_rounds(records: Sequence[Mapping[str, Any]], name: str) -> float | None:
+    """The mean over every round of a metric each record reports as its mean over the
+    rounds since the previous record (``client_drift``): the records' values weighted by
+    the rounds each covers. From the records alone, so a resumed run's summary is the
+    uninterrupted one's. None: no record has a finite value of it."""
+    total = rounds = 0.0
+    previous = None
+    for record in records:
+        value, now = record.get(name), record.get("round")
+        if previous is not None and is_finite_number(value) and now > previous:
+            total += (now - previous) * float(value)
+            rounds += now - previous
+        previous = now
+    return total / rounds if rounds else None
 
 
 def _target_key(target: float) -> str:

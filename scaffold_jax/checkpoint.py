@@ -27,8 +27,7 @@ are waited for, its temporary directory is removed, and orbax's reports of the s
 from its threads (absl log records with tracebacks, "Event loop is closed" from late
 tensorstore callbacks) are not printed. The steps saved before are intact, so the run
 resumes from the newest of them. A directory deleted or moved while the checkpointer is
-open, or lying in a run folder (:class:`scaffold_jax.results.RunWriter`) that was, is
-never recreated: saving raises instead.
+open (or a folder above it: the run folder) is never recreated: saving raises instead.
 
 Verification and fallback. Orbax does not checksum: a flipped byte in an array file restores
 silently as a wrong value (we checked with orbax 0.12.8). So the SHA-256 of every leaf and of
@@ -114,6 +113,9 @@ class CheckpointError(ValueError):
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, a read-only or vanished folder);
     the checkpoints saved before it are intact."""
+
+    def __str__(self) -> str:  # the message alone: it names the round, the folder, the fix
+        return self.strerror or super().__str__()
 
 
 class _Corrupt(Exception):
@@ -278,7 +280,6 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self._failed = False
         _filter_orbax_noise()
-        _check_run_folders(self.directory)  # never recreate a run folder deleted or moved
         if _is_writer():
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -364,6 +365,8 @@ class Checkpointer:
         Raises:
           TypeError: ``extra`` is not JSON-able.
           ValueError: a checkpoint for this round already exists.
+          CheckpointWriteError: the checkpoint could not be written (a full disk, a
+            read-only folder, the directory deleted or moved); the earlier ones are intact.
         """
         if step is None:
             step = int(state.round)
@@ -439,9 +442,8 @@ class Checkpointer:
         return _step_dir(self.directory, step)
 
     def _check_place(self, step: int) -> None:
-        """Raises when the directory (or the run folder it lies in) was deleted or moved
-        since it was opened: orbax would recreate it, a half folder at the old path."""
-        _check_run_folders(self.directory)
+        """Raises when the directory (or a folder above it, a run folder) was deleted or
+        moved since it was opened: orbax would recreate it, a half folder at the old path."""
         if self._place is not None and _place_of(self.directory) != self._place:
             raise CheckpointWriteError(
                 errno.ENOENT,
@@ -690,12 +692,6 @@ def latest_extra(directory: str | os.PathLike) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------- failed saves
-def _check_run_folders(directory: Path) -> None:
-    from scaffold_jax.results.folder import check_run_folders  # no cycle: results is light
-
-    check_run_folders(directory)
-
-
 def _place_of(directory: Path) -> tuple[int, int] | None:
     """The directory's (device, inode), None if it cannot be read."""
     try:

@@ -382,8 +382,7 @@ def sweep(
             ("rounds_to_target.png", results.plot_rounds_to_target),
             ("best_curves.png", results.plot_best_curves),
         ):
-            results.save_figure(plot(cells, target), folder / filename)
-            writer.files.append(filename)
+            writer.write_figure(filename, plot(cells, target))
         writer.add(best={n: e["best"] for n, e in summary.items()}, edge_of_grid=edges)
 
     outcome = run_grid(grid, folder, report=report, quiet=quiet, **options)
@@ -480,14 +479,15 @@ def diagnose(
     with results.RunWriter(folder, saved, overwrite=overwrite, plots=()) as writer:
         reported = {"experiment": "diagnose", **built.info, "report": report._asdict()}
         writer.add(**reported)
-        writer.write_text("diagnose.json", json.dumps(strict_json(reported), indent=1) + "\n")
+        writer.write_text(  # diagnose's result: its failure fails the command
+            "diagnose.json", json.dumps(strict_json(reported), indent=1) + "\n", required=True
+        )
         try:
             fig = results.plot_gradient_fit(report.points, report.G, report.B)
         except ImportError:  # matplotlib is the optional "plots" extra
             progress.write("matplotlib is not installed: no plot written.")
         else:
-            results.save_figure(fig, folder / "gradient_fit.png")
-            writer.files.append("gradient_fit.png")
+            writer.write_figure("gradient_fit.png", fig)
         summary = writer.finish(plots=())
     if not quiet:
         print(f"{built.info['dataset']}, {data.num_clients} clients, {built.info['partition']}")

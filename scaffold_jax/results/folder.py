@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import subprocess
@@ -160,6 +161,31 @@ def _replacing(path: Path, newline: str | None = None, dir_fd: int | None = None
         raise
 
 
+_TEMPORARY = re.compile(r"^(?P<name>.+?)\.(?:(?P<pid>\d+)-[0-9a-f]{8}\.)?tmp$")
+
+
+def _remove_temporaries(folder: Path) -> None:
+    """Removes the temporary files of the run's own files that a process killed while
+    rewriting one left behind (its pid gone; named ``<file>.tmp`` by older versions)."""
+    for path in _entries(folder):
+        found = _TEMPORARY.match(path.name)
+        if not found or found["name"] not in (*_OWN_FILES, PARTS_FILE, LOCK_FILE):
+            continue
+        pid = found["pid"]
+        if pid is not None and (int(pid) == os.getpid() or _alive(int(pid))):
+            continue  # being written (a stale lock's summary, by another process)
+        if path.is_file() and not path.is_symlink():
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
 def _write_json(path: Path, obj: Any, dir_fd: int | None = None) -> None:
     # Written to a temporary name and renamed: a crash mid-write never leaves a truncated
     # summary or config behind.
@@ -202,7 +228,7 @@ class RunWriter:
     before every write it checks (:meth:`check_place`) that the path still leads to that
     folder and that the folder still holds this writer's lock. A folder deleted or moved
     under the run stops it with one :class:`RunFolderError`; nothing is ever written at
-    the old path again (a checkpoint included: :func:`check_run_folders`), and a moved
+    the old path again (a checkpointer checks its own folders likewise), and a moved
     folder gets its ``"failed"`` summary where it is now, ready for ``--resume``.
 
     Raises:
@@ -286,6 +312,7 @@ class RunWriter:
         self._lock = self.folder / LOCK_FILE
         try:
             self._hold_folder()
+            _remove_temporaries(self.folder)
             self._started = datetime.datetime.now(datetime.timezone.utc)
             self._start_clock = time.perf_counter()
             if self.resume:
@@ -517,7 +544,8 @@ class RunWriter:
     def _left_out(self, name: str, err: BaseException) -> None:
         """Reports a file of a finished run that could not be written and leaves it out:
         no partial file stays, and the summary does not list it."""
-        print(f"could not write {name}: {err}; left out of {self.folder}.", file=sys.stderr)
+        reason = getattr(err, "strerror", None) or err
+        print(f"could not write {name}: {reason}; left out of {self.folder}.", file=sys.stderr)
         path = self.folder / name
         if path.is_file() and not path.is_symlink():
             with contextlib.suppress(OSError):
@@ -678,6 +706,7 @@ def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bo
         # delete anything elsewhere.
         if path.parent == folder and path.is_file():
             path.unlink()
+    _remove_temporaries(folder)
     checkpoints = folder / "checkpoints"  # scaffold_jax.experiments.CHECKPOINTS
     if checkpoints.is_dir() and not checkpoints.is_symlink():
         shutil.rmtree(checkpoints)
@@ -689,6 +718,9 @@ LOCK_FILE = ".lock"
 
 class RunFolderError(OSError):
     """A run folder could not be written (a full disk, a read-only folder, ...)."""
+
+    def __str__(self) -> str:  # the message alone: it names the file and the fix
+        return self.strerror or super().__str__()
 
 
 class _writing:
@@ -739,23 +771,12 @@ def read_parts(folder: str | os.PathLike) -> dict[str, Any]:
 _LOCK_GRACE = 5.0
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
 _TAKING, _OWN = "taking", "own"
-# The writers open in this process, for check_run_folders.
+# The writers open in this process: a second one on the same folder is refused.
 _OPEN_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
-
-
-def check_run_folders(path: str | os.PathLike) -> None:
-    """Raises :class:`RunFolderError` if ``path`` lies in the folder of a :class:`RunWriter`
-    open in this process and that folder was deleted or moved (see
-    :meth:`RunWriter.check_place`): what writes there besides the writer (checkpoints)
-    calls it first, so that a half folder is never recreated at the old path."""
-    path = Path(os.path.abspath(path))
-    for writer in list(_OPEN_WRITERS):
-        if writer._abs == path or writer._abs in path.parents:
-            writer.check_place()
 
 
 @contextlib.contextmanager
@@ -848,9 +869,8 @@ def _check_lock(folder: Path) -> str | None:
         _clear_stale(
             folder,
             identity,
-            f"a process stopped while taking the folder (it left {LOCK_FILE} "
-            f"{'cut short' if info or age < 0 else 'empty'}), e.g. killed with SIGKILL; "
-            "resume it with --resume",
+            f"a process stopped while taking the folder (it left {LOCK_FILE} empty or cut "
+            "short), e.g. killed with SIGKILL; resume it with --resume",
         )
         return None
     here = host == platform.node()

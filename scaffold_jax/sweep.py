@@ -578,8 +578,9 @@ def _drive_chunk(
         )
     from scaffold_jax.checkpoint import Checkpointer  # imported late: orbax is slow to import
 
+    # The caller's identity last, as loop.run's: its form of a key (the command line's
+    # algorithm_options, by config key) is the one its checks compare.
     identity = json.loads(json.dumps({
-        **dict(identity or {}),
         "algorithm": sweep.simulation.algorithm.name,
         "algorithm_options": dict(sweep.simulation.algorithm.options),
         "num_clients": int(chunk.data.num_clients),
@@ -588,6 +589,7 @@ def _drive_chunk(
         "clients_per_round": sweep.simulation.clients_per_round,
         "weighting": sweep.simulation.weighting,
         "weighting_options": sweep.simulation.weighting_options,
+        **dict(identity or {}),
     }))  # fmt: skip
     with Checkpointer(directory, max_to_keep=2) as checkpointer:
         restore = resume and checkpointer.latest_round() is not None

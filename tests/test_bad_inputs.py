@@ -843,6 +843,28 @@ CASES = [
          "available; use a smaller dim.",
          lambda ctx: with_memory(2**30, lambda: synthetic.quadratic_problem(
              2, 100_000, beta=1.0, delta=0.3, G=1.0, mu=0.1))),
+    # Found by tests/test_fuzz.py: N = 2**31 clients allocated 72 GiB before any check.
+    Case("config-num-clients-beyond-int32", "--num-clients 2147483648", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  num_clients = 2147483648 is invalid: it must be an integer in "
+         "[1, 2147483647] (client ids are int32).",
+         lambda ctx: RunConfig(dataset="synthetic", num_clients=2**31).validate()),
+    Case("synthetic-clients-beyond-memory", "Synthetic(α, β) with 10⁹ clients (1 GiB available)",
+         "synthetic.synthetic_alpha_beta", ValueError,
+         "num_clients=1000000000 with dim=60 needs 308000000000 bytes (286.8 GiB) of host memory "
+         "for at least 1000000000 examples of 60 float32 features, more than the 1073741824 "
+         "bytes (1.0 GiB) available; use fewer clients (or procedural_synthetic, which keeps "
+         "none).",
+         lambda ctx: with_memory(2**30, lambda: synthetic.synthetic_alpha_beta(
+             10**9, alpha=1.0, beta=1.0))),
+    Case("procedural-clients-beyond-memory",
+         "procedural Synthetic(α, β) with 10⁹ clients (1 GiB available)",
+         "synthetic.procedural_synthetic", ValueError,
+         "num_clients=1000000000 needs 36000000000 bytes (33.5 GiB) of host memory for the "
+         "clients' sizes, more than the 1073741824 bytes (1.0 GiB) available; use fewer "
+         "clients.",
+         lambda ctx: with_memory(2**30, lambda: synthetic.procedural_synthetic(
+             10**9, alpha=1.0, beta=1.0))),
 ]
 # fmt: on
 

@@ -340,8 +340,30 @@ def test_a_full_disk_is_one_clear_line_and_the_run_resumes_afterwards(
     assert _resume_matches(root, environment, out, reference)
 
 
+def _start(environment, out, argv):
+    """A `scaffold-jax` process writing ``out``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "scaffold_jax.cli", *argv, "--out", str(out), "--quiet"],
+        env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _kill_when(proc, out, records: int, within: float = 120) -> None:
+    """SIGKILL once ``out`` holds ``records`` records (0: two seconds in, compiling)."""
+    deadline = time.monotonic() + within
+    while _lines(out) < records:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(0.0 if records else 2.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
 def _without_timing(value):
-    """A summary or record without what measures time (it differs between any two runs)."""
+    """A summary or record without what measures time (it differs between any two runs):
+    keys naming seconds, dates, and a table's "Wall time" line."""
+    if isinstance(value, str):
+        return "\n".join(line for line in value.splitlines() if "Wall time" not in line)
     if isinstance(value, dict):
         return {
             k: _without_timing(v) for k, v in value.items()
@@ -365,25 +387,12 @@ def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, record
             "--seeds", "0", "1", "--rounds", "6", "--eval-every", "1",
             "--target", "0.5"]  # fmt: skip
 
-    def start(out, *extra):
-        return subprocess.Popen(
-            [sys.executable, "-m", "scaffold_jax.cli", *argv, "--config", str(root / "tiny.toml"),
-             "--out", str(out), "--quiet", *extra],
-            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-
-    full = start(tmp_path / "full")
+    argv += ["--config", str(root / "tiny.toml")]
+    full = _start(environment, tmp_path / "full", argv)
     assert full.wait(timeout=300) == 0, full.stderr.read()
     out = tmp_path / "killed"
-    proc = start(out)
-    deadline = time.monotonic() + 120
-    while _lines(out) < records:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.005)
-    time.sleep(0.0 if records else 2.0)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    resumed = start(out, "--resume")
+    _kill_when(_start(environment, out, argv), out, records)
+    resumed = _start(environment, out, [*argv, "--resume"])
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
 
     def comparable(folder):
@@ -410,27 +419,14 @@ def test_a_killed_table3_resumes_to_the_uninterrupted_table(env, tmp_path, recor
     summary (timing excluded) are the uninterrupted run's."""
     root, environment = env
 
-    def start(out, *extra):
-        return subprocess.Popen(
-            [sys.executable, "-m", "scaffold_jax.cli", "reproduce", "table3", "--quick",
-             "--out", str(out), "--quiet", *extra],
-            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-
+    argv = ["reproduce", "table3", "--quick"]
     full = root / "table3-full"
     if not full.exists():
-        proc = start(full)
+        proc = _start(environment, full, argv)
         assert proc.wait(timeout=600) == 0, proc.stderr.read()
     out = tmp_path / "killed"
-    proc = start(out)
-    deadline = time.monotonic() + 300
-    while _lines(out) < records:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.005)
-    time.sleep(0.0 if records else 2.0)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    resumed = start(out, "--resume")
+    _kill_when(_start(environment, out, argv), out, records, within=300)
+    resumed = _start(environment, out, [*argv, "--resume"])
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
 
     def comparable(folder):
@@ -440,7 +436,7 @@ def test_a_killed_table3_resumes_to_the_uninterrupted_table(env, tmp_path, recor
         )
         return (
             records,
-            (folder / "table3.md").read_text(),
+            _without_timing((folder / "table3.md").read_text()),
             _without_timing(results.read_summary(folder)),
         )
 

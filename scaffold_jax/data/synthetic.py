@@ -607,6 +607,11 @@ def synthetic_alpha_beta(
         raise ValueError(f"test_fraction={test_fraction} is invalid: it must be in [0, 1).")
     n, dim, num_classes = int(num_clients), int(dim), int(num_classes)
     key = jr.key(seed)
+    _check_host_memory(  # before the sizes are drawn: every client holds >= 1 example
+        n * (4 * dim + 4 + 64), f"num_clients={n} with dim={dim!r}",
+        f"at least {n} examples of {dim} float32 features",
+        "use fewer clients (or procedural_synthetic, which keeps none)",
+    )  # fmt: skip
     totals = _client_sizes(key, n, sizes, max_size)
     _check_host_memory(
         int(totals.sum()) * (4 * dim + 4), f"dim={dim!r} with num_clients={n}",
@@ -791,6 +796,9 @@ def procedural_synthetic(
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 0.")
     n = int(num_clients)
     key = jr.key(seed)
+    _check_host_memory(  # the per-client sizes (drawn as float64 normals, kept as int32)
+        n * 36, f"num_clients={n}", "the clients' sizes", "use fewer clients"
+    )
     counts = _client_sizes(key, n, sizes, max_size)
     data = ProceduralSynthetic(
         key=key,

@@ -40,6 +40,8 @@ from scaffold_jax.types import (
 )
 from scaffold_jax.weighting import WEIGHTINGS
 
+MAX_CLIENTS = 2**31 - 1  # client ids are int32
+
 
 def declared_hparams() -> dict[str, HParam]:
     """Every hyper-parameter beyond the step sizes that a registered algorithm declares
@@ -402,7 +404,10 @@ class RunConfig:
         self._validate_partition(check, errors)
         check.registered("model", self.model, MODELS)
         check.registered("sampler", self.sampler, sampling.SAMPLERS)
-        if check.integer("num_clients", self.num_clients, low=1):
+        if check.integer(
+            "num_clients", self.num_clients, low=1, high=MAX_CLIENTS,
+            what=f"an integer in [1, {MAX_CLIENTS}] (client ids are int32)",
+        ):  # fmt: skip
             if check.integer(
                 "clients_per_round",
                 self.clients_per_round,

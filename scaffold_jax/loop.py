@@ -738,12 +738,13 @@ def run(
         )
 
     simulation.check(data)
-    identity = dict(identity or {})
-    identity = {
-        **run_identity(simulation, data, hparams, seed, identity.get("data_fingerprint")),
-        **identity,
-    }
-    identity = json.loads(json.dumps(identity))
+    if checkpoint_dir is not None:  # only a checkpoint carries it (the fingerprint costs)
+        identity = dict(identity or {})
+        identity = {
+            **run_identity(simulation, data, hparams, seed, identity.get("data_fingerprint")),
+            **identity,
+        }
+        identity = json.loads(json.dumps(identity))
     layout = simulation.layout
     data = layout.place_data(data)
     if not resume:

@@ -194,8 +194,10 @@ def test_random_config_files_end_cleanly(values, suffix, tmp_path_factory):
     _check(["run", "--config", str(path)], tmp, "config")
 
 
-def test_report_how_many_were_tried():
-    """Printed with ``-s``; the counts go to the closing note of a change to the CLI."""
-    print(f"\nfuzz: {TRIED['argv']} argument lists, {TRIED['config']} config files "
-          f"in {BUDGET:.0f} s")  # fmt: skip
+def test_report_how_many_were_tried(request):
+    """Printed with ``-s`` and kept in pytest's cache (``.pytest_cache/v/scaffold_jax/fuzz``,
+    also under xdist): the counts go to the closing note of a change to the CLI."""
+    report = f"{TRIED['argv']} argument lists, {TRIED['config']} config files in {BUDGET:.0f} s"
+    print(f"\nfuzz: {report}")
+    request.config.cache.set("scaffold_jax/fuzz", report)
     assert TRIED["argv"] > 0 and TRIED["config"] > 0

@@ -111,3 +111,19 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(leaves_a, leaves_b, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def run_folder_final_state(out, rounds: int) -> list:
+    """The leaves of the newest checkpoint of a `scaffold-jax run` folder, which must be at
+    ``rounds`` (rebuilt from its config.json: what a resume must reach bit for bit)."""
+    import json
+    from pathlib import Path
+
+    from scaffold_jax import checkpoint, experiments
+
+    config = experiments.RunConfig.from_dict(json.loads((Path(out) / "config.json").read_text()))
+    built = experiments.build(config)
+    like = built.simulation.state_like(built.data.num_clients)
+    restored = checkpoint.restore_latest(Path(out) / experiments.CHECKPOINTS, like)
+    assert restored.round == rounds
+    return [np.asarray(a) for a in jax.tree.leaves(restored.state)]

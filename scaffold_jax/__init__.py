@@ -16,6 +16,7 @@ from scaffold_jax import (
     loop,
     models,
     optimizers,
+    privacy,
     sweep,
 )
 from scaffold_jax.algorithms import (
@@ -89,6 +90,7 @@ __all__ = [
     "mimelite",
     "models",
     "optimizers",
+    "privacy",
     "scaffnew",
     "scaffold",
     "sgd",

@@ -45,9 +45,16 @@ from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import CLIENT_AXIS, takes
-from scaffold_jax.sampling import Sampler, check_sampler, uniform
+from scaffold_jax.sampling import (
+    Sampler,
+    check_sampler,
+    privacy_sampling,
+    split_sample,
+    uniform,
+)
 from scaffold_jax.tree import (
     all_finite,
+    masked_mean,
     set_rows,
     sq_norm,
     take_rows,
@@ -214,10 +221,29 @@ def shared_key(round_key: jax.Array) -> jax.Array:
 
 def round_key_and_ids(key, round_index, num_clients, clients_per_round, sampler=uniform):
     """The round's key and its S client ids, drawn by ``sampler`` from the round key's
-    first stream (:mod:`scaffold_jax.sampling`)."""
+    first stream (:mod:`scaffold_jax.sampling`). A sampler of varying cohorts gives
+    ``(ids, present)`` for the ids (see :func:`~scaffold_jax.sampling.split_sample`)."""
     round_key = jr.fold_in(key, round_index)
     ids = sampler(jr.split(round_key)[0], round_index, num_clients, clients_per_round)
-    return round_key, jnp.asarray(ids, jnp.int32)
+    return round_key, (ids if isinstance(ids, tuple) else jnp.asarray(ids, jnp.int32))
+
+
+def server_key(round_key: jax.Array) -> jax.Array:
+    """The key of the server's own randomness in a round (``server_update``'s ``key=``,
+    e.g. differential privacy's noise): the round key's fourth stream, independent of the
+    sampler's, the clients' and :func:`shared_key`'s."""
+    return jr.fold_in(round_key, 3)
+
+
+def keep_absent(present: jax.Array | None, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` for the rows that take part, ``old`` for the masked-out ones."""
+    if present is None or new is None:
+        return new
+    return jax.tree.map(
+        lambda a, b: jnp.where(present.reshape(present.shape + (1,) * (a.ndim - 1)), a, b),
+        new,
+        old,
+    )
 
 
 def repeat_rounds(step: Callable, carry: PyTree, num_rounds: int, stop=None):
@@ -489,7 +515,10 @@ class Simulation:
         """
         num_clients, num_sampled = data.num_clients, self.clients_per_round
         layout = self.layout
-        round_key, ids = round_key_and_ids(key, state.round, num_clients, num_sampled, self.sampler)
+        round_key, sample = round_key_and_ids(
+            key, state.round, num_clients, num_sampled, self.sampler
+        )
+        ids, present = split_sample(sample)
         # The table is read and written with the REPLICATED ids; the clients' work is split
         # over devices by position in the sampled set (no-ops on one device).
         ids = layout.constrain(ids, "replicated")
@@ -514,10 +543,20 @@ class Simulation:
         stats_in = layout.constrain(stats_rows, "sampled")
         chunk = self.resolve_client_chunk(data)
         weights, total_weight = self.weights(data, ids)
+        if present is not None:
+            weights = jnp.where(present, weights, 0.0)
+        aggregation = {"cohort_size": jnp.float32(num_sampled), "key": server_key(round_key)}
         server_in = state.server
         if self.algorithm.pre_round is not None:
             rows_in, server_in = self.full_data_pass(
-                self.algorithm.pre_round, state.server, rows_in, work_ids, weights, data, chunk
+                self.algorithm.pre_round,
+                state.server,
+                rows_in,
+                work_ids,
+                weights,
+                data,
+                chunk,
+                {**aggregation, "hparams": hparams},
             )
 
         algorithm = self.algorithm
@@ -559,13 +598,18 @@ class Simulation:
                     "ClientOutput.model_state: pass it to local_update / local_sgd (which "
                     "return it advanced) and put that in the output."
                 )
-            stats_out = layout.constrain(outputs.model_state.value, "replicated")
+            stats_out = layout.constrain(
+                keep_absent(present, outputs.model_state.value, stats_rows), "replicated"
+            )
             if "server" in model:
                 new_model = {"server": weighted_mean(stats_out, weights)}
             else:
                 new_model = {"clients": stats_out}
             outputs = outputs._replace(model_state=None)
-        server = algorithm.server_update(hparams, server_in, outputs, total_weight)
+        # What a server update may also take: the round's expected cohort S (differential
+        # privacy divides by it, never by the realised count) and its own key.
+        extra = {k: v for k, v in aggregation.items() if takes(algorithm.server_update, k)}
+        server = algorithm.server_update(hparams, server_in, outputs, total_weight, **extra)
         server_metrics = {}
         if isinstance(server, ServerOutput):
             server, server_metrics = server
@@ -577,11 +621,21 @@ class Simulation:
 
             synced = (new_rows, layout.constrain(outputs, "sampled"))
             new_rows = over_clients(sync, synced, chunk)
-        new_rows = layout.constrain(new_rows, "replicated")
-        metrics = {k: jnp.mean(v) for k, v in outputs.metrics.items()}
-        metrics["client_ids"] = ids
+        new_rows = layout.constrain(keep_absent(present, new_rows, rows), "replicated")
+        if present is None:
+            mean = jnp.mean
+        else:
+            taking_part = present.astype(jnp.float32)
+
+            def mean(values):
+                return masked_mean(values.astype(jnp.float32), taking_part)
+
+        metrics = {k: mean(v) for k, v in outputs.metrics.items()}
+        metrics["client_ids"] = ids if present is None else jnp.where(present, ids, -1)
+        if present is not None:
+            metrics["participants"] = jnp.sum(taking_part)
         # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
-        metrics["client_drift"] = jnp.mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
+        metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
         metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
         # Whether this round's new server state is finite: the single run's divergence
         # check reports the first round where it is not (the update norm squares the
@@ -609,6 +663,22 @@ class Simulation:
         new_state = SimState(server=server, clients=clients, round=state.round + 1, model=new_model)
         return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
 
+    def report(self, hparams: Mapping[str, Any], rounds: int, num_clients: int) -> dict:
+        """The algorithm's host-side numbers for a record after ``rounds`` rounds with one
+        config's ``hparams`` (a private run's ``dp_epsilon``; ``{}`` for most)."""
+        if self.algorithm.report is None:
+            return {}
+        values = {k: float(np.asarray(v)) for k, v in hparams.items()}
+        return dict(
+            self.algorithm.report(
+                values,
+                rounds,
+                num_clients,
+                self.clients_per_round,
+                privacy_sampling(self.sampler),
+            )
+        )
+
     def client_weights(self, data) -> jax.Array:
         """Every client's weight p_i (float32 ``[N]``) under the simulation's weighting."""
         return self._weigh(data.counts.astype(jnp.float32))
@@ -621,10 +691,15 @@ class Simulation:
         weights = self.client_weights(data)
         return weights[ids], jnp.sum(weights)
 
-    def full_data_pass(self, full_pass, server, rows, ids, weights, data, chunk):
+    def full_data_pass(self, full_pass, server, rows, ids, weights, data, chunk, aggregation=None):
         """Runs a :class:`~scaffold_jax.types.FullDataPass` for clients ``ids`` (rows
         ``rows``): each on ALL its examples as one batch; returns the new rows and the
-        server state the pass's server function makes from the weighted mean message."""
+        server state the pass's server function makes from the weighted mean message.
+
+        A server function with a ``messages`` parameter gets the clients' messages and
+        weights themselves instead (``server(state, None, messages=..., weights=...)``,
+        differential privacy's aggregation), and those of the ``aggregation`` keywords
+        (``cohort_size``, ``key``, ``hparams``) it takes."""
 
         def one(client_id, row):
             batches, mask = data.client_batches(client_id, jr.key(0), FULL_DATA)
@@ -632,6 +707,9 @@ class Simulation:
             return full_pass.client(server, row, batch, mask[0])
 
         rows, messages = over_clients(one, (ids, rows), chunk)
+        if takes(full_pass.server, "messages"):
+            extra = {k: v for k, v in (aggregation or {}).items() if takes(full_pass.server, k)}
+            return rows, full_pass.server(server, None, messages=messages, weights=weights, **extra)
         return rows, full_pass.server(server, weighted_mean(messages, weights))
 
     def warm_start_fn(self, state: SimState, data) -> SimState:
@@ -856,7 +934,10 @@ class Simulation:
                 f"clients N = {num_clients}; use S <= N."
             )
         if self.algorithm.check is not None:
-            self.algorithm.check(num_clients, self.clients_per_round, self.weighting)
+            extra = {}
+            if takes(self.algorithm.check, "sampling"):
+                extra["sampling"] = privacy_sampling(self.sampler)
+            self.algorithm.check(num_clients, self.clients_per_round, self.weighting, **extra)
         if self.sampler is not uniform:
             check_sampler(self.sampler, num_clients, self.clients_per_round)
         self._check_model_state()

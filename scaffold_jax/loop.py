@@ -608,6 +608,7 @@ class _SingleRun:
     def records(self, state, metrics, round, seconds):
         del state
         entry = {"round": int(round), **{k: float(v) for k, v in metrics.items()}}
+        entry.update(self.simulation.report(self.hparams, round, self.data.num_clients))
         entry["seconds"] = seconds
         return [entry]
 

@@ -6,6 +6,13 @@ round (``key`` is the round's sampling key, ``round_index`` a traced int32), so 
 options are fixed for the program (Python values, not data). The engine checks the
 first round's ids are distinct and in range (:func:`check_sampler`).
 
+A sampler whose cohort size varies from round to round returns ``(ids, present)``
+instead: M distinct ids, M fixed for the program (the shape of the round), and a bool
+``[M]`` mask of the clients that take part. The engine runs all M rows (a fixed-size
+program) but a row whose ``present`` is False contributes nothing: zero aggregation
+weight, its client row and statistics written back unchanged, left out of the round's
+metrics (its id reads -1 in ``client_ids``). :func:`poisson` is such a sampler.
+
 A new sampler is a function plus one registration, ``SAMPLERS.register("name",
 SamplerSpec(sample, {"option": Option(...)}))``, in any module (a plugin,
 :func:`scaffold_jax.registry.load_plugins`); a config chooses it with ``sampler = "name"``
@@ -71,14 +78,100 @@ class SamplerSpec(NamedTuple):
         int32 [S]`` distinct ids.
       options: ``{name: Option}``, its declared options, passed as keywords
         (:attr:`~scaffold_jax.registry.Option.argument`, else the name).
+      privacy: how a differential-privacy accountant sees its draws: ``"fixed_size"`` (S
+        of N uniformly without replacement), ``"poisson"`` (each client independently
+        with probability S/N), or None: no accountant covers it, and a private run
+        refuses it (:mod:`scaffold_jax.privacy`).
     """
 
     sample: Callable[..., jax.Array]
     options: Mapping[str, Option] = {}
+    privacy: str | None = None
+
+
+#: The largest chance, per round, that a Poisson cohort overflows its bound that
+#: :func:`poisson` accepts. A round that overflows runs with the first ``bound`` of the
+#: drawn clients, which the privacy accounting does not cover; at 1e-9 a million-round run
+#: meets one with probability 1e-3, and the default bound (:data:`POISSON_DEFAULT_OVERFLOW`)
+#: is far below that.
+POISSON_MAX_OVERFLOW = 1e-9
+
+#: The per-round overflow probability the default bound of :func:`poisson` is sized for.
+POISSON_DEFAULT_OVERFLOW = 1e-12
+
+
+def poisson_overflow(num_clients: int, clients_per_round: int, bound: int) -> float:
+    """P(Binomial(N, S/N) > bound): the chance a round's Poisson cohort overflows."""
+    from scipy import stats  # jax's own dependency; imported here, on the host only
+
+    return float(stats.binom.sf(bound, num_clients, clients_per_round / num_clients))
+
+
+def poisson_bound(num_clients: int, clients_per_round: int, bound: int | None = None) -> int:
+    """The width M of a Poisson round: ``bound`` checked, or (None) the smallest M whose
+    per-round overflow probability is at most :data:`POISSON_DEFAULT_OVERFLOW`.
+
+    Raises:
+      ValueError: a bound whose overflow probability exceeds :data:`POISSON_MAX_OVERFLOW`,
+        naming the smallest bound that is accepted.
+    """
+    from scipy import stats
+
+    n, s = num_clients, clients_per_round
+    if bound is None:
+        return int(min(n, max(s, stats.binom.isf(POISSON_DEFAULT_OVERFLOW, n, s / n))))
+    if bound < n and poisson_overflow(n, s, bound) > POISSON_MAX_OVERFLOW:
+        least = int(min(n, stats.binom.isf(POISSON_MAX_OVERFLOW, n, s / n)))
+        raise ValueError(
+            f"poisson_bound = {bound} is too small for an expected cohort of S = {s} of "
+            f"N = {n}: a round overflows it with probability "
+            f"{poisson_overflow(n, s, bound):.1e} (> {POISSON_MAX_OVERFLOW:g}), and an "
+            f"overflowing round would drop sampled clients. Use poisson_bound >= {least}, "
+            "or leave it unset (the default bound)."
+        )
+    return int(min(bound, n))
+
+
+def poisson(key, round_index, num_clients: int, clients_per_round: int, bound=None):
+    """Poisson sampling: every client takes part independently with probability
+    q = S/N (S: the expected cohort), the sampling that user-level DP's add/remove-one
+    accounting assumes.
+
+    The round has a fixed width M (:func:`poisson_bound`; about S + 7√S by default) and
+    returns ``(ids, present)``: the cohort size k ~ Binomial(N, q) (the law of the number
+    of independent successes) and, given k, a uniform k-subset (the first k of M distinct
+    ids in a uniformly random order): together exactly the law of independent draws. The
+    M − k other rows are masked out.
+    """
+    del round_index
+    width = poisson_bound(num_clients, clients_per_round, bound)
+    count_key, ids_key, order_key = jr.split(key, 3)
+    count = jr.binomial(count_key, float(num_clients), clients_per_round / num_clients)
+    # Floyd's output is a uniform subset but not in exchangeable order: shuffle it, so
+    # its first k are a uniform k-subset.
+    ids = jr.permutation(order_key, sample_clients(ids_key, num_clients, width))
+    return ids, jnp.arange(width) < count.astype(jnp.int32)
 
 
 SAMPLERS: Registry[SamplerSpec] = Registry("client sampler")
-SAMPLERS.register("uniform", SamplerSpec(uniform))
+SAMPLERS.register("uniform", SamplerSpec(uniform, privacy="fixed_size"))
+SAMPLERS.register(
+    "poisson",
+    SamplerSpec(
+        poisson,
+        privacy="poisson",
+        options={
+            "poisson_bound": Option(
+                None,
+                "the most clients a Poisson round holds (its fixed width; default: S + ~7 "
+                "sqrt(S), overflowed with probability <= 1e-12 a round)",
+                "int",
+                low=1,
+                argument="bound",
+            )
+        },
+    ),
+)
 
 #: The sampler of a config or simulation that names none.
 DEFAULT_SAMPLER = "uniform"
@@ -88,16 +181,48 @@ def make(name: str, options: Mapping[str, Any] | None = None) -> Sampler:
     """The registered sampler ``name`` with its options (given, else their defaults)."""
     spec = SAMPLERS[name]
     values = resolve_options(spec.options, options or {})
-    return functools.partial(spec.sample, **factory_kwargs(spec.options, values))
+    sampler = functools.partial(spec.sample, **factory_kwargs(spec.options, values))
+    sampler.privacy = spec.privacy  # read by privacy_sampling
+    return sampler
+
+
+def privacy_sampling(sampler: Sampler) -> str | None:
+    """How a DP accountant sees ``sampler`` (:attr:`SamplerSpec.privacy`; the default
+    :func:`uniform` is ``"fixed_size"``), None for a sampler no accountant covers."""
+    if sampler is uniform:
+        return "fixed_size"
+    return getattr(sampler, "privacy", None)
+
+
+def split_sample(sample: Any) -> tuple[jax.Array, jax.Array | None]:
+    """A sampler's result as ``(ids, present)``; ``present`` is None when every row takes
+    part (a sampler that returns the ids alone)."""
+    if isinstance(sample, tuple):
+        ids, present = sample
+        return jnp.asarray(ids, jnp.int32), jnp.asarray(present)
+    return jnp.asarray(sample, jnp.int32), None
 
 
 def check_sampler(sampler: Sampler, num_clients: int, clients_per_round: int) -> None:
-    """Raises ValueError unless the sampler's first rounds give S distinct ids in [0, N).
+    """Raises ValueError unless the sampler's first rounds give S distinct ids in [0, N)
+    (or ``(ids, present)``: distinct ids and a bool mask of their shape).
 
     Runs it eagerly on rounds 0 and 1 (cheap: S ids), before anything is compiled.
     """
     for round_index in (0, 1):
-        ids = np.asarray(sampler(jr.key(0), jnp.int32(round_index), num_clients, clients_per_round))
+        ids, present = split_sample(
+            sampler(jr.key(0), jnp.int32(round_index), num_clients, clients_per_round)
+        )
+        ids = np.asarray(ids)
+        if present is not None:
+            present = np.asarray(present)
+            if present.dtype != np.bool_ or present.shape != ids.shape or ids.ndim != 1:
+                raise ValueError(
+                    f"the client sampler returned ids of shape {ids.shape} and a mask of "
+                    f"{present.dtype} {present.shape}; a sampler returning (ids, present) "
+                    "must give [M] integer ids and a bool [M] mask."
+                )
+            clients_per_round = ids.size
         if ids.shape != (clients_per_round,) or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(
                 f"the client sampler returned {ids.dtype} ids of shape {ids.shape}; it must "

@@ -658,6 +658,8 @@ class _Chunk:
             entry.update(
                 {k: float("nan") if diverged else float(v[a, b]) for k, v in metrics.items()}
             )
+            hparams = jax.tree.map(lambda x, a=a, b=b: x[a, b], self.hparams)
+            entry.update(self.sweep.simulation.report(hparams, round, self.data.num_clients))
             entry["seconds"] = seconds
             entry["status"] = "diverged" if diverged else "ok"
             entry["config"] = self.result.configs[j]

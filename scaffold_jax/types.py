@@ -29,12 +29,14 @@ class HParam(NamedTuple):
         > 0).
       maximum: the largest value allowed (Scaffnew's probability ``comm_prob`` <= 1), or
         None for no bound.
+      allow_inf: whether +inf is allowed (a clip norm of inf: no clipping).
     """
 
     default: float | None
     help: str = ""
     allow_zero: bool = False
     maximum: float | None = None
+    allow_inf: bool = False
 
 
 #: The step sizes every algorithm takes: η_l (no default) and η_g (1.0 in all of the
@@ -205,7 +207,8 @@ def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> 
         allow_zero = (name not in STEP_SIZES) if spec is None else spec.allow_zero
         maximum = None if spec is None else spec.maximum
         value = np.asarray(value, dtype=np.float32)
-        bad = ~np.isfinite(value) | (value < 0) | ((value == 0) & (not allow_zero))
+        finite = np.isfinite(value) | (spec is not None and spec.allow_inf) & (value == np.inf)
+        bad = ~finite | (value < 0) | ((value == 0) & (not allow_zero))
         if maximum is not None:
             bad |= value > np.float32(maximum)
         # float32 digits (0.1, not 0.10000000149011612).
@@ -377,8 +380,18 @@ class Algorithm(NamedTuple):
         identity, so a resume with another variant is refused.
       check: ``check(num_clients, clients_per_round, weighting)`` raising ValueError,
         naming the fix, for a round shape the algorithm does not support (Scaffnew needs
-        S = N); :meth:`Simulation.check <scaffold_jax.engine.Simulation.check>` calls it.
+        S = N); :meth:`Simulation.check <scaffold_jax.engine.Simulation.check>` calls it
+        (with ``sampling=``, how a privacy accountant sees the sampler, when it takes it).
         None: every shape is fine.
+      linear_aggregate: whether ``server_update`` (and a ``pre_round`` pass's server)
+        reads the clients' outputs only through weighted sums and means of their rows, so
+        that a clipped, noised sum can stand for them (:mod:`scaffold_jax.privacy`).
+        False for FedNova (each Δy_i divided by its own τ_i) and FedExP (each client's
+        ‖Δy_i‖²).
+      report: host-side numbers every evaluation record carries, ``report(hparams,
+        rounds, num_clients, clients_per_round, sampling) -> {name: float}`` with plain
+        float ``hparams`` (one config's) and ``rounds`` the rounds run so far (a private
+        run's ε). None: none.
     """
 
     name: str
@@ -392,6 +405,8 @@ class Algorithm(NamedTuple):
     client_sync: Callable[..., PyTree] | None = None
     check: Callable[[int, int, str], None] | None = None
     options: Mapping[str, Any] = {}
+    linear_aggregate: bool = True
+    report: Callable[..., Mapping[str, float]] | None = None
 
 
 class SimState(NamedTuple):

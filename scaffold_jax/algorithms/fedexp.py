@@ -143,4 +143,5 @@ def fedexp(
         server_update=server_update,
         server_params=server_params,
         hparams=HPARAMS,
+        linear_aggregate=False,
     )

@@ -112,4 +112,5 @@ def fednova(
         server_update=server_update,
         server_params=server_params,
         hparams=STEP_SIZES,
+        linear_aggregate=False,
     )

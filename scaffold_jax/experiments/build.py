@@ -12,7 +12,6 @@ import jax.random as jr
 import numpy as np
 
 from scaffold_jax import models, sampling
-from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import assembly, natural, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData
@@ -139,12 +138,13 @@ def build(
     # same when its functions are and its initial params equal.
     key = ("simulation", config.algorithm, _text(config.resolved_options()), repr(plan),
            clients_per_round, config.weighting, _text(config.resolved("weighting")),
-           config.train_eval_examples, config.sampler,
+           config.train_eval_examples, config.sampler, config.privacy,
+           _text(config.resolved("privacy")),
            _text(config.resolved("sampler")), problem.loss_fn, problem.accuracy_fn,
            problem.update_state, problem.num_classes, problem.state_policy,
            tree_digest((problem.params, problem.model_state)))  # fmt: skip
     if key not in reuse:
-        algorithm = ALGORITHMS[config.algorithm].build(problem.loss_fn, **config.resolved_options())
+        algorithm = config.build_algorithm(problem.loss_fn)
         reuse[key] = Simulation(
             algorithm,
             problem,

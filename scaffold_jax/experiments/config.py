@@ -9,6 +9,7 @@ import difflib
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from scaffold_jax.data.batching import PLANS, BatchPlan
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
 from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY
 from scaffold_jax.models import MODELS
+from scaffold_jax.privacy import ADAPTIVE_CLIP_LR, MECHANISMS, accounting
 from scaffold_jax.registry import (
     PLUGIN_HINT,
     ConfigError,
@@ -34,6 +36,7 @@ from scaffold_jax.types import (
     FLOAT32_TINY,
     STATE_POLICIES,
     STEP_SIZES,
+    Algorithm,
     HParam,
     HParams,
     resolve_hparams,
@@ -42,12 +45,16 @@ from scaffold_jax.weighting import WEIGHTINGS
 
 MAX_CLIENTS = 2**31 - 1  # client ids are int32
 
+#: The privacy mechanism a config that sets any ``dp_*`` value without naming one gets.
+DEFAULT_MECHANISM = "gaussian"
+
 
 def declared_hparams() -> dict[str, HParam]:
-    """Every hyper-parameter beyond the step sizes that a registered algorithm declares
-    (the first declaration of a name wins), read at each call: plugins may add some."""
+    """Every hyper-parameter beyond the step sizes that a registered algorithm or privacy
+    mechanism declares (the first declaration of a name wins), read at each call: plugins
+    may add some."""
     out: dict[str, HParam] = {}
-    for _, spec in ALGORITHMS.items():
+    for _, spec in [*ALGORITHMS.items(), *MECHANISMS.items()]:
         for name, hparam in spec.hparams.items():
             if name not in STEP_SIZES:
                 out.setdefault(name, hparam)
@@ -67,6 +74,7 @@ OPTION_OWNERS: dict[str, Registry] = {
     "sampler": sampling.SAMPLERS,
     "batch_plan": PLANS,
     "weighting": WEIGHTINGS,
+    "privacy": MECHANISMS,
 }
 
 
@@ -210,9 +218,17 @@ class RunConfig:
     clients_per_round: int | None = _opt(None, "clients sampled per round S", "int")
     sampler: str = _opt(
         sampling.DEFAULT_SAMPLER,
-        "which S clients take part in a round",
+        "which S clients take part in a round (uniform: S of N; poisson: each client with "
+        "probability S/N)",
         "str",
         sampling.SAMPLERS,
+    )
+    privacy: str | None = _opt(
+        None,
+        "user-level differential privacy: gaussian (each client's whole message clipped to "
+        "dp_clip, Gaussian noise on the sum; any --dp-* setting chooses it)",
+        "str",
+        MECHANISMS,
     )
     client_fraction: float | None = _opt(
         None, "fraction of clients sampled per round (default 0.2)", "float"
@@ -261,6 +277,8 @@ class RunConfig:
             else:
                 value = field.default
             setattr(self, field.name, value)
+        if self.privacy is None and _privacy_settings(self.hparams, self.options):
+            self.privacy = DEFAULT_MECHANISM
 
     def __getattr__(self, name: str) -> Any:
         # A declared option reads as an attribute: its given value, None when unset.
@@ -307,6 +325,8 @@ class RunConfig:
             ("sampler", self.sampler),
             ("weighting", self.weighting),
         ]
+        if self.privacy is not None:
+            named.append(("privacy", self.privacy))
         if self.batch_plan is None or self.batch_plan in PLANS:
             named.append(("batch_plan", self.resolved_plan_kind()))
         if not self.brings_problem:
@@ -404,6 +424,8 @@ class RunConfig:
         self._validate_partition(check, errors)
         check.registered("model", self.model, MODELS)
         check.registered("sampler", self.sampler, sampling.SAMPLERS)
+        if self.privacy is not None and check.registered("privacy", self.privacy, MECHANISMS):
+            self._validate_privacy(errors)
         if check.integer(
             "num_clients", self.num_clients, low=1, high=MAX_CLIENTS,
             what=f"an integer in [1, {MAX_CLIENTS}] (client ids are int32)",
@@ -526,7 +548,9 @@ class RunConfig:
     def _validate_hparams(self, check: _Checker, errors: list[str]) -> None:
         """The ``hparams`` table against what the algorithm declares."""
         spec = ALGORITHMS[self.algorithm]
-        declared_here, everywhere = spec.hparams, declared_hparams()
+        declared_here, everywhere = dict(spec.hparams), declared_hparams()
+        if self.privacy in MECHANISMS:
+            declared_here.update(MECHANISMS[self.privacy].hparams)
         if not check.type("hparams", self.hparams, Mapping, "a table of names and values"):
             return
         for name, value in self.hparams.items():
@@ -602,6 +626,25 @@ class RunConfig:
                     f"{name} = {value!r} does not apply to {', '.join(mine) or 'this config'}"
                     + (f": {why}." if why else f"; {fix}.")
                 )
+
+    def _validate_privacy(self, errors: list[str]) -> None:
+        """What the private algorithm refuses for this config (an algorithm that does not
+        aggregate by sums, weights, warm starts, an uncovered sampler or accountant)."""
+        if self.algorithm not in ALGORITHMS or self.sampler not in sampling.SAMPLERS:
+            return  # said by the checks of those fields
+        declared = MECHANISMS[self.privacy].options
+        if any(declared[n].error(n, v) for n, v in self.options.items() if n in declared):
+            return  # said by the options' checks
+        try:
+            algorithm = self.build_algorithm(lambda params, batch: 0.0)
+            algorithm.check(
+                self.num_clients,
+                self.resolved_clients_per_round(),
+                self.weighting,
+                sampling=sampling.SAMPLERS[self.sampler].privacy,
+            )
+        except (ValueError, TypeError) as err:
+            errors.append(f"privacy = {self.privacy!r}: {err}")
 
     @staticmethod
     def _check_declared(check: _Checker, name: str, value: Any, declared: Any) -> bool:
@@ -730,14 +773,73 @@ class RunConfig:
         """The algorithm's declared hyper-parameters: the step sizes, the ``hparams``
         table, and the declared defaults for the rest (names it does not declare left
         out)."""
-        spec = ALGORITHMS[self.algorithm]
         # Built with this config's options: they may change what it declares (FedDyn
         # with a server optimizer declares server_lr).
-        algorithm = spec.build(lambda params, batch: 0.0, **self.resolved_options())
+        algorithm = self.build_algorithm(lambda params, batch: 0.0)
         given = {k: v for k, v in self.hparams.items() if k in algorithm.hparams}
         steps = {"client_lr": self.client_lr, "server_lr": self.server_lr}
+        if self.privacy is not None:
+            given.update(self._private_hparams(given))
         # resolve_hparams drops a default step size the algorithm does not declare.
         return resolve_hparams(algorithm, {**steps, **given})
+
+    def build_algorithm(self, loss_fn) -> Algorithm:
+        """The algorithm with this config's options, wrapped by its privacy mechanism
+        when it chooses one."""
+        algorithm = ALGORITHMS[self.algorithm].build(loss_fn, **self.resolved_options())
+        if self.privacy is None:
+            return algorithm
+        spec = MECHANISMS[self.privacy]
+        options = {k: v for k, v in self.resolved("privacy").items()
+                   if spec.options[k].argument != "-"}  # fmt: skip
+        return spec.wrap(algorithm, **factory_kwargs(spec.options, options))
+
+    def privacy_sampling(self) -> accounting.Sampling:
+        """How the accountant sees this config's client sampling (N, S and the kind)."""
+        kind = sampling.SAMPLERS[self.sampler].privacy
+        if kind is None:
+            raise ConfigError(
+                f"sampler = {self.sampler!r} is not covered by any privacy accountant: a "
+                "private run needs sampler = 'uniform' (S of N without replacement) or "
+                "'poisson'."
+            )
+        return accounting.Sampling(kind, self.num_clients, self.resolved_clients_per_round())
+
+    def _private_hparams(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The privacy hyper-parameters the run-level settings fix: dp_noise_multiplier
+        calibrated from dp_epsilon for the planned rounds, adaptive clipping from
+        dp_adaptive_quantile."""
+        options, out = self.resolved("privacy"), {}
+        quantile = options.get("dp_adaptive_quantile")
+        if quantile is not None:
+            out["dp_target_quantile"] = quantile
+            out["dp_clip_lr"] = given.get("dp_clip_lr", ADAPTIVE_CLIP_LR)
+        target = options.get("dp_epsilon")
+        if target is not None and "dp_noise_multiplier" in given:
+            raise ConfigError(
+                f"dp_epsilon = {target} and dp_noise_multiplier = "
+                f"{given['dp_noise_multiplier']} are both set: give one of them (the noise "
+                "multiplier is calibrated from the target epsilon)."
+            )
+        if target is None and "dp_noise_multiplier" not in given:
+            raise ConfigError(
+                "a private run needs its noise: give dp_noise_multiplier (--dp-noise-multiplier "
+                "Z) or a target dp_epsilon (--dp-epsilon E, calibrated for the planned rounds)."
+            )
+        plan = self.privacy_sampling()
+        for warning in accounting.check_privacy_parameters(
+            delta=options.get("dp_delta"), num_clients=plan.num_clients
+        ):
+            warnings.warn(warning, UserWarning, stacklevel=2)
+        if target is not None:
+            delta = options.get("dp_delta") or accounting.default_delta(plan.num_clients)
+            try:
+                out["dp_noise_multiplier"] = accounting.calibrate(
+                    plan, self.rounds, target, delta, options.get("dp_accountant")
+                )
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        return out
 
     def resolved_options(self) -> dict[str, Any]:
         """The algorithm's factory options (``{config key: value}``, parsed, defaults
@@ -841,6 +943,14 @@ def config_reference() -> str:
             f"{' / '.join(owner_kinds)} {owners} | {text(meaning)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _privacy_settings(hparams: Any, options: Any) -> list[str]:
+    """The privacy hyper-parameters and options a config sets (any chooses a mechanism)."""
+    names = {n for _, spec in MECHANISMS.items() for n in (*spec.hparams, *spec.options)}
+    given = [*(hparams if isinstance(hparams, Mapping) else ()),
+             *(options if isinstance(options, Mapping) else ())]  # fmt: skip
+    return [n for n in given if n in names]
 
 
 def _partition_fields() -> dict[str, str]:

@@ -24,7 +24,12 @@ from scaffold_jax.types import STEP_SIZES
 CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
 #: Fields a resumed run may change: they do not change what the rounds compute or what a
 #: record measures (the data's folder may move: its fingerprint is compared instead).
-RESUMABLE_CHANGES = ("rounds", "eval_every", "targets", "out", "plugins", "data_dir", "download")
+RESUMABLE_CHANGES = (
+    "rounds", "eval_every", "targets", "out", "plugins", "data_dir", "download",
+    # Ways of fixing privacy hyper-parameters, which the resolved hparams compare: a target
+    # epsilon is a noise multiplier calibrated for the planned rounds.
+    "dp_epsilon", "dp_adaptive_quantile",
+)  # fmt: skip
 
 
 def run_identity(config: RunConfig, built: Built, fingerprint: str | None = None) -> dict:
@@ -97,8 +102,22 @@ def check_resumable(folder: Path, config: dict[str, Any]) -> None:
         if k not in RESUMABLE_CHANGES and saved.get(k) != v
     ]
     if diffs:
+        hint = ""
+        noise = ("hparams", "dp_noise_multiplier")
+        if _get(saved, noise) != _get(config, noise) and config.get("dp_epsilon") is not None:
+            hint = (
+                f" dp_epsilon calibrates the noise for the planned rounds, so other rounds "
+                f"mean other noise: to run on with the run's noise give --dp-noise-multiplier "
+                f"{_get(saved, noise)} instead of --dp-epsilon (the records then report the "
+                "epsilon spent, above the target)."
+            )
         raise ConfigError(
             f"--resume: {folder} holds another run ({'; '.join(diffs)}). Resume with the same "
             f"settings (only {', '.join(RESUMABLE_CHANGES)} may change), or start a new run "
-            "in another folder (or with --overwrite)."
+            f"in another folder (or with --overwrite).{hint}"
         )
+
+
+def _get(values: Mapping[str, Any], path: tuple[str, str]) -> Any:
+    inner = values.get(path[0])
+    return inner.get(path[1]) if isinstance(inner, Mapping) else None

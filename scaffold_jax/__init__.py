@@ -17,6 +17,7 @@ from scaffold_jax import (
     models,
     optimizers,
     privacy,
+    sampling,
     sweep,
 )
 from scaffold_jax.algorithms import (
@@ -91,6 +92,7 @@ __all__ = [
     "models",
     "optimizers",
     "privacy",
+    "sampling",
     "scaffnew",
     "scaffold",
     "sgd",

@@ -80,26 +80,45 @@ from scaffold_jax.weighting import make as make_weighting
 FULL_DATA = BatchPlan.full(1)
 
 
-def over_clients(fn: Callable, args: PyTree, chunk: int | None):
+def over_clients(fn: Callable, args: PyTree, chunk: int | None, active: jax.Array | None = None):
     """``fn`` over the leading client axis of ``args``: one ``vmap`` (named
     :data:`~scaffold_jax.local.CLIENT_AXIS`), or a ``lax.map`` over chunks of ``chunk``
-    clients, each chunk one such vmap (None: all at once)."""
+    clients, each chunk one such vmap (None: all at once).
+
+    ``active`` (bool, one per client): a chunk with no active client is skipped and gives
+    zeros (a Poisson round's padding: the caller discards those rows). Only chunks skip:
+    one vmap over all clients runs them all."""
     vmapped = jax.vmap(fn, axis_name=CLIENT_AXIS)
     if chunk is None:
         return vmapped(*args)
+
+    def each(body):
+        if active is None:
+            return lambda a: body(*a)
+
+        def run(a):
+            chunk_args, chunk_active = a
+            zeros = jax.tree.map(
+                lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(body, *chunk_args)
+            )
+            return jax.lax.cond(jnp.any(chunk_active), lambda: body(*chunk_args), lambda: zeros)
+
+        return run
+
+    mapped = args if active is None else (args, active)
     if chunk == 1:
         # Not chunks of one: that vmaps the body over an axis of one, whose batched dots
         # and convolutions XLA's CPU backend runs slower than the plain ones.
-        return jax.lax.map(lambda a: fn(*a), args)
+        return jax.lax.map(each(fn), mapped)
     # lax.map(batch_size=) would vmap the chunks without the axis name: chunk by hand.
     num = jax.tree.leaves(args)[0].shape[0]
     whole = num - num % chunk
-    head = jax.tree.map(lambda a: a[:whole].reshape(whole // chunk, chunk, *a.shape[1:]), args)
-    out = jax.lax.map(lambda a: vmapped(*a), head)
+    head = jax.tree.map(lambda a: a[:whole].reshape(whole // chunk, chunk, *a.shape[1:]), mapped)
+    out = jax.lax.map(each(vmapped), head)
     out = jax.tree.map(lambda a: a.reshape(whole, *a.shape[2:]), out)
     if whole == num:
         return out
-    tail = vmapped(*jax.tree.map(lambda a: a[whole:], args))
+    tail = each(vmapped)(jax.tree.map(lambda a: a[whole:], mapped))
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, tail)
 
 
@@ -582,10 +601,15 @@ class Simulation:
         # sorting by steps keeps the padded steps few (benchmarks/README.md, W6). Clients
         # run one at a time, or all in one vmap, gain nothing from it.
         sort = chunk is not None and chunk > 1 and self.plan.steps_vary
+        active = present
         if sort:
-            order = jnp.argsort(-self.plan.local_steps(data.counts[work_ids]), stable=True)
+            steps = self.plan.local_steps(data.counts[work_ids])
+            if present is not None:  # the masked-out rows last, in chunks of their own
+                steps = jnp.where(present, steps, -1)
+            order = jnp.argsort(-steps, stable=True)
             work = jax.tree.map(lambda a: a[order], work)
-        new_rows, outputs = over_clients(client_work, work, chunk)
+            active = None if present is None else present[order]
+        new_rows, outputs = over_clients(client_work, work, chunk, active)
         if sort:
             back = jnp.argsort(order)
             new_rows, outputs = jax.tree.map(lambda a: a[back], (new_rows, outputs))

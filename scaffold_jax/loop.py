@@ -502,8 +502,12 @@ def drive(
     return outcome("finished")
 
 
-#: Round metrics every record reports as their mean since the previous evaluation.
-RECORDED_ROUND_METRICS = ("local_loss", "client_drift")
+#: Round metrics every record reports as their mean since the previous evaluation (those a
+#: round reports: the cohort of a varying-size sampler, a private run's clip norm and the
+#: fraction of its clients clipped).
+RECORDED_ROUND_METRICS = (
+    "local_loss", "client_drift", "participants", "dp_clip_norm", "dp_clipped_fraction",
+)  # fmt: skip
 
 
 def _pending(since_record: list[dict[str, np.ndarray]]) -> dict[str, Any]:

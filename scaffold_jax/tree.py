@@ -53,8 +53,10 @@ def all_finite(tree: PyTree) -> jax.Array:
 
 
 def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
-    """``Σ_s w_s t_s / Σ_s w_s`` over the leading axis of every leaf (float32)."""
+    """``Σ_s w_s t_s / Σ_s w_s`` over the leading axis of every leaf (float32); 0 when every
+    weight is 0 (a round in which no sampled client takes part changes nothing)."""
     total = jnp.sum(weights)
+    total = jnp.where(total > 0, total, 1.0)
     return jax.tree.map(
         lambda a: jnp.tensordot(weights, a.astype(jnp.float32), axes=1) / total, stacked
     )

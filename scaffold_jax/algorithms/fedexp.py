@@ -19,7 +19,9 @@ With ``weighting="num_examples"`` both means are weighted by n_i over S:
 The paper evaluates the mean of the last two iterates, (x_t + x_{t−1}) / 2, because the
 extrapolated iterates oscillate around the optimum; ``average_last_two=True`` (an option,
 off by default) makes that the model evaluated (``server_params``), while the rounds still
-continue from x_t. A client sends Δy_i alone (its ``ClientOutput.message`` is empty).
+continue from x_t. A client sends Δy_i alone (its ``ClientOutput.message`` is empty), but
+the server reads each ‖Δy_i‖² for its step size, which a noised sum does not release: not
+for differential privacy (``Algorithm.linear_aggregate`` is False).
 
 With a server optimizer (FedOpt, Reddi et al. 2021; not part of the paper's Algorithm 1)
 η_g scales the transformation's output as for FedAvg: ``x ← x − η_g T(−Δ̄)``, with η_g

@@ -25,6 +25,10 @@ What a client sends: Δy_i and ``ClientOutput.message = {"local_steps": τ_i}`` 
 client's metrics, as for every algorithm, for the round records. So ``delta_params`` stays
 the plain Δy_i that every algorithm sends, and the engine's per-round ``client_drift``
 (mean ‖Δy_i‖) keeps its meaning for FedNova too.
+
+Not for differential privacy (``Algorithm.linear_aggregate`` is False): the server divides
+each Δy_i by that client's own τ_i before summing, which a noised sum of the messages
+cannot give (:mod:`scaffold_jax.privacy`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ An optional server optimizer (FedOpt) may transform the averaged update as for F
 is a different thing from B, which the paper keeps at the server learning rate 1.
 
 What a client sends: ∇f_i(x), as the message of the ``pre_round`` pass (before its local
-steps), and then Δy_i alone (its ``ClientOutput.message`` is empty).
+steps), and then Δy_i alone (its ``ClientOutput.message`` is empty). Under differential
+privacy each of the two is clipped to C/√2, so the pair stays within C
+(:mod:`scaffold_jax.privacy`).
 """
 
 from __future__ import annotations

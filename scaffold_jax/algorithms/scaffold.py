@@ -18,7 +18,11 @@ where W is the total weight of all N clients. With the paper's uniform weights (
 W = N) that is ``c ← c + (|S|/N) mean Δc_i``, and ``c = mean_i c_i`` holds after every
 round. With ``weighting="num_examples"`` it keeps ``c = Σ_i n_i c_i / Σ_i n_i`` instead, the
 consistent counterpart of data-size weighted model averaging. A client sends Δy_i and
-``ClientOutput.message = {"delta_control": Δc_i}``.
+``ClientOutput.message = {"delta_control": Δc_i}``. Under differential privacy
+(:func:`scaffold_jax.privacy.private`) the pair is clipped jointly and noised, so the
+server's c moves by the noised sum and no longer equals the mean of the c_i, which each
+client keeps unclipped (it never leaves the client); with Option II ‖Δc_i‖ ≈ ‖Δy_i‖ /
+(K η_l) typically dominates the pair's norm (docs/results/privacy.md).
 
 Warm-started controls (``warm_controls=True``, an option; the paper starts every control
 at 0). Before round 1 every client sets ``c_i = ∇f_i(x⁰)`` on ALL its local data and the

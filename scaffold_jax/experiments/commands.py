@@ -22,6 +22,7 @@ from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.experiments.build import build, built_summary
 from scaffold_jax.experiments.config import RunConfig, declared_options
 from scaffold_jax.experiments.runner import Cell, CellResult, Grid, run_grid
+from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.progress import Progress
 from scaffold_jax.registry import ConfigError
 from scaffold_jax.types import STEP_SIZES, format_hparams
@@ -172,17 +173,23 @@ def setting_fields() -> dict[str, str]:
 
 
 def split_axes(
-    axes: Mapping[str, Sequence[float]], algorithms: Sequence[str]
+    axes: Mapping[str, Sequence[float]],
+    algorithms: Sequence[str],
+    privacy: str | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float | int]]]:
     """``(hyper-parameter axes, setting axes)``: the names the sweep's algorithms declare
     (vmapped in one program per grid) and the data/shape settings (an outer product of
-    separate programs).
+    separate programs). With a ``privacy`` mechanism its hyper-parameters are vmapped
+    axes too, and so is ``dp_epsilon``: each target is calibrated to its noise
+    multiplier, one config each.
 
     Raises:
       ConfigError: a name that is neither (naming what it is and what to do), or an
         integer setting given a non-integer.
     """
     declared = list(dict.fromkeys(h for n in algorithms for h in ALGORITHMS[n].hparams))
+    if privacy is not None:
+        declared += [*MECHANISMS[privacy].hparams, EPSILON_AXIS]
     settings = setting_fields()
     inner, outer = {}, {}
     for name, values in axes.items():
@@ -217,6 +224,10 @@ def split_axes(
             f"shape setting: {', '.join(settings)}."
         )
     return inner, outer
+
+
+#: The axis of target epsilons, swept as the noise multipliers they calibrate to.
+EPSILON_AXIS = "dp_epsilon"
 
 
 def _setting_label(setting: Mapping[str, Any]) -> str:
@@ -259,15 +270,24 @@ def sweep_grid(
         if name not in ALGORITHMS:
             raise ConfigError(ALGORITHMS.unknown_message(name))
     algorithm_options = declared_options(("algorithm",))
+    private = MECHANISMS[given.privacy].hparams if given.privacy in MECHANISMS else {}
     for table in ("hparams", "options"):
         for key in getattr(given, table):
             if table == "options" and key not in algorithm_options:
                 continue  # a model's, partitioner's or dataset's: checked with each config
+            if table == "hparams" and key in private:
+                continue
             if not any(key in getattr(ALGORITHMS[n], table) for n in names):
                 raise ConfigError(
                     f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
                 )
-    inner, outer = split_axes(axes, names)
+    inner, outer = split_axes(axes, names, given.privacy)
+    targets = inner.pop(EPSILON_AXIS, None)
+    if targets is not None and "dp_noise_multiplier" in inner:
+        raise ConfigError(
+            "--grid dp_epsilon and --grid dp_noise_multiplier are both given: sweep one (a "
+            "target epsilon is calibrated to a noise multiplier)."
+        )
     settings = [dict(zip(outer, c, strict=True)) for c in itertools.product(*outer.values())]
     cells, setting_of = [], {}
     for setting in settings:
@@ -275,7 +295,9 @@ def sweep_grid(
             spec = ALGORITHMS[name]
             config = given.replace(
                 algorithm=name,
-                hparams={k: v for k, v in given.hparams.items() if k in spec.hparams},
+                hparams={
+                    k: v for k, v in given.hparams.items() if k in spec.hparams or k in private
+                },
                 options={
                     k: v
                     for k, v in given.options.items()
@@ -283,8 +305,18 @@ def sweep_grid(
                 },
                 **setting,
             ).validate()
+            swept = dict(inner)
+            if targets is not None:
+                # Each target epsilon as the noise it calibrates to for this cell's N, S,
+                # sampler and rounds; the cell's config holds the first.
+                noises = [
+                    float(config.replace(dp_epsilon=t).resolved_hparams()["dp_noise_multiplier"])
+                    for t in targets
+                ]
+                swept["dp_noise_multiplier"] = noises
+                config = config.replace(dp_epsilon=None, dp_noise_multiplier=noises[0])
             declared = config.resolved_hparams()
-            swept = {k: v for k, v in inner.items() if k in declared}
+            swept = {k: v for k, v in swept.items() if k in declared}
             for axis, values in swept.items():  # each value as its config would hold it
                 for value in values:
                     if axis in STEP_SIZES:

@@ -26,6 +26,10 @@ compiled round:
    multiplier z with z⁻² = z_Δ⁻² + (2σ_b)⁻², so the accountant accounts z and the update
    noise uses z_Δ (:func:`~scaffold_jax.privacy.accounting.update_noise_multiplier`).
 
+Every round reports ``dp_clip_norm`` (the C it clipped to) and ``dp_clipped_fraction`` (the
+share of its clients above C: the simulator's diagnostic, not a released value), and
+every record their means since the previous one.
+
 The noise multiplier z, the clip norm C, γ and η_C are hyper-parameters (data), so a
 sweep over them is one vmapped program and the accountant runs per config
 (:attr:`~scaffold_jax.types.Algorithm.report` puts ``dp_epsilon`` in every record).
@@ -242,8 +246,8 @@ def private(
         )
         metrics = {
             **metrics,
-            "dp_clip": hparams.dp_clip * state.clip_scale,
-            "dp_clipped": (taking_part - below) / jnp.maximum(taking_part, 1.0),
+            "dp_clip_norm": hparams.dp_clip * state.clip_scale,
+            "dp_clipped_fraction": (taking_part - below) / jnp.maximum(taking_part, 1.0),
         }
         return ServerOutput(PrivateServerState(new_inner, scale), metrics)
 

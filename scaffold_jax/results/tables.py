@@ -142,6 +142,11 @@ def csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
     return out.getvalue()
 
 
+#: Axes that set a budget rather than tune accuracy: less noise is always "best", so the
+#: edge of their grid says nothing about where an optimum lies.
+BUDGETS = ("dp_noise_multiplier",)
+
+
 def grid_edges(
     results: Mapping[str, Any] | Any, summary: Mapping[str, Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -170,7 +175,7 @@ def grid_edges(
     for key, result in _as_mapping(results).items():
         for name, value in summary[key]["best"]["hparams"].items():
             axis = sorted({c[name] for c in result.configs if name in c})
-            if len(axis) < 2 or value not in (axis[0], axis[-1]):
+            if name in BUDGETS or len(axis) < 2 or value not in (axis[0], axis[-1]):
                 continue
             edge = "smallest" if value == axis[0] else "largest"
             out.append({"series": key, "name": name, "value": value, "edge": edge, "grid": axis})

@@ -18,6 +18,13 @@ A round is one pure function ``round(hparams, state, data, key) -> (state, metri
    with the round's weights, or written back to the clients' rows
    (``Problem.state_policy``).
 
+A sampler of varying cohorts (Poisson sampling) returns ``(ids, present)``: the round keeps
+its fixed width, and a row whose ``present`` is False has weight 0, keeps its client row
+and statistics and is left out of the round's metrics (on CPU a chunk of such rows is
+skipped). ``server_update`` may also take the round's expected cohort ``cohort_size`` and
+its own ``key`` (:func:`server_key`): differential privacy's noised sum
+(:mod:`scaffold_jax.privacy`) divides by the first and draws its noise from the second.
+
 An algorithm's ``warm_start`` pass (SCAFFOLD's warm controls) runs once over all N
 clients when the initial state is built (:meth:`Simulation.warm_start_fn`).
 

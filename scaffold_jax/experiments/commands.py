@@ -131,6 +131,10 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         if loss is not None
         else where,
         f"hyper-parameters: {format_hparams(info.get('hparams', {}))}",
+        f"privacy: epsilon {final['dp_epsilon']:.4g} at delta {final['dp_delta']:.3g} after "
+        f"{info.get('last_round', 0)} rounds"
+        if "dp_epsilon" in (final := info.get("final", {})) and "dp_delta" in final
+        else None,
         f"rounds to target accuracy: {reached}" if best is not None else None,
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "

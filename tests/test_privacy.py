@@ -5,6 +5,7 @@ Poisson sampling and its padding, sweeps, resume and the accountant in the recor
 Statistical tests state their false-alarm rate; each is at most 1e-6 per test.
 """
 
+import csv
 import json
 import math
 import sys
@@ -136,10 +137,12 @@ def test_scaffold_server_sees_the_clipped_sum_of_the_reference_loop(data, proble
 
 
 # ------------------------------------------------------------------------ the noise
-def test_the_noise_on_the_mean_has_std_z_c_over_s(problem):
-    """x(z) − x(0) over the same round is ξ/S, ξ ~ N(0, (zC)²) per coordinate: its sum of
-    squares over n coordinates and draws is (zC/S)² χ²(n); rejected outside the two-sided
-    1e-6 quantiles (false alarm 1e-6). Its mean is tested too (z-test, 1e-6)."""
+NOISE_Z, NOISE_CLIP, NOISE_S = 2.0, 0.5, 4
+
+
+def _noise(make, read) -> np.ndarray:
+    """``read(server)`` after one round at z = NOISE_Z less the same round at z = 0 (same
+    key, state and data), over 30 keys, flattened: the noise that reached it alone."""
     wide = sj.models.logistic_regression((30,), 10, zero_init=False, key=jr.key(0))
     rng = np.random.default_rng(0)
     clients = [
@@ -147,23 +150,43 @@ def test_the_noise_on_the_mean_has_std_z_c_over_s(problem):
         for _ in range(12)
     ]
     data = sj.from_client_arrays(clients)
-    num_sampled, z, clip = 4, 2.0, 0.5
-    sim = sj.Simulation(private(sj.fedavg(wide.loss_fn)), wide, PLAN, num_sampled)
-    quiet = sim.resolve_hparams({"client_lr": 0.1, "dp_noise_multiplier": 0.0, "dp_clip": clip})
-    noisy = quiet.replace(dp_noise_multiplier=jnp.float32(z))
+    sim = sj.Simulation(private(make(wide.loss_fn)), wide, PLAN, NOISE_S)
+    quiet = sim.resolve_hparams(
+        {"client_lr": 0.1, "dp_noise_multiplier": 0.0, "dp_clip": NOISE_CLIP}
+    )
+    noisy = quiet.replace(dp_noise_multiplier=jnp.float32(NOISE_Z))
     diffs = []
     for draw in range(30):
         key = jr.key(draw)
         a, _ = sim.round(quiet, sim.init(data), data, key)
         b, _ = sim.round(noisy, sim.init(data), data, key)
-        for x, y in zip(*map(jax.tree.leaves, (a.server.inner, b.server.inner)), strict=True):
+        for x, y in zip(*map(jax.tree.leaves, (read(a.server), read(b.server))), strict=True):
             diffs.append(np.ravel(np.asarray(y, np.float64) - np.asarray(x, np.float64)))
-    diffs = np.concatenate(diffs)
-    n, sigma = diffs.size, z * clip / num_sampled
+    return np.concatenate(diffs)
+
+
+def _assert_normal_with_std(diffs: np.ndarray, sigma: float) -> None:
+    """Σ (d/σ)² ~ χ²(n) for n independent N(0, σ²): rejected outside the two-sided
+    quantiles of a 1e-6 false alarm; and the mean by a z-test at 1e-6."""
+    n = diffs.size
     statistic = float(np.sum((diffs / sigma) ** 2))
     low, high = stats.chi2.ppf(FALSE_ALARM / 2, n), stats.chi2.isf(FALSE_ALARM / 2, n)
     assert low < statistic < high, (statistic / n, n)
     assert abs(diffs.mean()) * math.sqrt(n) / sigma < stats.norm.isf(FALSE_ALARM / 2)
+
+
+def test_the_noise_on_the_mean_has_std_z_c_over_s():
+    """x(z) − x(0) over the same round is ξ/S, ξ ~ N(0, (zC)²) per coordinate."""
+    diffs = _noise(sj.fedavg, lambda server: server.inner)
+    _assert_normal_with_std(diffs, NOISE_Z * NOISE_CLIP / NOISE_S)
+
+
+def test_mimes_first_message_is_clipped_to_c_over_root_2_and_noised():
+    """Mime's pre-round mean gradient c (what its clients and the server's base optimizer
+    read) is noised as its own release: c(z) − c(0) is ξ/S with ξ ~ N(0, (z C/√2)²) per
+    coordinate (the pair's share of C)."""
+    diffs = _noise(sj.mime, lambda server: server.inner.control)
+    _assert_normal_with_std(diffs, NOISE_Z * NOISE_CLIP / math.sqrt(2) / NOISE_S)
 
 
 # ------------------------------------------------------------------------ Poisson sampling
@@ -353,3 +376,21 @@ def test_without_the_extra_the_message_says_how_to_install_it(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'scaffold-jax\[privacy\]'"):
         # Arguments no earlier call used: the memoised values are not asked.
         accounting.epsilon(accounting.Sampling("poisson", 101, 10), 1.2345, 5, 1e-3)
+
+
+def test_a_sweep_over_target_epsilons_calibrates_each_config(tmp_path):
+    """`sweep --grid dp_epsilon=3,8`: one config per target, each with the noise multiplier
+    calibrated for it (the same as `run --dp-epsilon`'s), each ending within 1% under it."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", *QUAD, "--rounds", "6", "--algorithms", "fedavg", "--grid",
+            "dp_epsilon=3,8", "--sampler", "poisson", "--seeds", "0", "--no-checkpoint",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = sorted(csv.DictReader((out / "sweep.csv").open()), key=lambda r: r["final_dp_epsilon"])
+    assert [r["algorithm"] for r in rows] == ["fedavg", "fedavg"]
+    for row, target in zip(rows, (3.0, 8.0), strict=True):
+        assert 0.99 * target <= float(row["final_dp_epsilon"]) <= target
+        config = RunConfig(dataset="quadratic", num_clients=50, rounds=6, sampler="poisson",
+                           algorithm="fedavg", dp_epsilon=target)  # fmt: skip
+        expected = config.validate().resolved_hparams()["dp_noise_multiplier"]
+        assert float(row["dp_noise_multiplier"]) == pytest.approx(float(expected), rel=1e-6)

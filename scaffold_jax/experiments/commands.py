@@ -20,7 +20,7 @@ from typing import Any
 from scaffold_jax import results
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.experiments.build import build, built_summary
-from scaffold_jax.experiments.config import RunConfig, declared_options
+from scaffold_jax.experiments.config import DEFAULT_MECHANISM, RunConfig, declared_options
 from scaffold_jax.experiments.runner import Cell, CellResult, Grid, run_grid
 from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.progress import Progress
@@ -274,6 +274,13 @@ def sweep_grid(
         if name not in ALGORITHMS:
             raise ConfigError(ALGORITHMS.unknown_message(name))
     algorithm_options = declared_options(("algorithm",))
+    if given.privacy is None and any(
+        name == EPSILON_AXIS or name in spec.hparams
+        for name in axes
+        for _, spec in MECHANISMS.items()
+    ):
+        # An axis of privacy settings chooses a mechanism, as a --dp-* flag does.
+        given = given.replace(privacy=DEFAULT_MECHANISM)
     private = MECHANISMS[given.privacy].hparams if given.privacy in MECHANISMS else {}
     for table in ("hparams", "options"):
         for key in getattr(given, table):

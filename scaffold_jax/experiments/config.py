@@ -907,7 +907,9 @@ def config_reference() -> str:
     ]
 
     def owners(table: str, name: str) -> str:
-        return ", ".join(f"`{n}`" for n, spec in ALGORITHMS.items() if name in getattr(spec, table))
+        mine = [f"`{n}`" for n, spec in ALGORITHMS.items() if name in getattr(spec, table)]
+        mine += [f"privacy `{n}`" for n, spec in MECHANISMS.items() if name in spec.hparams]
+        return ", ".join(mine)
 
     for name, hparam in declared_hparams().items():
         lines.append(

@@ -359,7 +359,10 @@ class Algorithm(NamedTuple):
         server_state`` (or a :class:`ServerOutput` of it and round metrics) where
         ``outputs`` carry a leading ``[S]`` axis and ``total_weight`` is the sum of the
         weights of ALL N clients (N under uniform weighting), which is what keeps
-        SCAFFOLD's ``c = Σ w_i c_i / Σ w_i`` invariant exact.
+        SCAFFOLD's ``c = Σ w_i c_i / Σ w_i`` invariant exact. One with a ``cohort_size``
+        parameter also gets the round's expected cohort S (float32), and one with a
+        ``key`` parameter the round's server key (:func:`scaffold_jax.engine.server_key`):
+        differential privacy's wrapper takes both.
       server_params: ``server_params(server_state) -> params``, the model x to evaluate.
       hparams: the hyper-parameters it reads from ``hparams``, ``{name: HParam}`` (default:
         the step sizes, :data:`STEP_SIZES`). Sweeps, configs, the command line and the

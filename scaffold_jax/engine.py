@@ -52,11 +52,13 @@ from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import CLIENT_AXIS, takes
+from scaffold_jax.participation import Participation
 from scaffold_jax.sampling import (
     Sampler,
     check_sampler,
     privacy_sampling,
     split_sample,
+    takes_availability,
     uniform,
 )
 from scaffold_jax.tree import (
@@ -174,12 +176,17 @@ ROUNDS_WHY = (
 
 
 def initial_state(
-    algorithm: Algorithm, params: PyTree, num_clients: int, problem: Problem | None = None
+    algorithm: Algorithm,
+    params: PyTree,
+    num_clients: int,
+    problem: Problem | None = None,
+    participation: Participation | None = None,
 ) -> SimState:
     """The initial :class:`SimState` as a pure (traceable) function: server state from
-    ``params``, the single-client state broadcast to a ``[N, ...]`` table, round 0, and
-    the running statistics of ``problem``'s model (when it keeps any) as its
-    ``state_policy`` says: the server's, or one copy per client."""
+    ``params``, the single-client state broadcast to a ``[N, ...]`` table, round 0, the
+    running statistics of ``problem``'s model (when it keeps any) as its
+    ``state_policy`` says: the server's, or one copy per client, and the initial state of
+    ``participation``'s availability model (when it has one)."""
 
     def table(tree):
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), tree)
@@ -191,11 +198,13 @@ def initial_state(
         model = (
             {"server": stats} if problem.state_policy == "average" else {"clients": table(stats)}
         )
+    availability = None if participation is None else participation.availability
     return SimState(
         server=jax.tree.map(jnp.asarray, server),
         clients=table(client),
         round=jnp.zeros((), jnp.int32),
         model=model,
+        participation=None if availability is None else availability.init(num_clients),
     )
 
 
@@ -205,6 +214,7 @@ def init_state(
     num_clients: int,
     layout: Any = None,
     problem: Problem | None = None,
+    participation: Participation | None = None,
 ) -> SimState:
     """:func:`initial_state`, built by one jitted program directly in ``layout``.
 
@@ -220,7 +230,7 @@ def init_state(
     layout.check_num_clients(num_clients)
 
     def build(params):
-        return initial_state(algorithm, params, num_clients, problem)
+        return initial_state(algorithm, params, num_clients, problem, participation)
 
     shardings = layout.state_shardings(jax.eval_shape(build, params))
     if jax.process_count() == 1:
@@ -245,12 +255,16 @@ def shared_key(round_key: jax.Array) -> jax.Array:
     return jr.fold_in(round_key, 2)
 
 
-def round_key_and_ids(key, round_index, num_clients, clients_per_round, sampler=uniform):
+def round_key_and_ids(
+    key, round_index, num_clients, clients_per_round, sampler=uniform, available=None
+):
     """The round's key and its S client ids, drawn by ``sampler`` from the round key's
-    first stream (:mod:`scaffold_jax.sampling`). A sampler of varying cohorts gives
+    first stream (:mod:`scaffold_jax.sampling`), among the ``available`` clients when a
+    mask is given. A sampler of varying cohorts (or one drawing among the available) gives
     ``(ids, present)`` for the ids (see :func:`~scaffold_jax.sampling.split_sample`)."""
     round_key = jr.fold_in(key, round_index)
-    ids = sampler(jr.split(round_key)[0], round_index, num_clients, clients_per_round)
+    extra = {} if available is None else {"available": available}
+    ids = sampler(jr.split(round_key)[0], round_index, num_clients, clients_per_round, **extra)
     return round_key, (ids if isinstance(ids, tuple) else jnp.asarray(ids, jnp.int32))
 
 
@@ -259,6 +273,25 @@ def server_key(round_key: jax.Array) -> jax.Array:
     e.g. differential privacy's noise): the round key's fourth stream, independent of the
     sampler's, the clients' and :func:`shared_key`'s."""
     return jr.fold_in(round_key, 3)
+
+
+#: The participation models' streams of :func:`participation_key`.
+AVAILABILITY_STREAM, STRAGGLER_STREAM, DROPOUT_STREAM = 0, 1, 2
+
+
+def participation_key(round_key: jax.Array, stream: int) -> jax.Array:
+    """The key of a participation model's draws in a round (``stream``: availability 0,
+    stragglers 1, dropouts 2): the round key's fifth stream, split by model, so none of
+    them moves the sampler's, the clients', :func:`shared_key`'s or :func:`server_key`'s
+    draws (a run without them is today's, bitwise)."""
+    return jr.fold_in(jr.fold_in(round_key, 4), stream)
+
+
+def constants_key(key: jax.Array) -> jax.Array:
+    """A key of the run that no round's key equals (the rounds fold in their index, which
+    never reaches 2³² − 1): for what a participation model fixes per client for the whole
+    run, such as a straggler's device speed."""
+    return jr.fold_in(key, np.uint32(2**32 - 1))
 
 
 def keep_absent(present: jax.Array | None, new: PyTree, old: PyTree) -> PyTree:
@@ -443,6 +476,9 @@ class Simulation:
       sampler: which S clients take part in a round, ``sampler(key, round, N, S) -> ids``
         (:mod:`scaffold_jax.sampling`; default: the paper's uniform sampling without
         replacement; ``sampling.make(name, options)`` builds a registered one).
+      participation: the clients' availability, stragglers and dropouts, a
+        :class:`~scaffold_jax.participation.Participation` (``participation.make(...)``;
+        default: every client always available, finishing its steps, never dropping).
 
     Examples:
       >>> import numpy as np, scaffold_jax as sj
@@ -472,6 +508,7 @@ class Simulation:
         evaluators: Sequence[Callable[..., Mapping[str, jax.Array]]] = DEFAULT_EVALUATORS,
         train_eval_examples: int | None = TRAIN_EVAL_EXAMPLES,
         sampler: Sampler | None = None,
+        participation: Participation | None = None,
     ):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
@@ -497,6 +534,14 @@ class Simulation:
         self.client_chunk = client_chunk
         self.layout = SingleDevice() if layout is None else layout
         self.sampler = uniform if sampler is None else sampler
+        if participation is None:
+            participation = Participation()
+        if not isinstance(participation, Participation):
+            raise TypeError(
+                "participation must be a scaffold_jax.participation.Participation (from "
+                f"participation.make(...)), got {type(participation).__name__}."
+            )
+        self.participation = participation
         self.evaluators = tuple(evaluators)
         self.train_eval_examples = (
             None
@@ -514,7 +559,7 @@ class Simulation:
         names = (
             "algorithm", "problem", "plan", "clients_per_round", "weighting",
             "weighting_options", "eval_batch_size", "client_chunk", "layout", "evaluators",
-            "train_eval_examples", "sampler",
+            "train_eval_examples", "sampler", "participation",
         )  # fmt: skip
         return type(self)(**{name: changes.get(name, getattr(self, name)) for name in names})
 
@@ -541,8 +586,18 @@ class Simulation:
         """
         num_clients, num_sampled = data.num_clients, self.clients_per_round
         layout = self.layout
+        part = self.participation
+        part_state, available, extra_metrics = state.participation, None, {}
+        if part.availability is not None:
+            part_state, available = part.availability.step(
+                part_state,
+                participation_key(jr.fold_in(key, state.round), AVAILABILITY_STREAM),
+                state.round,
+                num_clients,
+            )
+            extra_metrics["available"] = jnp.sum(available).astype(jnp.float32)
         round_key, sample = round_key_and_ids(
-            key, state.round, num_clients, num_sampled, self.sampler
+            key, state.round, num_clients, num_sampled, self.sampler, available
         )
         ids, present = split_sample(sample)
         # The table is read and written with the REPLICATED ids; the clients' work is split
@@ -568,6 +623,22 @@ class Simulation:
             model["clients"] = set_rows(model["clients"], ids, stats_rows)
         stats_in = layout.constrain(stats_rows, "sampled")
         chunk = self.resolve_client_chunk(data)
+        # The clients' local steps where chunks are sorted by them (see `sort` below): by
+        # data size under an epochs plan, each straggler's completed steps K_i <= planned,
+        # or constant when only the rows an availability model or dropouts mask out are
+        # to go last.
+        planned = None
+        masked_last = part.availability is not None or part.dropouts is not None
+        if part.stragglers is not None or (
+            chunk is not None and (self.plan.steps_vary or masked_last)
+        ):
+            planned = self.plan.local_steps(data.counts[work_ids])
+        if part.stragglers is not None:
+            # The step mask of a straggler is cut after its K_i steps (client_work), and
+            # the local loop stops there.
+            planned = part.stragglers.steps(
+                participation_key(round_key, STRAGGLER_STREAM), constants_key(key), ids, planned
+            )
         weights, total_weight = self.weights(data, ids)
         if present is not None:
             weights = jnp.where(present, weights, 0.0)
@@ -585,15 +656,30 @@ class Simulation:
                 {**aggregation, "hparams": hparams},
             )
 
+        if part.dropouts is not None:
+            # A client that drops after its local work is lost to the round: from here on
+            # it is a masked row (after the pre-round pass, which it did send). Its work
+            # could change nothing, so the chunks of dropped rows are skipped.
+            dropped = part.dropouts.dropped(participation_key(round_key, DROPOUT_STREAM), ids)
+            if present is not None:
+                dropped = dropped & present
+            extra_metrics["dropped"] = jnp.sum(dropped).astype(jnp.float32)
+            present = ~dropped if present is None else present & ~dropped
+            weights = jnp.where(present, weights, 0.0)
+
         algorithm = self.algorithm
         common = {}
         if takes(algorithm.client_update, "round_key"):
             common["round_key"] = shared_key(round_key)
 
-        def client_work(client_id, client_key, row, stats):
+        def client_work(client_id, client_key, row, stats, steps=None):
             # Batches are drawn inside each client's work so that a chunk gathers only its
             # own clients' examples (the working set stays chunk-sized).
             batches, mask = data.client_batches(client_id, client_key, self.plan)
+            if steps is not None:  # a straggler: the steps after its K_i are empty
+                done = jnp.arange(mask.shape[0]) < steps
+                done = done.reshape(done.shape + (1,) * (mask.ndim - 1))
+                mask = jnp.where(done, mask, jnp.zeros_like(mask))
             extra = dict(common)
             if state.model is not None:
                 stats = model["server"] if stats is None else stats
@@ -603,14 +689,16 @@ class Simulation:
             )
 
         work = (work_ids, keys, rows_in, stats_in)
+        if part.stragglers is not None:
+            work = (*work, layout.constrain(planned, "sampled"))
         # Clients of similar step counts side by side: a vmapped chunk's local loop runs as
         # long as its longest client (local_sgd stops after the last non-empty step), so
         # sorting by steps keeps the padded steps few (benchmarks/README.md, W6). Clients
         # run one at a time, or all in one vmap, gain nothing from it.
-        sort = chunk is not None and chunk > 1 and self.plan.steps_vary
+        sort = chunk is not None and chunk > 1 and planned is not None
         active = present
         if sort:
-            steps = self.plan.local_steps(data.counts[work_ids])
+            steps = planned
             if present is not None:  # the masked-out rows last, in chunks of their own
                 steps = jnp.where(present, steps, -1)
             order = jnp.argsort(-steps, stable=True)
@@ -665,6 +753,9 @@ class Simulation:
         metrics["client_ids"] = ids if present is None else jnp.where(present, ids, -1)
         if present is not None:
             metrics["participants"] = jnp.sum(taking_part)
+        if part.stragglers is not None:
+            metrics["steps_taken"] = mean(planned.astype(jnp.float32))
+        metrics.update(extra_metrics)
         # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
         metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
         metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
@@ -691,7 +782,13 @@ class Simulation:
         clients = set_rows(clients, ids, new_rows)
         if new_model is not None and "clients" in new_model:
             new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"])}
-        new_state = SimState(server=server, clients=clients, round=state.round + 1, model=new_model)
+        new_state = SimState(
+            server=server,
+            clients=clients,
+            round=state.round + 1,
+            model=new_model,
+            participation=part_state,
+        )
         return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
 
     def report(self, hparams: Mapping[str, Any], rounds: int, num_clients: int) -> dict:
@@ -926,7 +1023,12 @@ class Simulation:
         placed in this simulation's layout."""
         self.check(data)
         state = init_state(
-            self.algorithm, self.problem.params, data.num_clients, self.layout, self.problem
+            self.algorithm,
+            self.problem.params,
+            data.num_clients,
+            self.layout,
+            self.problem,
+            self.participation,
         )
         if self.algorithm.warm_start is None:
             return state
@@ -939,7 +1041,9 @@ class Simulation:
         what a checkpoint is restored into, already placed."""
         self.layout.check_num_clients(num_clients)
         like = jax.eval_shape(
-            lambda: initial_state(self.algorithm, self.problem.params, num_clients, self.problem)
+            lambda: initial_state(
+                self.algorithm, self.problem.params, num_clients, self.problem, self.participation
+            )
         )
         shardings = self.layout.state_shardings(like)
         if shardings is None:
@@ -968,9 +1072,12 @@ class Simulation:
             extra = {}
             if takes(self.algorithm.check, "sampling"):
                 extra["sampling"] = privacy_sampling(self.sampler)
+            if takes(self.algorithm.check, "participation"):
+                extra["participation"] = self.participation
             self.algorithm.check(num_clients, self.clients_per_round, self.weighting, **extra)
         if self.sampler is not uniform:
             check_sampler(self.sampler, num_clients, self.clients_per_round)
+        self._check_participation(num_clients)
         self._check_model_state()
         self._check_memory(data)
         counts = np.asarray(data.counts)
@@ -986,6 +1093,20 @@ class Simulation:
             )
         self._check_problem_fits(data)
         self._check_labels(data)
+
+    def _check_participation(self, num_clients: int) -> None:
+        availability = self.participation.availability
+        if availability is None:
+            return
+        availability.check(num_clients)
+        if not takes_availability(self.sampler):
+            raise ValueError(
+                f"the availability model {availability.name!r} needs a client sampler that "
+                "draws among the available clients (one that takes available=, as 'uniform' "
+                "and 'poisson' do); this sampler does not. Add an `available=None` keyword "
+                "to it (scaffold_jax.sampling.sample_available draws S of them), or use "
+                "availability = 'always'."
+            )
 
     def _check_model_state(self) -> None:
         """Refuses a model with running statistics that this simulation cannot carry."""
@@ -1018,7 +1139,9 @@ class Simulation:
         memory available for it (shapes from ``jax.eval_shape``: no allocation)."""
         num_clients = data.num_clients
         like = jax.eval_shape(
-            lambda: initial_state(self.algorithm, self.problem.params, num_clients, self.problem)
+            lambda: initial_state(
+                self.algorithm, self.problem.params, num_clients, self.problem, self.participation
+            )
         )
         table = tree_bytes(like.clients)
         mesh = getattr(self.layout, "mesh", None)

@@ -146,7 +146,8 @@ def _check_rows(what: str, size: int, mesh: Mesh) -> None:
 
 
 def state_shardings(state: SimState, mesh: Mesh) -> SimState:
-    """The shardings of a :class:`SimState`: table rows split, server and round replicated.
+    """The shardings of a :class:`SimState`: table rows split; server, round and the
+    availability state (``[N]`` bytes at most) replicated.
 
     ``state`` may hold arrays or ``jax.ShapeDtypeStruct`` s (only the structure is used).
     """
@@ -156,6 +157,7 @@ def state_shardings(state: SimState, mesh: Mesh) -> SimState:
         clients=jax.tree.map(lambda _: rows, state.clients),
         round=rep,
         model=_model_tree(state.model, rep, rows),
+        participation=jax.tree.map(lambda _: rep, state.participation),
     )
 
 

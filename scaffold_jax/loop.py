@@ -503,10 +503,12 @@ def drive(
 
 
 #: Round metrics every record reports as their mean since the previous evaluation (those a
-#: round reports: the cohort of a varying-size sampler, a private run's clip norm and the
-#: fraction of its clients clipped).
+#: round reports: the cohort of a varying-size sampler or of partial participation, the
+#: available clients, the dropped ones, the stragglers' completed steps, a private run's
+#: clip norm and the fraction of its clients clipped).
 RECORDED_ROUND_METRICS = (
-    "local_loss", "client_drift", "participants", "dp_clip_norm", "dp_clipped_fraction",
+    "local_loss", "client_drift", "participants", "available", "dropped", "steps_taken",
+    "dp_clip_norm", "dp_clipped_fraction",
 )  # fmt: skip
 
 
@@ -533,7 +535,7 @@ def run_identity(
     """What fixes a single run's trajectory; a resumed run must agree on all of it: the
     algorithm and the options it was built with, the data (N and a fingerprint of its
     arrays: ``fingerprint`` if the caller has it), plan, S, weighting, sampler, the
-    hyper-parameters and the seed.
+    participation models, the hyper-parameters and the seed.
 
     ``hparams`` holds exactly the algorithm's declared hyper-parameters (resolved)."""
     identity = {
@@ -552,6 +554,10 @@ def run_identity(
     if simulation.sampler is not uniform:
         # Only another sampler is named: identities written before samplers existed resume.
         identity["sampler"] = _describe(simulation.sampler)
+    if simulation.participation.describe():  # only then, as for the sampler
+        identity["participation"] = {
+            kind: repr(model) for kind, model in simulation.participation._asdict().items()
+        }
     return json.loads(json.dumps(identity))  # the form it has after a JSON round trip
 
 

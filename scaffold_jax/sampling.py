@@ -13,6 +13,11 @@ program) but a row whose ``present`` is False contributes nothing: zero aggregat
 weight, its client row and statistics written back unchanged, left out of the round's
 metrics (its id reads -1 in ``client_ids``). :func:`poisson` is such a sampler.
 
+A sampler that takes the keyword ``available`` (a bool ``[N]`` mask) draws only among the
+available clients when the simulation has an availability model
+(:mod:`scaffold_jax.participation`); :func:`uniform` and :func:`poisson` do, and a
+simulation with an availability model refuses a sampler that does not.
+
 A new sampler is a function plus one registration, ``SAMPLERS.register("name",
 SamplerSpec(sample, {"option": Option(...)}))``, in any module (a plugin,
 :func:`scaffold_jax.registry.load_plugins`); a config chooses it with ``sampler = "name"``
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from scaffold_jax.local import takes
 from scaffold_jax.registry import Option, Registry, factory_kwargs, resolve_options
 
 #: ``sampler(key, round_index, num_clients, clients_per_round) -> int32 [S]``.
@@ -64,9 +70,27 @@ def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> 
     return jax.lax.fori_loop(0, s, add_one, jnp.full((s,), -1, jnp.int32))
 
 
-def uniform(key, round_index, num_clients: int, clients_per_round: int) -> jax.Array:
-    """The paper's sampler: S of N uniformly without replacement, fresh every round."""
+def sample_available(key: jax.Array, available: jax.Array, width: int):
+    """``width`` distinct ids, the available clients first in a uniformly random order:
+    ``(ids, present)`` with ``present[j]`` whether ``ids[j]`` is available (the first
+    ``min(width, #available)`` rows). O(N): one uniform score per client, the top
+    ``width`` of the available ones' (ties among the unavailable fill the rest)."""
+    scores = jnp.where(available, jr.uniform(key, available.shape), -1.0)
+    _, ids = jax.lax.top_k(scores, width)
+    ids = ids.astype(jnp.int32)
+    return ids, available[ids]
+
+
+def uniform(key, round_index, num_clients: int, clients_per_round: int, available=None):
+    """The paper's sampler: S of N uniformly without replacement, fresh every round.
+
+    With an availability mask (``available``, bool ``[N]``; see
+    :mod:`scaffold_jax.participation.availability`): S of the available clients uniformly,
+    or all of them when fewer than S are (``(ids, present)``; the other rows masked out).
+    """
     del round_index  # the key is the round's already
+    if available is not None:
+        return sample_available(key, available, clients_per_round)
     return sample_clients(key, num_clients, clients_per_round)
 
 
@@ -132,7 +156,7 @@ def poisson_bound(num_clients: int, clients_per_round: int, bound: int | None = 
     return int(min(bound, n))
 
 
-def poisson(key, round_index, num_clients: int, clients_per_round: int, bound=None):
+def poisson(key, round_index, num_clients: int, clients_per_round: int, bound=None, available=None):
     """Poisson sampling: every client takes part independently with probability
     q = S/N (S: the expected cohort), the sampling that user-level DP's add/remove-one
     accounting assumes.
@@ -142,11 +166,19 @@ def poisson(key, round_index, num_clients: int, clients_per_round: int, bound=No
     of independent successes) and, given k, a uniform k-subset (the first k of M distinct
     ids in a uniformly random order): together exactly the law of independent draws. The
     M − k other rows are masked out.
+
+    With an availability mask (``available``, bool ``[N]``): each AVAILABLE client takes
+    part with probability q: k ~ Binomial(#available, q) and a uniform k-subset of them.
     """
     del round_index
     width = poisson_bound(num_clients, clients_per_round, bound)
     count_key, ids_key, order_key = jr.split(key, 3)
-    count = jr.binomial(count_key, float(num_clients), clients_per_round / num_clients)
+    q = clients_per_round / num_clients
+    if available is not None:
+        ids, _ = sample_available(ids_key, available, width)
+        count = jr.binomial(count_key, jnp.sum(available).astype(jnp.float32), q)
+        return ids, jnp.arange(width) < count.astype(jnp.int32)
+    count = jr.binomial(count_key, float(num_clients), q)
     # Floyd's output is a uniform subset but not in exchangeable order: shuffle it, so
     # its first k are a uniform k-subset.
     ids = jr.permutation(order_key, sample_clients(ids_key, num_clients, width))
@@ -184,6 +216,12 @@ def make(name: str, options: Mapping[str, Any] | None = None) -> Sampler:
     sampler = functools.partial(spec.sample, **factory_kwargs(spec.options, values))
     sampler.privacy = spec.privacy  # read by privacy_sampling
     return sampler
+
+
+def takes_availability(sampler: Sampler) -> bool:
+    """Whether ``sampler`` draws among the available clients (takes ``available=``), which
+    a simulation with an availability model needs."""
+    return takes(sampler, "available")
 
 
 def privacy_sampling(sampler: Sampler) -> str | None:

@@ -364,8 +364,14 @@ class Sweep:
             metrics = {k: jnp.where(diverged, _frozen(k, v), v) for k, v in metrics.items()}
             return SweepCarry(state, diverged, diverged_round), metrics
 
-        in_group = SweepCarry(SimState(server=0, clients=0, round=None, model=0), 0, 0)
-        per_seed = SweepCarry(SimState(server=0, clients=0, round=0, model=0), 0, 0)
+        # The round counter and the availability state are the seed's (no config moves
+        # them), shared by the configs of a seed.
+        in_group = SweepCarry(
+            SimState(server=0, clients=0, round=None, model=0, participation=None), 0, 0
+        )
+        per_seed = SweepCarry(
+            SimState(server=0, clients=0, round=0, model=0, participation=0), 0, 0
+        )
         group = jax.vmap(one_config, in_axes=(0, in_group, None), out_axes=(in_group, 0))
         step = jax.vmap(group, in_axes=(0, per_seed, 0), out_axes=(per_seed, 0))
 
@@ -382,11 +388,19 @@ class Sweep:
 
         def build(params, data):
             state = sim.warm_start_fn(
-                initial_state(sim.algorithm, params, data.num_clients, sim.problem), data
+                initial_state(
+                    sim.algorithm, params, data.num_clients, sim.problem, sim.participation
+                ),
+                data,
             )
             copies = jax.tree.map(lambda a: jnp.broadcast_to(a, shape + a.shape), state)
+            per_seed = jax.tree.map(
+                lambda a: jnp.broadcast_to(a, (num_seeds, *a.shape)), state.participation
+            )
             return SweepCarry(
-                state=copies._replace(round=jnp.zeros((num_seeds,), jnp.int32)),
+                state=copies._replace(
+                    round=jnp.zeros((num_seeds,), jnp.int32), participation=per_seed
+                ),
                 diverged=jnp.zeros(shape, bool),
                 diverged_round=jnp.full(shape, -1, jnp.int32),
             )

@@ -423,12 +423,16 @@ class SimState(NamedTuple):
         engine beside the algorithm's state: ``{"server": state}`` under the ``"average"``
         policy, ``{"clients": table}`` (every leaf ``[N, ...]``) under ``"local"``; None
         for a stateless problem.
+      participation: the availability model's state (a Markov chain's ``[N]`` on/off
+        states; :mod:`scaffold_jax.participation`), None without one. It depends on the
+        root key and the round only: a sweep keeps one per seed.
     """
 
     server: PyTree
     clients: PyTree
     round: Array
     model: PyTree = None
+    participation: PyTree = None
 
 
 #: How the running statistics of a model (BatchNorm's) are kept across clients: averaged

@@ -163,7 +163,14 @@ def scaffnew(loss_fn, server_optimizer: str | None = None) -> Algorithm:
         )
         return ScaffnewClientState(control)
 
-    def check(num_clients: int, clients_per_round: int, weighting: str) -> None:
+    def check(num_clients: int, clients_per_round: int, weighting: str, participation=None) -> None:
+        if participation is not None and participation.describe():
+            raise ValueError(
+                "Scaffnew needs every client in every round, each stopping at the shared "
+                "communication step; it cannot run with "
+                f"{' and '.join(participation.describe())}: use availability = 'always', "
+                "stragglers = 'none' and dropouts = 'none'."
+            )
         if clients_per_round != num_clients:
             raise ValueError(
                 f"Scaffnew needs every client in every round (S = N): the server's average "

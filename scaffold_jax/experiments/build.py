@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax import models, sampling
+from scaffold_jax import models, participation, sampling
 from scaffold_jax.data import assembly, natural, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData
@@ -140,7 +140,9 @@ def build(
            clients_per_round, config.weighting, _text(config.resolved("weighting")),
            config.train_eval_examples, config.sampler, config.privacy,
            _text(config.resolved("privacy")),
-           _text(config.resolved("sampler")), problem.loss_fn, problem.accuracy_fn,
+           _text(config.resolved("sampler")), config.availability, config.stragglers,
+           config.dropouts, *(_text(config.resolved(kind)) for kind in participation.KINDS),
+           problem.loss_fn, problem.accuracy_fn,
            problem.update_state, problem.num_classes, problem.state_policy,
            tree_digest((problem.params, problem.model_state)))  # fmt: skip
     if key not in reuse:
@@ -154,6 +156,7 @@ def build(
             weighting_options=config.resolved("weighting"),
             train_eval_examples=config.train_eval_examples or None,
             sampler=sampling.make(config.sampler, config.resolved("sampler")),
+            participation=config.build_participation(),
         )
     simulation = reuse[key]
     algorithm, problem = simulation.algorithm, simulation.problem

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from scaffold_jax import results
+from scaffold_jax import participation, results
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.experiments.build import build, built_summary
 from scaffold_jax.experiments.config import DEFAULT_MECHANISM, RunConfig, declared_options
@@ -155,8 +155,8 @@ NOT_AXES = {
 }
 #: Whose options shape the data and the model (what ``diagnose`` measures).
 DATA_OWNERS = ("model", "partition", "dataset")
-#: Whose numeric options are a sweep's outer (data / shape) axes.
-SETTING_OWNERS = (*DATA_OWNERS, "batch_plan")
+#: Whose numeric options are a sweep's outer (data / shape / participation) axes.
+SETTING_OWNERS = (*DATA_OWNERS, "batch_plan", *participation.KINDS)
 #: The tidy table of a sweep: one row per config × seed (results.sweep_table).
 SWEEP_CSV = "sweep.csv"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from scaffold_jax import sampling
+from scaffold_jax import participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import assembly, natural, sources, synthetic
 from scaffold_jax.data.batching import PLANS, BatchPlan
@@ -75,6 +75,7 @@ OPTION_OWNERS: dict[str, Registry] = {
     "batch_plan": PLANS,
     "weighting": WEIGHTINGS,
     "privacy": MECHANISMS,
+    **participation.KINDS,
 }
 
 
@@ -230,6 +231,26 @@ class RunConfig:
         "str",
         MECHANISMS,
     )
+    availability: str = _opt(
+        participation.DEFAULTS["availability"],
+        "which clients can be sampled in a round: always, cyclic (G groups in turn, "
+        "Semi-Cyclic SGD), markov (on/off spells), trace (a recorded log)",
+        "str",
+        participation.AVAILABILITY,
+    )
+    stragglers: str = _opt(
+        participation.DEFAULTS["stragglers"],
+        "how many of its local steps a client completes: none (all), uniform (K_i uniform "
+        "in [k_min, K]), speed (a fixed device speed times a per-round load)",
+        "str",
+        participation.STRAGGLERS,
+    )
+    dropouts: str = _opt(
+        participation.DEFAULTS["dropouts"],
+        "whose updates are lost after training: none, bernoulli (each with dropout_rate)",
+        "str",
+        participation.DROPOUTS,
+    )
     client_fraction: float | None = _opt(
         None, "fraction of clients sampled per round (default 0.2)", "float"
     )
@@ -327,6 +348,7 @@ class RunConfig:
         ]
         if self.privacy is not None:
             named.append(("privacy", self.privacy))
+        named += [(kind, getattr(self, kind)) for kind in participation.KINDS]
         if self.batch_plan is None or self.batch_plan in PLANS:
             named.append(("batch_plan", self.resolved_plan_kind()))
         if not self.brings_problem:
@@ -424,6 +446,8 @@ class RunConfig:
         self._validate_partition(check, errors)
         check.registered("model", self.model, MODELS)
         check.registered("sampler", self.sampler, sampling.SAMPLERS)
+        if all([check.registered(k, getattr(self, k), r) for k, r in participation.KINDS.items()]):
+            self._validate_participation(errors)
         if self.privacy is not None and check.registered("privacy", self.privacy, MECHANISMS):
             self._validate_privacy(errors)
         if check.integer(
@@ -627,6 +651,33 @@ class RunConfig:
                     + (f": {why}." if why else f"; {fix}.")
                 )
 
+    def build_participation(self) -> participation.Participation:
+        """The :class:`~scaffold_jax.participation.Participation` this config chooses."""
+        return participation.Participation(
+            **{
+                kind: participation.build(kind, getattr(self, kind), self.resolved(kind))
+                for kind in participation.KINDS
+            }
+        )
+
+    def _validate_participation(self, errors: list[str]) -> None:
+        """What the participation models refuse for this config (their options together,
+        a trace file that is missing or malformed)."""
+        for kind in participation.KINDS:
+            declared = OPTION_OWNERS[kind][getattr(self, kind)].options
+            if any(declared[n].error(n, v) for n, v in self.options.items() if n in declared):
+                return  # said by the options' checks
+        try:
+            built = self.build_participation()
+        except (ValueError, FileNotFoundError) as err:
+            errors.append(str(err))
+            return
+        if built.availability is not None and isinstance(self.num_clients, int):
+            try:
+                built.availability.check(self.num_clients)
+            except ValueError as err:
+                errors.append(str(err))
+
     def _validate_privacy(self, errors: list[str]) -> None:
         """What the private algorithm refuses for this config (an algorithm that does not
         aggregate by sums, weights, warm starts, an uncovered sampler or accountant)."""
@@ -636,12 +687,17 @@ class RunConfig:
         if any(declared[n].error(n, v) for n, v in self.options.items() if n in declared):
             return  # said by the options' checks
         try:
+            how = self.build_participation()
+        except (ValueError, FileNotFoundError):
+            return  # said by the participation checks
+        try:
             algorithm = self.build_algorithm(lambda params, batch: 0.0)
             algorithm.check(
                 self.num_clients,
                 self.resolved_clients_per_round(),
                 self.weighting,
                 sampling=sampling.SAMPLERS[self.sampler].privacy,
+                participation=how,
             )
         except (ValueError, TypeError) as err:
             errors.append(f"privacy = {self.privacy!r}: {err}")

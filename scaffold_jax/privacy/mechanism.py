@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 
+from scaffold_jax.local import takes
 from scaffold_jax.privacy import accounting
 from scaffold_jax.tree import sq_norm, weighted_mean
 from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParam, ServerOutput
@@ -284,9 +285,18 @@ def private(
             hparams, server_before.inner, server_after.inner, client_state, output
         )
 
-    def check(num_clients, clients_per_round, weighting, sampling=None):
+    def check(num_clients, clients_per_round, weighting, sampling=None, participation=None):
         if inner.check is not None:
-            inner.check(num_clients, clients_per_round, weighting)
+            extra = {"participation": participation} if takes(inner.check, "participation") else {}
+            inner.check(num_clients, clients_per_round, weighting, **extra)
+        if participation is not None and participation.partial:
+            raise ValueError(
+                "differential privacy's accounting assumes every sampled client is drawn by "
+                "the sampler alone and reaches the server; "
+                f"{' and '.join(participation.describe())} change who takes part, which no "
+                "accountant here covers: use availability = 'always' and dropouts = 'none' "
+                "for a private run (stragglers are fine: clipping bounds any update)."
+            )
         if weighting != "uniform":
             raise ValueError(
                 f"differential privacy needs weighting = 'uniform', not {weighting!r}: weights "

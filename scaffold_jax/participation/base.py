@@ -1,0 +1,68 @@
+"""What the three kinds of participation model share: the registry entry and the bundle
+the engine runs.
+
+A participation model is built once per simulation from its registered factory and its
+declared options; it is a frozen value whose methods are traced into the round (Python
+values, not data: changing one recompiles, as changing S does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+
+from scaffold_jax.registry import Option
+
+
+class ModelSpec(NamedTuple):
+    """A registered participation model.
+
+    Attributes:
+      build: ``build(**options) -> model``, or None for the entry that models nothing
+        (every client always available, always finishing, never dropping: today's
+        simulation, bitwise).
+      options: ``{name: Option}``, its declared options, passed to ``build`` as keywords
+        (:attr:`~scaffold_jax.registry.Option.argument`, else the name).
+    """
+
+    build: Callable[..., Any] | None
+    options: Mapping[str, Option] = {}
+
+
+class Participation(NamedTuple):
+    """The participation models of a simulation (each None: the paper's idealised client).
+
+    Attributes:
+      availability: which clients can be sampled in a round
+        (:mod:`scaffold_jax.participation.availability`); it may keep a state of its own in
+        :attr:`SimState.participation <scaffold_jax.types.SimState>`.
+      stragglers: how many of its planned local steps each sampled client completes
+        (:mod:`scaffold_jax.participation.stragglers`).
+      dropouts: which sampled clients' updates never reach the server
+        (:mod:`scaffold_jax.participation.dropouts`).
+    """
+
+    availability: Any = None
+    stragglers: Any = None
+    dropouts: Any = None
+
+    @property
+    def partial(self) -> bool:
+        """Whether a round can end with fewer clients at the server than were sampled:
+        what differential privacy's accounting and full-participation algorithms
+        (Scaffnew) refuse."""
+        return self.availability is not None or self.dropouts is not None
+
+    def describe(self) -> list[str]:
+        """The active models in words, for messages (``["availability markov", ...]``)."""
+        return [f"{kind} {model.name}" for kind, model in self._asdict().items() if model]
+
+
+def per_client_uniform(key: jax.Array, ids: jax.Array) -> jax.Array:
+    """One U[0, 1) draw per client id (float32 ``[S]``), from ``fold_in(key, id)``: what a
+    client draws depends on its id, never on its position in the sampled set."""
+    return jax.vmap(lambda i: jr.uniform(jr.fold_in(key, i)))(jnp.asarray(ids, jnp.int32))

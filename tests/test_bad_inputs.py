@@ -927,6 +927,58 @@ CASES = [
          "overflows it with probability 2.1e-01 (> 1e-09), and an overflowing round would drop "
          "sampled clients. Use poisson_bound >= 34, or leave it unset (the default bound).",
          lambda ctx: sj.sampling.poisson_bound(1000, 10, 12)),
+    # Participation models (scaffold_jax.participation).
+    Case("markov-short-off-spells", "--availability markov --availability-rate 0.8 "
+         "--mean-on-rounds 2", "RunConfig.validate", ConfigError,
+         "invalid config:\n  availability_rate = 0.8 with mean_on_rounds = 2.0 asks for "
+         "unavailable spells shorter than one round (mean 0.5): use mean_on_rounds >= 4, or a "
+         "lower availability_rate.",
+         lambda ctx: RunConfig(**DP_RUN, availability="markov", availability_rate=0.8,
+                               mean_on_rounds=2.0).validate()),
+    Case("cyclic-uneven-blocks", "--availability cyclic --cycle-groups 4 --cycle-rounds 10",
+         "RunConfig.validate", ConfigError,
+         "invalid config:\n  cycle_rounds = 10 does not split into cycle_groups = 4 equal "
+         "blocks: use a multiple of 4 (e.g. 8).",
+         lambda ctx: RunConfig(**DP_RUN, availability="cyclic", cycle_groups=4,
+                               cycle_rounds=10).validate()),
+    Case("cyclic-empty-groups", "--cycle-groups 64 for N = 50 clients", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  cycle_groups = 64 exceeds the number of clients N = 50: some "
+         "groups would be empty. Use cycle_groups <= N.",
+         lambda ctx: RunConfig(**DP_RUN, availability="cyclic", cycle_groups=64).validate()),
+    Case("trace-no-path", "--availability trace without a file", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  availability = 'trace' needs availability_trace = PATH (command "
+         "line: --availability-trace PATH), the file of the clients' availability bits.",
+         lambda ctx: RunConfig(**DP_RUN, availability="trace").validate()),
+    Case("trace-missing", "--availability-trace of a file that does not exist",
+         "RunConfig.validate", ConfigError,
+         "invalid config:\n  availability_trace = '{tmp}/devices.txt': no such file. Give the "
+         "path of a trace (.npy [clients, rounds] of 0/1, or text: one line of 0/1 per "
+         "client).",
+         lambda ctx: RunConfig(**DP_RUN, availability="trace",
+                               availability_trace=str(ctx.tmp / "devices.txt")).validate()),
+    Case("trace-too-few-clients", "a trace of 3 clients for N = 7", "Simulation.run",
+         ValueError,
+         "the availability trace {tmp}/three.txt has 3 clients (rows) but the run has N = 7: "
+         "give a trace with a row for every client, or fewer clients.",
+         lambda ctx: run(ctx, sim=simulation(ctx, participation=sj.participation.make(
+             "trace", options={"availability_trace": str(write(ctx.tmp / "three.txt",
+                                                               b"0110\n1100\n0011\n"))})))),
+    Case("dropout-rate-without-model", "--dropout-rate 0.3 without --dropouts bernoulli",
+         "RunConfig.validate", ConfigError,
+         "invalid config:\n  dropout_rate = 0.3 does not apply to dropouts = 'none'; remove it "
+         "or set dropouts = 'bernoulli'.",
+         lambda ctx: RunConfig(**DP_RUN, dropout_rate=0.3).validate()),
+    Case("dp-with-dropouts", "a private run with --dropouts bernoulli", "RunConfig.validate",
+         ConfigError,
+         "invalid config:\n  privacy = 'gaussian': differential privacy's accounting assumes "
+         "every sampled client is drawn by the sampler alone and reaches the server; with "
+         "dropouts = 'bernoulli' who takes part changes in a way no accountant here covers: "
+         "use availability = 'always' and dropouts = 'none' for a private run (stragglers are "
+         "fine: clipping bounds any update).",
+         lambda ctx: RunConfig(**DP_RUN, dropouts="bernoulli",
+                               dp_noise_multiplier=1.0).validate()),
 ]
 # fmt: on
 

@@ -18,7 +18,7 @@ PACKAGE = Path(scaffold_jax.__file__).parent
 LAYERS = [
     ["types", "tree", "registry", "compilation_cache", "resources"],
     ["local", "optimizers", "sampling", "weighting", "layout", "data"],
-    ["algorithms", "models", "privacy"],
+    ["algorithms", "models", "privacy", "participation"],
     ["engine"],
     ["checkpoint", "diagnostics"],
     ["loop"],

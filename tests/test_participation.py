@@ -423,7 +423,7 @@ def test_privacy_and_scaffnew_refuse_partial_participation(data, problem):
         alg, problem, sj.BatchPlan.fixed(3, 2), 4,
         participation=participation.make(dropouts="bernoulli"),
     )  # fmt: skip
-    with pytest.raises(ValueError, match="dropouts bernoulli change who takes part"):
+    with pytest.raises(ValueError, match="with dropouts = 'bernoulli' who takes part changes"):
         sim.init(data)
     ok = sim.replace(participation=participation.make(stragglers="uniform"))
     ok.init(data)  # stragglers are fine: clipping bounds any update

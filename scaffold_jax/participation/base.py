@@ -58,8 +58,8 @@ class Participation(NamedTuple):
         return self.availability is not None or self.dropouts is not None
 
     def describe(self) -> list[str]:
-        """The active models in words, for messages (``["availability markov", ...]``)."""
-        return [f"{kind} {model.name}" for kind, model in self._asdict().items() if model]
+        """The active models in words, for messages (``["availability = 'markov'", ...]``)."""
+        return [f"{kind} = {model.name!r}" for kind, model in self._asdict().items() if model]
 
 
 def per_client_uniform(key: jax.Array, ids: jax.Array) -> jax.Array:

@@ -292,8 +292,8 @@ def private(
         if participation is not None and participation.partial:
             raise ValueError(
                 "differential privacy's accounting assumes every sampled client is drawn by "
-                "the sampler alone and reaches the server; "
-                f"{' and '.join(participation.describe())} change who takes part, which no "
+                "the sampler alone and reaches the server; with "
+                f"{' and '.join(participation.describe())} who takes part changes in a way no "
                 "accountant here covers: use availability = 'always' and dropouts = 'none' "
                 "for a private run (stragglers are fine: clipping bounds any update)."
             )

@@ -1,0 +1,105 @@
+"""What realistic participation costs a round: W1 with every participation model off
+(today's round) and with each one on: cyclic and Markov availability, uniform and speed
+stragglers, Bernoulli dropouts, and all three kinds at once.
+
+All programs are compiled first and then timed interleaved in one process (min and median
+of ``--repeats`` calls of R rounds each), with their compile time and XLA's temp memory.
+A straggler round does less gradient work than the plain one (K_i <= K steps) and a
+dropped client's work is skipped, so those rows may run faster than the plain round; the
+ratio that bounds the models' own cost is the availability rows' (a full [N] draw and a
+top-k over N every round) and ``all`` (every model's bookkeeping at once).
+
+Examples:
+  python benchmarks/bench_participation.py --out benchmarks/results/participation.json
+  python benchmarks/bench_participation.py --quick
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.random as jr
+import numpy as np
+import workloads
+from common import engine_parser, write_json
+
+import scaffold_jax as sj
+from scaffold_jax import participation
+from scaffold_jax.types import resolve_hparams
+
+#: label -> participation.make(...) arguments (options at their declared defaults).
+VARIANTS = {
+    "plain": {},
+    "cyclic": {"availability": "cyclic"},
+    "markov": {"availability": "markov"},
+    "stragglers_uniform": {"stragglers": "uniform"},
+    "stragglers_speed": {"stragglers": "speed"},
+    "dropouts": {"dropouts": "bernoulli"},
+    "all": {"availability": "markov", "stragglers": "uniform", "dropouts": "bernoulli"},
+}
+
+
+def program(w, name, data, problem, models: dict):
+    """``(run, state, compile_s, temp_bytes)`` of R rounds of one variant."""
+    algorithm = workloads.make_algorithm(name, problem.loss_fn)
+    sim = sj.Simulation(
+        algorithm,
+        problem,
+        w.plan,
+        w.clients_per_round,
+        participation=participation.make(**models),
+    )
+    hp = resolve_hparams(algorithm, workloads.make_hparams(name))
+    state, key = sim.init(data), jr.key(0)
+    start = time.perf_counter()
+    compiled = sim.run_rounds.lower(hp, state, data, key, num_rounds=w.rounds).compile()
+    compile_s = time.perf_counter() - start
+    memory = workloads.memory_stats(compiled) or {}
+
+    def run(state):
+        return compiled(hp, state, data, key)[0]
+
+    return run, state, compile_s, memory.get("temp_size_in_bytes")
+
+
+def main(argv=None) -> dict:
+    parser = engine_parser(__doc__)
+    args = parser.parse_args(argv)
+    w = workloads.get_workload("W1", quick=args.quick)
+    data = workloads.make_data(w)
+    problem = workloads.make_problem(w)
+    print(w.describe(), flush=True)
+    rows = []
+    for name in args.algorithms:
+        programs, rounds, info = {}, {}, {}
+        for label, models in VARIANTS.items():
+            run, state, compile_s, temp = program(w, name, data, problem, models)
+            programs[label], rounds[label] = (run, state), w.rounds
+            info[label] = {"compile_s": compile_s, "temp_bytes": temp}
+        wall, _, _ = workloads._interleaved(programs, args.repeats, rounds, stateless=())
+        base, base_median = min(wall["plain"]), float(np.median(wall["plain"]))
+        for label, times in wall.items():
+            row = {
+                "algorithm": name,
+                "variant": label,
+                "ms_per_round_min": 1e3 * min(times),
+                "ms_per_round_median": 1e3 * float(np.median(times)),
+                "vs_plain": min(times) / base,
+                "vs_plain_median": float(np.median(times)) / base_median,
+                **info[label],
+            }
+            rows.append(row)
+            print(
+                f"{name:9s} {label:19s} {row['ms_per_round_min']:7.2f} ms/round (median "
+                f"{row['ms_per_round_median']:.2f}) {row['vs_plain']:5.2f}x plain (median "
+                f"{row['vs_plain_median']:.2f}x)  compile {row['compile_s']:.2f} s  temp "
+                f"{(row['temp_bytes'] or 0) / 2**20:.1f} MiB",
+                flush=True,
+            )
+    result = {"workload": w.describe(), "variants": VARIANTS, "rows": rows}
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

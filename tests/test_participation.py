@@ -347,7 +347,9 @@ def test_a_dropped_client_changes_neither_the_server_nor_its_row(data, problem, 
     sim = simulation(problem, part, name)
     state = sim.init(data)
     before = jax.tree.map(np.asarray, state)
-    after, metrics = sim.round(sim.resolve_hparams(sj.hparams(client_lr=0.2)), state, data, jr.key(0))
+    after, metrics = sim.round(
+        sim.resolve_hparams(sj.hparams(client_lr=0.2)), state, data, jr.key(0)
+    )
     assert leaves_equal(before.clients, after.clients)
     assert float(metrics["dropped"]) == 4.0 and float(metrics["participants"]) == 0.0
     assert (np.asarray(metrics["client_ids"]) == -1).all()
@@ -434,3 +436,34 @@ def test_privacy_and_scaffnew_refuse_partial_participation(data, problem):
     )  # fmt: skip
     with pytest.raises(ValueError, match="Scaffnew needs every client"):
         sim.init(data)
+
+
+# ------------------------------------------------------------------ the command line
+def test_the_command_line_runs_sweeps_resumes_and_reports_participation(tmp_path, capsys):
+    """`run` with all three kinds on: the records carry what happened, the summary line says
+    it, a resume with the same models continues and one with another model is refused;
+    `sweep --grid dropout_rate=...` runs each rate as its own setting."""
+    import json
+
+    from scaffold_jax.cli import main
+
+    quad = ["--dataset", "quadratic", "--num-clients", "20", "--eval-every", "4",
+            "--no-compile-cache"]  # fmt: skip
+    models = ["--availability", "markov", "--availability-rate", "0.5", "--stragglers",
+              "uniform", "--dropouts", "bernoulli", "--dropout-rate", "0.25"]  # fmt: skip
+    out = tmp_path / "run"
+    assert main(["run", *quad, *models, "--rounds", "4", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "participation (mean a round, since the previous evaluation):" in said
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < last["participants"] <= last["available"] and 0 <= last["dropped"] <= 4
+    assert 1 <= last["steps_taken"] <= 5
+    again = ["run", *quad, "--rounds", "8", "--out", str(out), "--resume"]
+    assert main([*again, *models[:-2], "--dropout-rate", "0.5"]) == 2  # another model: refused
+    assert "dropout_rate" in capsys.readouterr().err
+    assert main([*again, *models]) == 0
+    sweep = ["sweep", *quad, "--rounds", "4", "--dropouts", "bernoulli", "--quiet"]
+    assert main([*sweep, "--grid", "dropout_rate=0,0.5", "--out", str(tmp_path / "s")]) == 0
+    rates = {json.loads(line).get("dropout_rate")
+             for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()}  # fmt: skip
+    assert rates == {0.0, 0.5}

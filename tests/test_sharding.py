@@ -64,6 +64,14 @@ CASES = {
     # over the devices like the controls.
     # BatchNorm normalises by the std of 1-4 real examples: float32 rounding differences of
     # the summation order grow about tenfold, hence rtol 1e-4 against one device.
+    # Markov availability (an [N] chain in SimState.participation, replicated), uniform
+    # stragglers (cut step masks, chunks sorted by K_i) and dropouts (masked rows).
+    "participation_s12": dict(
+        data="federated",
+        num_clients=40,
+        clients_per_round=12,
+        participation=dict(availability="markov", stragglers="uniform", dropouts="bernoulli"),
+    ),
     "batchnorm_local_s12": dict(
         data="federated", num_clients=40, clients_per_round=12, model="batchnorm", rtol=1e-4
     ),
@@ -117,6 +125,7 @@ def build(case: dict):
         sj.BatchPlan.fixed(batch_size=4, num_steps=3),
         clients_per_round=case["clients_per_round"],
         weighting=case.get("weighting", "uniform"),
+        participation=sj.participation.make(**case.get("participation", {})),
     )
     return sim, data
 

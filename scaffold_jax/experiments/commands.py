@@ -113,6 +113,25 @@ def run(
     return outcome.summary
 
 
+#: The round metrics of partial participation, as the run summary words them.
+PARTICIPATION_WORDS = {
+    "available": "available",
+    "participants": "reached the server",
+    "dropped": "dropped",
+    "steps_taken": "local steps taken",
+}
+
+
+def _participation_line(final: Mapping[str, Any]) -> str | None:
+    """Who took part in the rounds of the last record (their means), when it says."""
+    said = [f"{final[k]:.3g} {w}" for k, w in PARTICIPATION_WORDS.items() if k in final]
+    return (
+        f"participation (mean a round, since the previous evaluation): {', '.join(said)}"
+        if said
+        else None
+    )
+
+
 def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
     """A few lines for the terminal: dataset, rounds to targets, timing, files."""
     (name, info), *_ = summary["runs"].items()
@@ -135,6 +154,7 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         f"{info.get('last_round', 0)} rounds"
         if "dp_epsilon" in (final := info.get("final", {})) and "dp_delta" in final
         else None,
+        _participation_line(final),
         f"rounds to target accuracy: {reached}" if best is not None else None,
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "

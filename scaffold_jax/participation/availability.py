@@ -46,7 +46,6 @@ import dataclasses
 from pathlib import Path
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import workloads
-from common import engine_parser, write_json
+from common import engine_parser, ratio_rows, write_json
 
 import scaffold_jax as sj
 from scaffold_jax import sampling
@@ -124,25 +124,7 @@ def main(argv=None) -> dict:
             programs[label], rounds[label] = (run, state), w.rounds
             info[label] = {"compile_s": compile_s, "temp_bytes": temp, "round_width": width}
         wall, _, _ = workloads._interleaved(programs, args.repeats, rounds, stateless=())
-        base = min(wall["plain"])
-        for label, times in wall.items():
-            row = {
-                "algorithm": name,
-                "variant": label,
-                "ms_per_round_min": 1e3 * min(times),
-                "ms_per_round_median": 1e3 * float(np.median(times)),
-                "vs_plain": min(times) / base,
-                "vs_plain_median": float(np.median(times)) / float(np.median(wall["plain"])),
-                **info[label],
-            }
-            rows.append(row)
-            print(
-                f"{name:9s} {label:14s} {row['ms_per_round_min']:7.2f} ms/round (median "
-                f"{row['ms_per_round_median']:.2f}) {row['vs_plain']:5.2f}x plain (median "
-                f"{row['vs_plain_median']:.2f}x)  width {row['round_width']:4d}  compile "
-                f"{row['compile_s']:.2f} s  temp {(row['temp_bytes'] or 0) / 2**20:.1f} MiB",
-                flush=True,
-            )
+        rows += ratio_rows(name, wall, info)
     result = {"workload": w.describe(), "dp": DP, "rows": rows}
     write_json(args.out, result)
     return result

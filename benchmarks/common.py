@@ -9,6 +9,8 @@ import resource
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 def engine_parser(doc: str) -> argparse.ArgumentParser:
     """The arguments of a script that times engine programs interleaved: ``--quick``,
@@ -44,3 +46,36 @@ def write_json(path: str | Path | None, result: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+
+
+def ratio_rows(
+    algorithm: str, wall: dict[str, list[float]], info: dict[str, dict], base: str = "plain"
+) -> list[dict]:
+    """One row per variant of ``wall`` (``{variant: seconds per round of each timed
+    call}``, interleaved): min and median ms per round and their ratios to ``base``'s,
+    with the variant's ``info`` (compile time, temp memory...); each row is printed."""
+    rows = []
+    best, median = min(wall[base]), float(np.median(wall[base]))
+    for label, times in wall.items():
+        row = {
+            "algorithm": algorithm,
+            "variant": label,
+            "ms_per_round_min": 1e3 * min(times),
+            "ms_per_round_median": 1e3 * float(np.median(times)),
+            f"vs_{base}": min(times) / best,
+            f"vs_{base}_median": float(np.median(times)) / median,
+            **info[label],
+        }
+        rows.append(row)
+        extra = "  ".join(
+            f"{k} {v / 2**20:.1f} MiB" if k.endswith("bytes") else f"{k} {v:.4g}"
+            for k, v in info[label].items()
+            if v is not None
+        )
+        print(
+            f"{algorithm:9s} {label:19s} {row['ms_per_round_min']:7.2f} ms/round (median "
+            f"{row['ms_per_round_median']:.2f}) {row[f'vs_{base}']:5.2f}x {base} (median "
+            f"{row[f'vs_{base}_median']:.2f}x)  {extra}",
+            flush=True,
+        )
+    return rows

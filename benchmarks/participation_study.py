@@ -91,7 +91,10 @@ def main(argv=None) -> None:
         folder = Path(args.results) / f"participation-{scenario}"
         picks = chosen_rows(folder)
         for algorithm, (rounds, acc) in curves(folder, picks).items():
-            ax.plot(rounds, acc, label=ALGORITHMS.get(algorithm, algorithm))
+            # FedNova is FedAvg when every client takes the same steps ((b), (d)): dashed,
+            # so that the curve under it shows.
+            style = "--" if algorithm == "fednova" else "-"
+            ax.plot(rounds, acc, style, label=ALGORITHMS.get(algorithm, algorithm))
         for algorithm in ALGORITHMS:
             if algorithm in picks:
                 lr, rounds, best = summary(picks[algorithm])

@@ -740,7 +740,8 @@ class Simulation:
 
             synced = (new_rows, layout.constrain(outputs, "sampled"))
             new_rows = over_clients(sync, synced, chunk)
-        new_rows = layout.constrain(keep_absent(present, new_rows, rows), "replicated")
+        # A masked row's new values are dropped by the scatter below (set_rows' `write`).
+        new_rows = layout.constrain(new_rows, "replicated")
         if present is None:
             mean = jnp.mean
         else:
@@ -771,7 +772,10 @@ class Simulation:
             )
         metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
         if diverged is not None:
-            finite = metrics["server_finite"] & all_finite((new_rows, new_model))
+            # Only the rows written back count (a masked row's values are discarded).
+            finite = metrics["server_finite"] & all_finite(
+                (keep_absent(present, new_rows, rows), new_model)
+            )
             keep = finite & ~diverged
             server = optax.tree.where(keep, server, state.server)
             new_rows = optax.tree.where(keep, new_rows, rows)
@@ -779,7 +783,7 @@ class Simulation:
                 kept = {"server": model["server"]} if "server" in model else {"clients": stats_rows}
                 new_model = optax.tree.where(keep, new_model, kept)
             metrics["finite"] = finite
-        clients = set_rows(clients, ids, new_rows)
+        clients = set_rows(clients, ids, new_rows, present)
         if new_model is not None and "clients" in new_model:
             new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"])}
         new_state = SimState(

@@ -21,14 +21,28 @@ def take_rows(table: PyTree, ids: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: a[ids], table)
 
 
-def set_rows(table: PyTree, ids: jax.Array, rows: PyTree) -> PyTree:
+def set_rows(
+    table: PyTree, ids: jax.Array, rows: PyTree, write: jax.Array | None = None
+) -> PyTree:
     """Writes ``rows`` (``[S, ...]``) at ``ids``; ids must be distinct.
+
+    ``write`` (bool ``[S]``): only the rows where it is True are written; the others' table
+    rows stay as they are (their ids are sent out of bounds and the scatter drops them, so
+    the old rows need not be kept alive to be written back).
 
     Inside a jit whose client table is donated, XLA performs this scatter in place: no copy
     of the ``[N, ...]`` table is made per round.
     """
+    mode, leaves = None, jax.tree.leaves(table)
+    if write is not None and leaves:
+        size = leaves[0].shape[0]
+        # Distinct out-of-bounds ids (N, N + 1, ...), so the ids stay unique.
+        ids = jnp.where(write, ids, size + jnp.arange(ids.shape[0], dtype=ids.dtype))
+        mode = "drop"
     return jax.tree.map(
-        lambda a, r: a.at[ids].set(r.astype(a.dtype), unique_indices=True), table, rows
+        lambda a, r: a.at[ids].set(r.astype(a.dtype), unique_indices=True, mode=mode),
+        table,
+        rows,
     )
 
 

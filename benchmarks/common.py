@@ -52,8 +52,11 @@ def ratio_rows(
     algorithm: str, wall: dict[str, list[float]], info: dict[str, dict], base: str = "plain"
 ) -> list[dict]:
     """One row per variant of ``wall`` (``{variant: seconds per round of each timed
-    call}``, interleaved): min and median ms per round and their ratios to ``base``'s,
-    with the variant's ``info`` (compile time, temp memory...); each row is printed."""
+    call}``, interleaved, call r of every variant in the same pass): min and median ms per
+    round, their ratios to ``base``'s, and the median of the per-pass ratios (``paired``:
+    each call against the base call of its own pass, which cancels the machine's slow
+    drifts), with the variant's ``info`` (compile time, temp memory...); each row is
+    printed."""
     rows = []
     best, median = min(wall[base]), float(np.median(wall[base]))
     for label, times in wall.items():
@@ -64,6 +67,7 @@ def ratio_rows(
             "ms_per_round_median": 1e3 * float(np.median(times)),
             f"vs_{base}": min(times) / best,
             f"vs_{base}_median": float(np.median(times)) / median,
+            f"vs_{base}_paired": float(np.median(np.divide(times, wall[base]))),
             **info[label],
         }
         rows.append(row)
@@ -75,7 +79,7 @@ def ratio_rows(
         print(
             f"{algorithm:9s} {label:19s} {row['ms_per_round_min']:7.2f} ms/round (median "
             f"{row['ms_per_round_median']:.2f}) {row[f'vs_{base}']:5.2f}x {base} (median "
-            f"{row[f'vs_{base}_median']:.2f}x)  {extra}",
+            f"{row[f'vs_{base}_median']:.2f}x, paired {row[f'vs_{base}_paired']:.2f}x)  {extra}",
             flush=True,
         )
     return rows

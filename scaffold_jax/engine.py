@@ -25,6 +25,12 @@ skipped). ``server_update`` may also take the round's expected cohort ``cohort_s
 its own ``key`` (:func:`server_key`): differential privacy's noised sum
 (:mod:`scaffold_jax.privacy`) divides by the first and draws its noise from the second.
 
+Participation models (:mod:`scaffold_jax.participation`) use the same masked rows: an
+availability model's ``[N]`` mask (its state in ``SimState.participation``) restricts the
+sampler to the available clients, a straggler's step mask is cut after its K_i steps, and
+a dropped client becomes a masked row after the pre-round pass. Their draws come from
+:func:`participation_key`, a stream of their own.
+
 An algorithm's ``warm_start`` pass (SCAFFOLD's warm controls) runs once over all N
 clients when the initial state is built (:meth:`Simulation.warm_start_fn`).
 

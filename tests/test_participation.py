@@ -65,9 +65,15 @@ def leaves_equal(a, b) -> bool:
 
 
 # ------------------------------------------------------------------ today, bitwise
+# The Poisson cases run under -m slow (tests/test_privacy.py covers that sampler's rounds).
 @pytest.mark.parametrize(
     ("name", "sampler"),
-    [("scaffold", "uniform"), ("scaffold", "poisson"), ("mime", "uniform"), ("fednova", "poisson")],
+    [
+        ("scaffold", "uniform"),
+        ("mime", "uniform"),
+        pytest.param("scaffold", "poisson", marks=pytest.mark.slow),
+        pytest.param("fednova", "poisson", marks=pytest.mark.slow),
+    ],
 )
 def test_the_default_models_are_todays_run_bitwise(data, problem, name, sampler):
     """availability 'always', stragglers 'none', dropouts 'none': the state, every record
@@ -284,12 +290,14 @@ def reference_rounds(name, problem, data, plan, sampled, hp, rounds, seed, part)
     return x, c, c_i
 
 
+# Every chunking (None: one vmap; 1: one client at a time; 2: chunks of 2 and a tail of 1);
+# the one-vmap cases run under -m slow.
 CASES = [
-    ("scaffold", "uniform", "none", None),
     ("scaffold", "speed", "bernoulli", 2),
     ("fednova", "uniform", "none", 2),
-    ("fedavg", "uniform", "bernoulli", None),
     ("scaffold", "none", "bernoulli", 1),
+    pytest.param("scaffold", "uniform", "none", None, marks=pytest.mark.slow),
+    pytest.param("fedavg", "uniform", "bernoulli", None, marks=pytest.mark.slow),
 ]
 
 

@@ -686,6 +686,11 @@ class RunConfig:
         declared = MECHANISMS[self.privacy].options
         if any(declared[n].error(n, v) for n, v in self.options.items() if n in declared):
             return  # said by the options' checks
+        if not all(
+            isinstance(getattr(self, kind), str) and getattr(self, kind) in registry
+            for kind, registry in participation.KINDS.items()
+        ):
+            return  # said by the checks of those fields
         try:
             how = self.build_participation()
         except (ValueError, FileNotFoundError):

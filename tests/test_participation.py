@@ -475,3 +475,22 @@ def test_the_command_line_runs_sweeps_resumes_and_reports_participation(tmp_path
     rates = {json.loads(line).get("dropout_rate")
              for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()}  # fmt: skip
     assert rates == {0.0, 0.5}
+
+
+def test_a_resume_after_the_trace_file_changed_is_refused(data, problem, tmp_path):
+    """The run identity holds the trace's bits (a digest), not only its path."""
+    trace = tmp_path / "devices.txt"
+    trace.write_text("\n".join(["1101", "0111", "1011"] * 4))
+    folder = tmp_path / "ckpt"
+
+    def run(rounds, **kw):
+        part = participation.make("trace", options={"availability_trace": str(trace)})
+        sim = simulation(problem, part)
+        return sim.run(
+            data, sj.hparams(client_lr=0.1), num_rounds=rounds, checkpoint_dir=folder, **kw
+        )
+
+    run(2)
+    trace.write_text("\n".join(["1111", "0111", "1011"] * 4))
+    with pytest.raises(ValueError, match="bits_sha256"):
+        run(4, resume=True)

@@ -43,6 +43,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import ClassVar
 
@@ -199,6 +200,13 @@ class Trace:
         bits = load_trace(self.path)
         object.__setattr__(self, "_bits", bits)
         object.__setattr__(self, "_packed", np.packbits(bits, axis=1))
+        # What the run replays, not only where it was read from: a run's identity holds
+        # this repr, so resuming after the file changed is refused.
+        digest = hashlib.sha256(np.ascontiguousarray(bits).tobytes() + str(bits.shape).encode())
+        object.__setattr__(self, "_digest", digest.hexdigest()[:16])
+
+    def __repr__(self) -> str:
+        return f"Trace(path={self.path!r}, bits_sha256={self._digest!r})"
 
     @property
     def bits(self) -> np.ndarray:

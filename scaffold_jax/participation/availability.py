@@ -121,7 +121,7 @@ class Markov:
     """Two-state on/off availability, independent across clients.
 
     Args:
-      rate: π, the stationary probability that a client is available, in (0, 1].
+      rate_on: π, the stationary probability that a client is available, in (0, 1].
       mean_on_rounds: the mean length of an available spell, in rounds (>= 1; the mean
         unavailable spell is then ``mean_on_rounds · (1 − π) / π``, which must be >= 1 too).
     """

@@ -21,9 +21,7 @@ def take_rows(table: PyTree, ids: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: a[ids], table)
 
 
-def set_rows(
-    table: PyTree, ids: jax.Array, rows: PyTree, write: jax.Array | None = None
-) -> PyTree:
+def set_rows(table: PyTree, ids: jax.Array, rows: PyTree, write: jax.Array | None = None) -> PyTree:
     """Writes ``rows`` (``[S, ...]``) at ``ids``; ids must be distinct.
 
     ``write`` (bool ``[S]``): only the rows where it is True are written; the others' table

@@ -446,10 +446,11 @@ class RunConfig:
         self._validate_partition(check, errors)
         check.registered("model", self.model, MODELS)
         check.registered("sampler", self.sampler, sampling.SAMPLERS)
+        how = None
         if all([check.registered(k, getattr(self, k), r) for k, r in participation.KINDS.items()]):
-            self._validate_participation(errors)
+            how = self._validate_participation(errors)
         if self.privacy is not None and check.registered("privacy", self.privacy, MECHANISMS):
-            self._validate_privacy(errors)
+            self._validate_privacy(errors, how)
         if check.integer(
             "num_clients", self.num_clients, low=1, high=MAX_CLIENTS,
             what=f"an integer in [1, {MAX_CLIENTS}] (client ids are int32)",
@@ -660,25 +661,26 @@ class RunConfig:
             }
         )
 
-    def _validate_participation(self, errors: list[str]) -> None:
+    def _validate_participation(self, errors: list[str]) -> participation.Participation | None:
         """What the participation models refuse for this config (their options together,
-        a trace file that is missing or malformed)."""
+        a trace file that is missing or malformed); the models built, None when refused."""
         for kind in participation.KINDS:
             declared = OPTION_OWNERS[kind][getattr(self, kind)].options
             if any(declared[n].error(n, v) for n, v in self.options.items() if n in declared):
-                return  # said by the options' checks
+                return None  # said by the options' checks
         try:
             built = self.build_participation()
         except (ValueError, FileNotFoundError) as err:
             errors.append(str(err))
-            return
+            return None
         if built.availability is not None and isinstance(self.num_clients, int):
             try:
                 built.availability.check(self.num_clients)
             except ValueError as err:
                 errors.append(str(err))
+        return built
 
-    def _validate_privacy(self, errors: list[str]) -> None:
+    def _validate_privacy(self, errors: list[str], how: participation.Participation | None) -> None:
         """What the private algorithm refuses for this config (an algorithm that does not
         aggregate by sums, weights, warm starts, an uncovered sampler or accountant)."""
         if self.algorithm not in ALGORITHMS or self.sampler not in sampling.SAMPLERS:
@@ -686,14 +688,7 @@ class RunConfig:
         declared = MECHANISMS[self.privacy].options
         if any(declared[n].error(n, v) for n, v in self.options.items() if n in declared):
             return  # said by the options' checks
-        if not all(
-            isinstance(getattr(self, kind), str) and getattr(self, kind) in registry
-            for kind, registry in participation.KINDS.items()
-        ):
-            return  # said by the checks of those fields
-        try:
-            how = self.build_participation()
-        except (ValueError, FileNotFoundError):
+        if how is None:
             return  # said by the participation checks
         try:
             algorithm = self.build_algorithm(lambda params, batch: 0.0)

@@ -291,7 +291,9 @@ class Checkpointer:
             self._remove_partial_saves()
         _barrier("open")
         # The directory and the folders above it, as they are (see _check_place and
-        # _undo_recreated).
+        # _undo_recreated). Each is held open: a deleted folder's inode number is then
+        # never reused, so a folder recreated at its path can never pass for it.
+        self._pins = [_pin(p) for p in (self.directory, *self.directory.parents)]
         self._chain = [(p, _place_of(p)) for p in (self.directory, *self.directory.parents)]
         self._place = self._chain[0][1]
         options = ocp.CheckpointManagerOptions(
@@ -315,13 +317,19 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for orbax to finish and releases its threads."""
-        for close in (self._manager.close, self._arrays_handler.close):
-            try:
-                close()
-            except Exception:
-                if not self._failed:
-                    raise
-                # After a failed save orbax may report that error again: said already.
+        try:
+            for close in (self._manager.close, self._arrays_handler.close):
+                try:
+                    close()
+                except Exception:
+                    if not self._failed:
+                        raise
+                    # After a failed save orbax may report that error again: said already.
+        finally:
+            for fd in self._pins:
+                if fd is not None:
+                    os.close(fd)
+            self._pins = []
 
     # ------------------------------------------------------------------ listing
     def rounds(self) -> list[int]:
@@ -692,6 +700,14 @@ def latest_extra(directory: str | os.PathLike) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------- failed saves
+def _pin(directory: Path) -> int | None:
+    """An open descriptor of the directory (None where it cannot be opened)."""
+    try:
+        return os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return None
+
+
 def _place_of(directory: Path) -> tuple[int, int] | None:
     """The directory's (device, inode), None if it cannot be read."""
     try:

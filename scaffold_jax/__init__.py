@@ -100,3 +100,16 @@ __all__ = [
     "sgd",
     "sweep",
 ]
+
+#: Sub-packages imported on first use, as attributes (``sj.results.TensorBoardSink``,
+#: ``sj.experiments.RunConfig``): the layers above the simulator, which a script of the API
+#: need not load at ``import scaffold_jax``.
+_LAZY_SUBMODULES = ("compilation_cache", "experiments", "paper", "progress", "results")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

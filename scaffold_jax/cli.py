@@ -16,14 +16,20 @@ Commands:
 Progress (loading, each compilation with its time, a bar with rate and ETA) goes to
 stderr, as plain lines when stderr is not a terminal; ``--quiet`` silences it.
 
-``--plugin MODULE_OR_FILE.py`` (repeatable; config key ``plugins``) imports a module that
-registers algorithms, models, datasets or partitioners before the parser is built, so
-their declared hyper-parameters and options have flags; ``--set NAME=VALUE`` sets any
-field or declared name.
+``--plugin MODULE_OR_FILE.py`` (repeatable, before or after the command; config key
+``plugins``) imports a module that registers algorithms, models, datasets or partitioners
+before the parser is built, so their declared hyper-parameters and options have flags;
+``--set NAME=VALUE`` sets any field or declared name. An unknown flag is refused in one
+line that names the closest flag of the command (``--client_lr``: did you mean
+``--client-lr``?).
 
 Each run writes its output folder (see :mod:`scaffold_jax.results`): ``config.json``,
 ``metrics.jsonl``, ``summary.json``, ``metrics.csv`` and plots; a folder that already
-holds a run is refused unless ``--overwrite``.
+holds a run is refused unless ``--overwrite``. Without ``--out`` (or a config's ``out``)
+the folder is ``results/<algorithm>-<dataset>-<digest>`` (``sweep-...``, ``diagnose-...``),
+the digest that of the settings a resume compares
+(:func:`scaffold_jax.experiments.commands.default_folder`): the same command, ``--resume``
+included, finds its folder again, and different commands never share one.
 
 Exit status: 0 success; 1 a run that could not start or did not finish although its
 arguments were valid (missing data, an occupied or full folder, divergence); 2 invalid
@@ -51,12 +57,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from scaffold_jax import compilation_cache
+from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.experiments import DIAGNOSE_FIELDS, ConfigError, RunConfig
 from scaffold_jax.experiments.commands import DATA_OWNERS
 from scaffold_jax.loop import RunTerminated, sigterm_exits
@@ -71,24 +79,49 @@ def _flag(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``scaffold-jax`` (run, reproduce)."""
+    """The argument parser of ``scaffold-jax`` (run, reproduce, sweep, diagnose)."""
+    return _build_parsers()[0]
+
+
+def _algorithm_names() -> str:
+    """Every registered algorithm (plugins' too) as tables name it: "SCAFFOLD, FedAvg ..."."""
+    *names, last = [spec.display_name for _, spec in ALGORITHMS.items()]
+    return f"{', '.join(names)} and {last}" if names else last
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The argument parser and its commands' parsers by name."""
     parser = argparse.ArgumentParser(
         prog="scaffold-jax",
-        description="Simulate SCAFFOLD, FedAvg, FedProx and large-batch SGD in JAX, and "
-        "reproduce the experiments of Karimireddy et al., 'SCAFFOLD: Stochastic Controlled "
-        "Averaging for Federated Learning' (ICML 2020).",
+        description="Simulate federated learning in JAX with every registered algorithm "
+        f"({_algorithm_names()}) and reproduce the experiments of Karimireddy et al., "
+        "'SCAFFOLD: Stochastic Controlled Averaging for Federated Learning' (ICML 2020).",
         epilog="Run 'scaffold-jax <command> --help' for a command's options.",
+    )
+    # Before the command too (`scaffold-jax --plugin X run ...`); merged with the command's.
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        dest="plugins_first",
+        help="import a module (dotted name or .py file) that registers algorithms, models, "
+        "datasets... before the command's flags are made; repeatable, here or after the "
+        "command",
     )
     commands = parser.add_subparsers(dest="command", metavar="command", required=True)
 
     run = commands.add_parser(
         "run",
         help="one experiment from flags or a config file",
-        description="Run one federated experiment. Settings come from --config (TOML or "
+        description="Run one federated experiment with any registered algorithm "
+        f"(--algorithm: {', '.join(ALGORITHMS)}). Settings come from --config (TOML or "
         "JSON, top-level keys named like the flags with underscores) and are overridden "
         "by flags. Unset partition / batch-plan / sampling fields take the paper's "
         "defaults: 0% similarity, batches of 0.2 of the client's data for 1 epoch "
-        "(SGD: one full-batch step), 20% of clients per round.",
+        "(SGD: one full-batch step), 20% of clients per round. Without --out the folder "
+        "is results/<algorithm>-<dataset>-<digest of the settings>: the same command "
+        "(--resume too) finds it again.",
     )
     _config_flags(run)
     _common(run, out=False)  # --out is a RunConfig field, added above
@@ -174,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithms",
         nargs="+",
         metavar="NAME",
-        help="algorithms to sweep, each its own programs, the axes it declares [default: "
-        "--algorithm]",
+        help=f"algorithms to sweep ({' | '.join(ALGORITHMS)}), each its own programs, the "
+        "axes it declares [default: --algorithm]",
     )
     sw.add_argument(
         "--lr-grid",
@@ -245,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--num-iters", type=int, default=30, help="power iterations [30]")
     diag.add_argument(
         "--out", help="output folder: diagnose.json, gradient_fit.png, summary.json "
-        "[default: results/diagnose-<dataset>]"
+        "[default: results/diagnose-<dataset>-<digest of the settings>]"
     )  # fmt: skip
     diag.add_argument(
         "--overwrite", action="store_true", help="replace an output folder that holds a run"
@@ -253,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument(
         "--quiet", action="store_true", help="print nothing (the output folder is still written)"
     )
-    return parser
+    return parser, dict(commands.choices)
 
 
 #: Whose declared options mean something to ``diagnose`` (not the algorithms').
@@ -580,6 +613,64 @@ def _reproduce_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The parsed arguments, the ``--plugin`` s given before the command first.
+
+    Raises:
+      ConfigError: an unknown flag or a stray argument (argparse's own errors, a missing
+        command or a bad value, exit with its message and status 2).
+    """
+    parser, commands = _build_parsers()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ConfigError(_unknown_arguments(args.command, commands, unknown))
+    args.plugin = [*args.plugins_first, *args.plugin]
+    return args
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
+def _unknown_arguments(
+    command: str, commands: dict[str, argparse.ArgumentParser], unknown: Sequence[str]
+) -> str:
+    """One line naming each unknown flag of ``command`` with the closest one it has (a
+    flag spelled with underscores, ``--client_lr``, is its dashed form), or the commands
+    that have it; and each stray argument (the values after an unknown flag are its own)."""
+    own = _options(commands[command])
+    said, after_flag = [], False
+    for token in unknown:
+        if not token.startswith("-") or _is_number(token):
+            if not after_flag:
+                said.append(f"unexpected argument {token!r}")
+            continue
+        after_flag = True
+        flag = token.split("=", 1)[0]
+        dashed = "--" + flag.lstrip("-").replace("_", "-")
+        if dashed in own:
+            said.append(f"unknown flag {flag} (did you mean {dashed}?)")
+            continue
+        # Compared without the dashes every flag shares, which would make '--foo' close
+        # to '--out'.
+        close = difflib.get_close_matches(dashed[2:], [o[2:] for o in own], n=1, cutoff=0.7)
+        hints = [f"did you mean --{close[0]}?"] if close else []
+        others = [name for name, p in commands.items() if name != command and dashed in _options(p)]
+        if others:
+            *rest, last = others
+            hints.append(f"{dashed} is a flag of {', '.join(rest)}{' and ' if rest else ''}{last}")
+        said.append(f"unknown flag {flag}" + (f" ({' '.join(hints)})" if hints else ""))
+    return f"{command}: {', '.join(said)}. See 'scaffold-jax {command} --help'."
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
 def _preload_plugins(argv: Sequence[str]) -> None:
     """Imports the ``--plugin`` modules before the parser is built, so that what they
     register (an algorithm's hyper-parameters, say) has its flags."""
@@ -597,7 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # The plugins first: what they register has flags (and a broken one says so).
         _preload_plugins(argv)
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
         if not getattr(args, "no_compile_cache", False):
             compilation_cache.enable()
         commands = {

@@ -609,7 +609,7 @@ CASES = [
     Case("out-empty", "--out \"\"", "RunConfig.validate", ConfigError,
          "invalid config:\n  out = '' is invalid: it must be a folder path (an empty one would "
          "write into the working folder); give a folder, or leave out unset for "
-         "results/<algorithm>-<dataset>.",
+         "results/<algorithm>-<dataset>-<digest>.",
          lambda ctx: RunConfig(out="").validate()),
     Case("scaffold-option-list", "scaffold_option = [2] (a list)", "RunConfig.validate",
          ConfigError,

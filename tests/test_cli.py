@@ -282,20 +282,23 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
             "--out", str(out)]  # fmt: skip
     tensorboard = importlib.util.find_spec("tensorboardX") is not None
     assert main([*argv, "--tensorboard"] if tensorboard else argv) == 0
-    if tensorboard:  # one tag per config and metric, every record's value at its round
-        from test_results import read_tensorboard_scalars
+    if tensorboard:  # a TensorBoard run per config (overlaid on one chart), plain tags
+        from test_results import read_tensorboard_runs
 
-        scalars = read_tensorboard_scalars(out / "tensorboard")
+        runs = read_tensorboard_runs(out / "tensorboard")
         records = results.read_records(out)
-        # 8 configs x (test_accuracy, test_loss, train_loss, local_loss, client_drift,
-        # seconds)
-        assert len(scalars) == 8 * 6
-        series = "fedavg client_lr=0.1 server_lr=1 seed=1"
-        assert scalars[f"{series}/test_accuracy"] == [
-            (r["round"], float(np.float32(r["test_accuracy"])))
-            for r in records
-            if r["series"] == series
-        ]
+        assert len(runs) == 8 and set(runs) == {r["series"] for r in records}
+        assert "fedavg client_lr=0.1 server_lr=1 seed=1" in runs
+        metrics = ("test_accuracy", "test_loss", "train_loss", "local_loss", "client_drift")
+        for series, scalars in runs.items():
+            assert set(scalars) == {*metrics, "seconds"}
+            for metric in metrics:  # every record's value at its round (round 0 has no
+                # local_loss or client_drift: no local step has run)
+                assert scalars[metric] == [
+                    (r["round"], float(np.float32(r[metric])))
+                    for r in records
+                    if r["series"] == series and metric in r
+                ]
     # Progress over both algorithms' rounds, a line per evaluation (stderr is no terminal).
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "loading fashion_mnist and building scaffold..."

@@ -7,6 +7,7 @@ and a checkpoint every round, so that a kill can land anywhere: while compiling,
 while a checkpoint is written, right after a record is flushed).
 """
 
+import importlib.util
 import json
 import os
 import signal
@@ -376,11 +377,15 @@ def _without_timing(value):
 def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, records):
     """Two algorithms: killed mid-grid, --resume keeps a finished grid and continues the
     unfinished one from its checkpoint; the records (each once), sweep.json and
-    summary.json (timing excluded) are those of an uninterrupted sweep."""
+    summary.json (timing excluded) are those of an uninterrupted sweep, and so is what
+    TensorBoard shows: each config's run holds each round once, the records' values."""
     root, environment = env
     argv = ["sweep", "--algorithms", "fedavg", "scaffold", "--lr-grid", "0.1", "0.3",
             "--seeds", "0", "1", "--rounds", "6", "--eval-every", "1",
             "--target", "0.5"]  # fmt: skip
+    tensorboard = importlib.util.find_spec("tensorboardX") is not None
+    if tensorboard:
+        argv.append("--tensorboard")
 
     argv += ["--config", str(root / "tiny.toml")]
     full = _start(environment, tmp_path / "full", argv)
@@ -404,6 +409,17 @@ def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, record
     assert _without_timing(results.read_summary(out)) == _without_timing(
         results.read_summary(tmp_path / "full")
     )
+    if tensorboard:
+        from test_results import read_tensorboard_runs
+
+        shown = read_tensorboard_runs(out / "tensorboard")
+        assert set(shown) == {r["series"] for r in records}  # 8 configs, a run each
+        for series, scalars in shown.items():
+            assert scalars["test_accuracy"] == [
+                (r["round"], float(np.float32(r["test_accuracy"])))
+                for r in records
+                if r["series"] == series
+            ]
 
 
 @pytest.mark.slow

@@ -36,7 +36,6 @@ def test_the_default_config_is_the_papers_setting():
     assert config.resolved_plan() == BatchPlan.fraction_of_data(0.2, 1)
     assert config.resolved_partition() == ("similarity", {"similarity": 0.0})
     assert config.resolved_clients_per_round() == 20
-    assert config.resolved_out() == "results/scaffold-fashion_mnist"
     hp = config.resolved_hparams()
     # Exactly what SCAFFOLD declares: no μ for an algorithm that has none.
     assert list(hp) == ["client_lr", "server_lr"] and float(hp.client_lr) == pytest.approx(0.1)

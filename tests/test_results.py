@@ -696,6 +696,15 @@ def read_tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+def read_tensorboard_runs(directory) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{run: scalars}`` of every TensorBoard run (a folder holding event files) under
+    ``directory``, named by its path relative to it, as TensorBoard names runs."""
+    from pathlib import Path
+
+    folders = {p.parent for p in Path(directory).rglob("events.out.tfevents.*")}
+    return {str(f.relative_to(directory)): read_tensorboard_scalars(f) for f in sorted(folders)}
+
+
 def test_tensorboard_sink_writes_one_scalar_per_metric_with_the_round_as_step(tmp_path):
     pytest.importorskip("tensorboardX")
     records = [
@@ -731,3 +740,55 @@ def test_a_resumed_run_purges_the_rounds_it_runs_again_from_tensorboard(tmp_path
     shown = read_tensorboard_scalars(tmp_path / "tensorboard")["test_accuracy"]
     assert [step for step, _ in shown] == [0, 5, 10]
     assert [value for _, value in shown] == pytest.approx([0.1, 0.5, 0.8])  # float32
+
+
+def test_per_series_each_series_is_a_tensorboard_run_with_plain_tags(tmp_path):
+    """A sweep's configs as TensorBoard runs (one folder each, named by the series), so
+    TensorBoard overlays them; a purge drops the rounds of its own run only; closed, the
+    sink opens new event files for later records."""
+    pytest.importorskip("tensorboardX")
+    sink = results.TensorBoardSink(tmp_path, per_series=True)
+    a, b = "fedavg client_lr=0.1 seed=0", "scaffold client_lr=1e-05 seed=0"
+    for r in (0, 5):
+        sink({"series": a, "round": r, "test_accuracy": 0.1 + r / 10})
+        sink({"series": b, "round": r, "test_accuracy": 0.2 + r / 10})
+    sink.close()
+    sink.purge_from(0, series=a)  # a resumed sweep writes a's records again
+    sink({"series": a, "round": 0, "test_accuracy": 0.125})
+    sink.close()
+    runs = read_tensorboard_runs(tmp_path / "tensorboard")
+    assert runs == {
+        a: {"test_accuracy": [(0, 0.125)]},
+        b: {"test_accuracy": [(0, pytest.approx(0.2)), (5, pytest.approx(0.7))]},
+    }
+    with pytest.raises(ValueError, match="needs a 'series' in every record"):
+        sink({"round": 0, "test_accuracy": 0.5})
+
+
+@pytest.mark.parametrize(
+    "series, folder",
+    [
+        ("sgd similarity=0 client_lr=0.1 seed=1", "sgd similarity=0 client_lr=0.1 seed=1"),
+        ("a/b c:d", "a-b c-d"),
+        ("..", "series-.."),
+    ],
+)
+def test_a_series_names_its_run_folder_with_what_a_file_name_holds(series, folder):
+    assert results.tensorboard.run_folder_name(series) == folder
+
+
+def test_results_and_its_sink_are_attributes_of_the_package_without_importing_them():
+    """`import scaffold_jax as sj; sj.results.TensorBoardSink(...)` (the README's callback)
+    works, and neither the results layer nor tensorboardX loads at `import scaffold_jax`."""
+    code = (
+        "import sys, scaffold_jax as sj\n"
+        "assert 'scaffold_jax.results' not in sys.modules\n"
+        "assert sj.results.TensorBoardSink.__name__ == 'TensorBoardSink'\n"
+        "assert sj.experiments.RunConfig().algorithm == 'scaffold'\n"
+        "assert 'tensorboardX' not in sys.modules\n"
+        "try:\n    sj.no_such_thing\nexcept AttributeError as err:\n    print(err)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "module 'scaffold_jax' has no attribute 'no_such_thing'\n"

@@ -8,6 +8,7 @@ line (:mod:`scaffold_jax.cli`) only parses into these calls.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import itertools
 import json
 import math
@@ -21,11 +22,48 @@ from scaffold_jax import participation, results
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.experiments.build import build, built_summary
 from scaffold_jax.experiments.config import DEFAULT_MECHANISM, RunConfig, declared_options
+from scaffold_jax.experiments.identity import RESUMABLE_CHANGES, canonical
 from scaffold_jax.experiments.runner import Cell, CellResult, Grid, run_grid
 from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.progress import Progress
 from scaffold_jax.registry import ConfigError
 from scaffold_jax.types import STEP_SIZES, format_hparams
+
+
+# =====================================================================================
+# Default output folders
+# =====================================================================================
+def default_folder(command: str, config: RunConfig, saved: Mapping[str, Any]) -> Path:
+    """The folder of a command given no ``out``: ``results/<command>-<dataset>-<digest>``
+    (``command``: the algorithm for ``run``, ``sweep``, ``diagnose``), the digest that of
+    what a resume compares (:func:`config_digest` of ``saved``, what ``config.json``
+    holds). The same command finds its folder again (``--resume``, with more ``--rounds``
+    too), and two commands that compute different things never share one."""
+    return Path("results") / f"{command}-{dataset_label(config)}-{config_digest(saved)}"
+
+
+def dataset_label(config: RunConfig) -> str:
+    """The dataset as a folder name: its registered name (aliases resolved), ``/`` as
+    ``-`` (``emnist-balanced``)."""
+    return (config.canonical_dataset() or str(config.dataset)).replace("/", "-")
+
+
+def config_digest(saved: Mapping[str, Any]) -> str:
+    """8 hex digits of SHA-256 over what a resume of ``saved`` (a command's ``config.json``)
+    compares: its canonical form (:func:`~scaffold_jax.experiments.identity.canonical`:
+    an explicit default equals an omitted one) without the fields a resume may change
+    (``rounds``, ``eval_every``, ``targets``, the data's folder...), and without the values
+    that equal :class:`RunConfig`'s defaults, so that a field added in a later version at
+    its default keeps every earlier command's folder."""
+    values = canonical(saved)
+    defaults = canonical(RunConfig().to_dict())
+    distinct = {
+        k: v
+        for k, v in values.items()
+        if k not in RESUMABLE_CHANGES and (k not in defaults or defaults[k] != v)
+    }
+    text = json.dumps(distinct, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 # =====================================================================================
@@ -59,7 +97,8 @@ def run(
 
     Args:
       config: the run's configuration (validated here).
-      out: the output folder (default ``config.out`` or ``results/<algorithm>-<dataset>``).
+      out: the output folder (default ``config.out``, else
+        ``results/<algorithm>-<dataset>-<digest>``: see :func:`default_folder`).
       overwrite: replace a folder that holds a run.
       quiet: no progress bar and no printed summary.
       dataset: an already loaded dataset (e.g. in a notebook).
@@ -83,7 +122,9 @@ def run(
       scaffold_jax.results.RunFolderError: the folder cannot be written (full disk...).
     """
     config.validate()
-    folder = Path(out if out is not None else config.resolved_out())
+    if out is None:
+        out = config.out or default_folder(config.algorithm, config, config.to_dict())
+    folder = Path(out)
     saved = {**config.to_dict(), "out": str(folder)}
     # The horizon is part of the cell: a resume with more rounds runs it again (from its
     # checkpoint), one with the same horizon keeps it.
@@ -394,7 +435,8 @@ def sweep(
         numeric data / shape settings (separate programs).
       seeds: the run seeds of every config.
       target: the test accuracy the summary counts rounds to.
-      out: the folder (default ``config.out`` or ``results/sweep-<dataset>``).
+      out: the folder (default ``config.out``, else ``results/sweep-<dataset>-<digest>``:
+        see :func:`default_folder`).
       quiet: print nothing but warnings.
       **options: ``overwrite``, ``resume``, ``checkpoint``, ``checkpoint_every``,
         ``checkpoint_minutes``, ``tensorboard`` (see :func:`run_grid`).
@@ -403,7 +445,7 @@ def sweep(
       The summary.
     """
     grid, setting_of = sweep_grid(config, algorithms, axes or {}, seeds, target)
-    folder = Path(out or config.out or f"results/sweep-{config.dataset}")
+    folder = Path(out or config.out or default_folder("sweep", config, grid.saved))
     edges: list[str] = []
     table = ""
 
@@ -495,7 +537,8 @@ def diagnose(
     Args:
       config: the data, partition and model (and ``client_lr``, the step size of the
         gradient-descent path).
-      out: the folder (default ``results/diagnose-<dataset>``).
+      out: the folder (default ``results/diagnose-<dataset>-<digest>``: see
+        :func:`default_folder`).
       gd_steps: points along a full-gradient descent path, to fit (G, B).
       num_iters: power iterations.
       overwrite: replace a folder that holds a run.
@@ -511,8 +554,16 @@ def diagnose(
     if gd_steps < 0:
         raise ConfigError(f"--gd-steps = {gd_steps} is invalid: it must be >= 0.")
     config.validate()
-    name = (config.canonical_dataset() or str(config.dataset)).replace("/", "-")
-    folder = Path(out or f"results/diagnose-{name}")
+    saved = {
+        **{name: getattr(config, name) for name in DIAGNOSE_FIELDS},
+        **config.resolved("model"),
+        **config.resolved("dataset"),
+        **config.resolved("partition"),
+        "gd_steps": gd_steps,
+        "num_iters": num_iters,
+        "plugins": list(config.plugins),
+    }
+    folder = Path(out or default_folder("diagnose", config, saved))
     results.check_folder(folder, overwrite, dry_run=True)  # before minutes of work
     progress = Progress(gd_steps, "gradient descent", unit="step", enabled=not quiet)
     with progress.phase(f"loading {config.dataset}"):
@@ -530,15 +581,6 @@ def diagnose(
         problem, data, problem.params, trajectory=trajectory, num_iters=num_iters,
         phase=progress.phase,
     )  # fmt: skip
-    saved = {
-        **{name: getattr(config, name) for name in DIAGNOSE_FIELDS},
-        **config.resolved("model"),
-        **config.resolved("dataset"),
-        **config.resolved("partition"),
-        "gd_steps": gd_steps,
-        "num_iters": num_iters,
-        "plugins": list(config.plugins),
-    }
     with results.RunWriter(folder, saved, overwrite=overwrite, plots=()) as writer:
         reported = {"experiment": "diagnose", **built.info, "report": report._asdict()}
         writer.add(**reported)

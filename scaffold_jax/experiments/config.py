@@ -285,7 +285,11 @@ class RunConfig:
         "int",
         builds=True,
     )
-    out: str | None = _opt(None, "output folder (default results/<algorithm>-<dataset>)", "str")
+    out: str | None = _opt(
+        None,
+        "output folder (default results/<algorithm>-<dataset>-<digest of the settings>)",
+        "str",
+    )
 
     # ------------------------------------------------------------------ construction
     def __init__(self, **values: Any):
@@ -509,7 +513,7 @@ class RunConfig:
             errors.append(
                 f"out = {self.out!r} is invalid: it must be a folder path (an empty one would "
                 "write into the working folder); give a folder, or leave out unset for "
-                "results/<algorithm>-<dataset>."
+                "results/<algorithm>-<dataset>-<digest>."
             )
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
@@ -818,12 +822,6 @@ class RunConfig:
             return int(self.clients_per_round)
         fraction = 0.2 if self.client_fraction is None else float(self.client_fraction)
         return max(1, min(self.num_clients, round(fraction * self.num_clients)))
-
-    def resolved_out(self) -> str:
-        if self.out:
-            return self.out
-        dataset = (self.canonical_dataset() or str(self.dataset)).replace("/", "-")
-        return f"results/{self.algorithm}-{dataset}"
 
     def resolved_hparams(self) -> HParams:
         """The algorithm's declared hyper-parameters: the step sizes, the ``hparams``

@@ -299,8 +299,8 @@ class _Runner:
     def open_board(self) -> None:
         if not self.resume:  # a replaced run's events would mix with this one's
             shutil.rmtree(self.folder / results.TENSORBOARD_DIR, ignore_errors=True)
-        # One tag per series and metric when there are several: "<series>/<metric>".
-        self.board = results.TensorBoardSink(self.folder, series_prefix=not self.grid.single)
+        # Several configs: a TensorBoard run (folder) each, which TensorBoard overlays.
+        self.board = results.TensorBoardSink(self.folder, per_series=not self.grid.single)
         self.writer.files.append(results.TENSORBOARD_DIR)
 
     def identity(self, cell: Cell, built: Built) -> dict[str, Any]:
@@ -444,6 +444,12 @@ class _Runner:
     def _sweep(self, cell, built, result, write, directory, hp, seeds) -> None:
         config = cell.config
         index = self.grid.cells.index(cell)
+        if self.resume and self.board is not None:
+            # The sweep hands every record again from round 0 (those its checkpoint
+            # restores, then the rounds after it): what the interrupted process wrote to
+            # TensorBoard goes, each round is shown once.
+            for name in result.series:
+                self.board.purge_from(0, series=name)
 
         def sink(record):
             write(record["config_index"], record)
@@ -477,6 +483,8 @@ class _Runner:
             phase=self.progress.phase,
             progress=advance,
         )
+        if self.board is not None:  # one open event file per config of this grid only
+            self.board.close()
         result.diverged_round = [int(r) for r in swept.diverged_round]
         result.compile_seconds = swept.compile_seconds
         result.run_seconds = swept.run_seconds

@@ -25,12 +25,18 @@ from typing import Any, TextIO
 _POSTFIX = (("test_accuracy", "acc"), ("error", "err"), ("test_loss", "loss"))
 
 
-def _format_seconds(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
+    """``12.3 s``, ``4:05`` (minutes) or ``1:02:03`` (hours)."""
     if seconds < 60:
         return f"{seconds:.1f} s"
     minutes, seconds = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+def _count(units: float) -> str:
+    """Whole units as they are; a grid's work-weighted rounds to the nearest one."""
+    return f"{units:g}" if units == int(units) else f"{units:.0f}"
 
 
 def _interactive(stream: TextIO) -> bool:
@@ -114,7 +120,7 @@ class Progress:
             seconds = time.perf_counter() - start
             self._phase_seconds += seconds
         # Only a phase that finished says so: a failed one is followed by its error.
-        self.write(f"{text}: {_format_seconds(seconds)}")
+        self.write(f"{text}: {format_seconds(seconds)}")
 
     def rebase(self, done: float) -> None:
         """Starts at ``done`` units without counting them in the rate (a resumed run: the
@@ -161,14 +167,15 @@ class Progress:
         steady = now - base_time - (self._phase_seconds - base_phases)
         percent = 100.0 * self.done / self.total if self.total else 100.0
         parts = [
-            f"{self.desc + ': ' if self.desc else ''}{self.unit} {self.done:g}/{self.total:g} "
+            f"{self.desc + ': ' if self.desc else ''}{self.unit} {_count(self.done)}/"
+            f"{_count(self.total)} "
             f"({percent:.0f}%)",
-            f"{_format_seconds(elapsed)} elapsed",
+            f"{format_seconds(elapsed)} elapsed",
         ]
         if self.done > base_done and steady > 0:
             rate = (self.done - base_done) / steady
             parts.append(f"{rate:.3g} {self.unit}/s")
-            parts.append(f"ETA {_format_seconds(max(self.total - self.done, 0) / rate)}")
+            parts.append(f"ETA {format_seconds(max(self.total - self.done, 0) / rate)}")
         if postfix:
             parts.append(postfix)
         return ", ".join(parts)

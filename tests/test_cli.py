@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -249,6 +250,15 @@ def test_reproduce_table3_quick_on_fashion_mnist(tmp_path, capsys):
     ]  # fmt: skip
     rounds = [line for line in err if line.startswith("table3: round ")]
     assert rounds[-1].split()[2] == "240/240" and all("ETA" in line for line in rounds)
+    # The plan before anything compiles; after each cell but the last, the time left
+    # (scaffold_jax.experiments.cost, tested in test_cost.py).
+    plan = "table3: plan: 4 cell(s), 6 config(s) x 60 rounds = 360 config-rounds"
+    assert [line.startswith(plan) for line in err].index(True) < err.index(
+        "compiling the evaluation..."
+    )
+    lefts = [line.partition(" compile)")[2] for line in cells_done]
+    assert all(re.fullmatch(r"; about .+ left for [321] cell\(s\)", t) for t in lefts[:3])
+    assert lefts[3] == ""
     cells = {c["method"]: c for c in summary["cells"]}
     assert set(cells) == {"sgd", "scaffold", "fedavg", "fedprox"}
     assert all(c["similarity"] == 0.0 and c["epochs"] == 1 for c in cells.values())

@@ -33,6 +33,7 @@ from scaffold_jax import results
 from scaffold_jax import sweep as sweeps
 from scaffold_jax.experiments.build import Built, build, built_summary, load_dataset
 from scaffold_jax.experiments.config import RunConfig
+from scaffold_jax.experiments.cost import CostModel, cell_work
 from scaffold_jax.experiments.identity import (
     CHECKPOINTS,
     check_resumable,
@@ -41,7 +42,7 @@ from scaffold_jax.experiments.identity import (
 )
 from scaffold_jax.loop import DivergenceError
 from scaffold_jax.loop import run as run_loop
-from scaffold_jax.progress import Progress
+from scaffold_jax.progress import Progress, format_seconds
 from scaffold_jax.registry import ConfigError
 
 
@@ -259,7 +260,9 @@ class _Runner:
             folder, grid.saved, grid.targets, options["overwrite"], grid.plots, resume
         )
         self.board = None
-        self.done = 0  # rounds of the cells before the current one
+        self.done = 0.0  # weighted rounds of the cells before the current one
+        self._weighted: dict[str, float] = {}
+        self.cost: CostModel | None = None
         # What the folder's summary said before this process: a resume with no round left
         # to run keeps the timing of the process that ran them.
         self.previous = (results.read_summary(folder) or {}) if resume else {}
@@ -289,6 +292,52 @@ class _Runner:
             f"{info['max_local_steps']} local steps of {info['max_batch_size']} examples"
         )
         return built
+
+    def plan(self, first: Built, kept: Mapping[str, CellResult]) -> None:
+        """Sizes every cell's work on the first cell's data; a grid of several cells says
+        its plan before it starts, and its progress moves by work, not by rounds."""
+        self.cost = CostModel([cell_work(cell, first.data) for cell in self.grid.cells])
+        self._finished = {i for i, cell in enumerate(self.grid.cells) if cell.key in kept}
+        self._reweigh()
+        if not self.grid.single:
+            self.progress.write(self.cost.plan(self.grid.experiment))
+
+    def _reweigh(self) -> None:
+        """Each cell's rounds weighted by its share of the grid's work (in all as many
+        as the grid's rounds); the progress then counts the finished cells' anew."""
+        weights = self.cost.weights()
+        total = sum(weights)
+        self._weighted = {
+            cell.key: self.rounds * w / total if total > 0 else cell.config.rounds
+            for cell, w in zip(self.grid.cells, weights, strict=True)
+        }
+        self.done = sum(self._weighted[self.grid.cells[i].key] for i in self._finished)
+
+    def weighted_rounds(self, cell: Cell) -> float:
+        """The cell's rounds weighted by its work (a grid's progress units)."""
+        return self._weighted.get(cell.key, cell.config.rounds)
+
+    def cell_done(self, cell: Cell, result: CellResult) -> None:
+        """Counts a cell that ran in the progress, and its timing in the estimate (the
+        cells a resume keeps are counted from the start, by :meth:`plan`)."""
+        index = self.grid.cells.index(cell)
+        self._finished.add(index)
+        self.cost.measured(index, result.run_seconds, result.eval_seconds,
+                           result.compile_seconds)  # fmt: skip
+        self._reweigh()  # an evaluation weighs what it was measured to cost, from now on
+        self.progress.rebase(self.done)  # the rate counts from the new weights
+
+    def finished(self, cell: Cell, result: CellResult) -> str:
+        """The line a finished cell of a grid prints: its time, and the time left."""
+        line = (
+            f"{cell.key}: {len(result.configs)} config(s) x {cell.config.rounds} rounds in "
+            f"{result.run_seconds:.1f} s (+{result.compile_seconds:.1f} s compile)"
+        )
+        left = self.cost.remaining_seconds(self._finished)
+        cells_left = len(self.grid.cells) - len(self._finished)
+        if left is not None and cells_left:
+            line += f"; about {format_seconds(left)} left for {cells_left} cell(s)"
+        return line
 
     def directory(self, cell: Cell) -> Path | None:
         if not self.checkpoint:
@@ -462,7 +511,7 @@ class _Runner:
                 return
             tenths[0] = int(10 * fraction)
             self.progress.update(
-                self.done + fraction * config.rounds,
+                self.done + fraction * self.weighted_rounds(cell),
                 f"{cell.key} [{index + 1}/{len(self.grid.cells)}]",
             )
 
@@ -614,6 +663,8 @@ def run_grid(
     first = runner.build(todo[0]) if todo else None
     if resume and first is not None:  # the cell a kill interrupted: its checkpoints
         runner.check_checkpoints(todo[0], first)
+    if first is not None:
+        runner.plan(first, kept)
     done: dict[str, CellResult] = {}
     with writer:
         writer.add(experiment=grid.experiment)
@@ -632,12 +683,9 @@ def run_grid(
                     done[cell.key] = result = runner.execute(cell, built)
                     if not grid.single:  # a run resumes from its checkpoint, every time
                         writer.save_part(cell.key, result.to_part(), runner.written)
-                        progress.write(
-                            f"{cell.key}: {len(result.configs)} config(s) x "
-                            f"{cell.config.rounds} rounds in {result.run_seconds:.1f} s "
-                            f"(+{result.compile_seconds:.1f} s compile)"
-                        )
-                runner.done += cell.config.rounds
+                    runner.cell_done(cell, result)
+                    if not grid.single:
+                        progress.write(runner.finished(cell, result))
                 progress.update(runner.done)
                 runner.describe(done[cell.key])
                 if len(grid.cells) == 1:

@@ -16,26 +16,24 @@ from scaffold_jax.types import STEP_SIZES, HParam
 HPARAMS = {**STEP_SIZES, "damping": HParam(0.5, "server damping beta in [0, 1)", allow_zero=True)}
 
 
-def damped_fedavg(loss_fn) -> sj.Algorithm:
+def damped_fedavg(loss_fn) -> sj.Algorithm:  # written for ONE client
     def init(params):
         return ServerState(params, ()), ()
 
     def client_update(hparams, server_state, client_state, batches, mask, key):
-        del key
         _, output, _ = local_update(loss_fn, hparams, server_state.params, batches, mask)
         return client_state, output
 
     def server_update(hparams, state, outputs, total_weight):
-        del total_weight
         step = hparams.server_lr * (1.0 - hparams.damping)
         return ServerState(optax.tree.add_scale(state.params, step, aggregate_params(outputs)), ())
 
     return sj.Algorithm(
-        name="damped_fedavg",
-        init=init,
-        client_update=client_update,
-        server_update=server_update,
-        server_params=lambda state: state.params,
+        "damped_fedavg",
+        init,
+        client_update,
+        server_update,
+        lambda state: state.params,
         hparams=HPARAMS,
     )
 

@@ -149,3 +149,11 @@ weighting.WEIGHTINGS.register(
                               argument="cap")},
     ),
 )  # fmt: skip
+
+
+if __name__ == "__main__":  # `python tests/plugins/lab.py FOLDER`: the example dataset's file
+    import sys
+
+    folder = Path(sys.argv[1])
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"wrote {write_blobs(folder)}")

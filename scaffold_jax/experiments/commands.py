@@ -8,7 +8,6 @@ line (:mod:`scaffold_jax.cli`) only parses into these calls.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import itertools
 import json
 import math
@@ -22,7 +21,7 @@ from scaffold_jax import participation, results
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.experiments.build import build, built_summary
 from scaffold_jax.experiments.config import DEFAULT_MECHANISM, RunConfig, declared_options
-from scaffold_jax.experiments.identity import RESUMABLE_CHANGES, canonical
+from scaffold_jax.experiments.identity import RESUMABLE_CHANGES, canonical, short_digest
 from scaffold_jax.experiments.runner import Cell, CellResult, Grid, run_grid
 from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.progress import Progress
@@ -62,8 +61,7 @@ def config_digest(saved: Mapping[str, Any]) -> str:
         for k, v in values.items()
         if k not in RESUMABLE_CHANGES and (k not in defaults or defaults[k] != v)
     }
-    text = json.dumps(distinct, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
+    return short_digest(distinct)
 
 
 # =====================================================================================

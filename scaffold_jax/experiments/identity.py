@@ -4,6 +4,7 @@ model and the algorithm's options), which the checkpoints of every cell carry.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -90,6 +91,13 @@ def canonical(values: Mapping[str, Any]) -> dict[str, Any]:
         resolved = dict(config.hparams)
     out["hparams"] = {k: float(v) for k, v in resolved.items() if k not in STEP_SIZES}
     return json.loads(json.dumps({**out, **rest}, default=str))
+
+
+def short_digest(values: Mapping[str, Any]) -> str:
+    """8 hex digits of SHA-256 over ``values`` as sorted JSON (a default folder's suffix:
+    equal settings give equal digests, tuples and lists alike)."""
+    text = json.dumps(values, sort_keys=True, default=list)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def check_resumable(folder: Path, config: dict[str, Any]) -> None:

@@ -20,8 +20,10 @@ Examples:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -111,6 +113,23 @@ def classification_problem(
 ) -> Problem:
     """Wraps a flax classifier into a :class:`Problem` with cross-entropy loss.
 
+    What the module receives: ``x``, a batch ``[B, *input_shape]`` exactly as the data
+    layer stores it, not converted, and ``train_arg`` when given. For the image datasets
+    (``mnist``, ``fashion_mnist``, ``emnist/*``, ``femnist``) that is uint8 pixels
+    ``[B, 28, 28]`` (0-255, no channel axis); for ``cifar10`` / ``cifar100`` uint8
+    ``[B, 32, 32, 3]``; for ``shakespeare`` integer character ids ``[B, 80]``; for
+    ``synthetic`` float32 features ``[B, 60]`` (``synth_dim``); arrays of your own
+    (:func:`scaffold_jax.data.from_client_arrays`) keep their dtype and shape. So a
+    convolutional module adds the channel axis and scales integer pixels itself, e.g.
+    ``x[..., None].astype("float32") / 255`` (this module's ``logreg``, ``mlp`` and
+    ``cnn`` do). ``input_shape`` is one example's shape, ``x.shape[1:]``.
+
+    On CPU a module that uses flax's ``nn.Conv`` (2-D) gets a warning: its gradients
+    inside the loop of local steps take XLA's slow convolution path, and a round takes
+    longer, by the factor :data:`FLAX_CONV_COST`, than with :class:`Conv`, which takes
+    the same arguments and makes the same params. A module with ``nn.Dropout`` but no
+    ``train_arg`` gets one too: it is only ever called in inference mode.
+
     Args:
       module: a flax module mapping ``[B, *input_shape]`` to ``[B, num_classes]`` logits.
       input_shape: shape of ONE example (e.g. ``(28, 28)``).
@@ -142,11 +161,36 @@ def classification_problem(
     Raises:
       ValueError: a module with running statistics but no ``train_arg``, or an unknown
         ``state_policy``.
+      TypeError: the module's ``__call__`` requires an argument besides ``x`` (a
+        training-mode switch) but no ``train_arg`` names it, or it takes no argument
+        named ``train_arg``.
     """
     if state_policy not in STATE_POLICIES:
         raise ValueError(f"state_policy={state_policy!r} is unknown; use one of {STATE_POLICIES}.")
-    mode = {} if train_arg is None else {train_arg: False}
-    variables = module.init(key, jnp.zeros((1, *input_shape), input_dtype), **mode)
+    variables, called = _init(module, input_shape, key, input_dtype, train_arg)
+    name = type(module).__name__
+    convs = [m for m in called if isinstance(m, nn.Conv) and _replaceable(m)]
+    if convs and jax.default_backend() == "cpu":
+        where = ", ".join("/".join(m.scope.path) for m in convs)
+        warnings.warn(
+            f"{name} uses flax's nn.Conv ({where}): on CPU its gradients inside the loop "
+            f"of local steps take XLA's slow convolution path, and a round took "
+            f"{FLAX_CONV_COST} as long as with scaffold_jax.models.Conv "
+            "(benchmarks/bench_flax_conv.py), which takes the same arguments and makes "
+            "the same params: use sj.models.Conv(features, kernel_size, ...) instead.",
+            UserWarning,
+            stacklevel=2,
+        )
+    dropouts = [m for m in called if isinstance(m, nn.Dropout) and m.rate > 0]
+    if dropouts and train_arg is None:
+        warnings.warn(
+            f"{name} has nn.Dropout (rate {dropouts[0].rate}) but classification_problem "
+            "got no train_arg, so the module is always called in inference mode and its "
+            "dropout never acts: give train_arg='train' (the name of its training-mode "
+            "argument, passed on as nn.Dropout(rate, deterministic=not train)).",
+            UserWarning,
+            stacklevel=2,
+        )
     extra = sorted(k for k in variables if k != "params")
     if extra and train_arg is None:
         raise ValueError(
@@ -172,6 +216,102 @@ def classification_problem(
         return _classifier(params, logits_of, num_classes, stochastic=train_arg is not None)
     return _linen_stateful(
         module, params, {k: variables[k] for k in extra}, train_arg, mask_arg, state_policy
+    )
+
+
+#: What flax's ``nn.Conv`` costs in a model on CPU: a round's time against the same model
+#: with :class:`Conv` (FedAvg and SCAFFOLD, S = 5, K = 10, B = 20, 28×28 images), measured
+#: by ``benchmarks/bench_flax_conv.py`` on a busy 2-core VM (README, "Bringing your own
+#: model"); :func:`classification_problem`'s warning quotes it.
+FLAX_CONV_COST = "1.3-4.2× (one 3×3 convolution) to 9.4-11× (McMahan et al.'s CNN)"
+
+
+def _init(module: nn.Module, input_shape, key, input_dtype, train_arg):
+    """``module.init`` on a zero batch: ``(variables, the submodules called)``.
+
+    A ``TypeError`` that the module's signature explains (a required argument besides
+    ``x`` and no ``train_arg``; a ``train_arg`` it does not take) becomes one that says so.
+    """
+    called: list[nn.Module] = []
+
+    def record(next_fun, args, kwargs, context):
+        if context.method_name == "__call__":
+            called.append(context.module)
+        return next_fun(*args, **kwargs)
+
+    mode = {} if train_arg is None else {train_arg: False}
+    try:
+        with nn.intercept_methods(record):
+            variables = module.init(key, jnp.zeros((1, *input_shape), input_dtype), **mode)
+    except TypeError as err:
+        message = _call_mismatch(module, train_arg)
+        if message is None:
+            raise
+        raise TypeError(message) from err
+    return variables, called
+
+
+#: Argument names that are True in inference mode: not a ``train_arg``.
+_INFERENCE_SWITCHES = ("deterministic", "use_running_average", "inference", "eval", "evaluate")
+
+
+def _call_mismatch(module: nn.Module, train_arg: str | None) -> str | None:
+    """Why ``module(x, **{train_arg: False})`` cannot be called, read from its
+    ``__call__``'s signature, or None when the signature does not say."""
+    try:
+        every = list(inspect.signature(module.__call__).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    parameters = every[1:]  # the first is the batch
+    name = type(module).__name__
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if train_arg is None:
+        required = [p.name for p in parameters if p.default is p.empty and p.kind not in variadic]
+        if not required:
+            return None
+        if required[0] in _INFERENCE_SWITCHES:
+            return (
+                f"{name}.__call__ requires {required[0]!r} besides the batch x, an "
+                "inference-mode switch (True in evaluation), but classification_problem's "
+                "train_arg names a training-mode one (True in the local steps): make "
+                f"{name}.__call__ take `train: bool`, pass {required[0]}=not train on, and "
+                "give classification_problem(..., train_arg='train')."
+            )
+        others = required[1:]
+        return (
+            f"{name}.__call__ requires {', '.join(map(repr, required))} besides the batch "
+            f"x, and classification_problem passes only x unless train_arg names the "
+            f"training-mode argument: give classification_problem(..., train_arg="
+            f"{required[0]!r}) (the local steps then call it with {required[0]}=True and a "
+            f"fresh 'dropout' key every step, evaluation with {required[0]}=False)"
+            + (f", and give {', '.join(map(repr, others))} a default." if others else ".")
+        )
+    if train_arg in [p.name for p in parameters] or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+    ):
+        return None
+    return (
+        f"train_arg={train_arg!r}, but {name}.__call__ takes no argument {train_arg!r} (it "
+        f"takes {', '.join(repr(p.name) for p in every)}): give the name of its "
+        "training-mode argument, or train_arg=None for a module without one."
+    )
+
+
+def _replaceable(conv: nn.Conv) -> bool:
+    """Whether :class:`Conv` computes what this ``nn.Conv`` does: 2-D, no dilation or
+    groups, padding that :class:`Conv` takes."""
+
+    def ones(value) -> bool:
+        return value is None or (value == 1 if isinstance(value, int) else set(value) == {1})
+
+    padding = conv.padding
+    return (
+        not isinstance(conv.kernel_size, int)
+        and len(conv.kernel_size) == 2
+        and conv.feature_group_count == 1
+        and ones(conv.input_dilation)
+        and ones(conv.kernel_dilation)
+        and (not isinstance(padding, str) or padding.upper() in ("SAME", "VALID"))
     )
 
 
@@ -805,7 +945,9 @@ class ModelSpec(NamedTuple):
       build: ``build(input_shape, num_classes, *, key, **options) -> Problem``, where
         ``input_shape`` is the shape of ONE example and ``key`` seeds the initial params
         (a model that starts from fixed params, such as the zero-initialised logistic
-        regression, ignores it).
+        regression, ignores it). What a flax module then receives (uint8 ``[B, 28, 28]``
+        for Fashion-MNIST): see :func:`classification_problem`; an example plugin:
+        ``examples/small_cnn.py``.
       display_name: how tables and plots name the model.
       options: ``{name: Option}``, the options the model declares (the MLP's
         ``hidden_sizes``), passed to ``build`` as keywords (:attr:`Option.argument`, else

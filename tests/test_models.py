@@ -11,7 +11,11 @@ widths and a handful of examples.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import warnings
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -543,3 +547,149 @@ def test_an_nnx_model_is_split_once_and_trains_in_the_engine():
 
     with pytest.raises(ValueError, match="keeps state besides its nnx.Param s and nnx.BatchStat"):
         sj.models.nnx_classification_problem(WithDropout(nnx.Rngs(0)), 5)
+
+
+# ------------------------------------------------------------------ bringing your own model
+class _FlaxConvNet(nn.Module):
+    dilation: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Conv(4, (3, 3), kernel_dilation=self.dilation)(x[..., None]))
+        return nn.Dense(3)(h.reshape((h.shape[0], -1)))
+
+
+def test_a_model_with_flax_conv_is_warned_on_cpu_naming_sj_conv_and_its_cost(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with pytest.warns(UserWarning, match=r"_FlaxConvNet uses flax's nn.Conv \(Conv_0\)") as got:
+        models.classification_problem(_FlaxConvNet(), (8, 8), jr.key(0))
+    message = str(got[0].message)
+    assert models.FLAX_CONV_COST in message and "sj.models.Conv" in message
+    assert got[0].filename == __file__  # attributed to the caller, not to models.py
+    # A dilated convolution is not what sj.models.Conv computes: no advice to switch.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models.classification_problem(_FlaxConvNet(dilation=2), (8, 8), jr.key(0))
+        models.cnn((8, 8), 3, key=jr.key(0))  # sj.models.Conv itself
+        # On an accelerator nn.Conv is not slow: no warning.
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        models.classification_problem(_FlaxConvNet(), (8, 8), jr.key(0))
+
+
+class _NeedsTrain(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.Dense(4)(x.reshape((x.shape[0], -1)).astype(jnp.float32))
+        return nn.Dropout(0.5, deterministic=not train)(h)
+
+
+class _NeedsDeterministic(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, deterministic):
+        h = nn.Dense(4)(x.reshape((x.shape[0], -1)).astype(jnp.float32))
+        return nn.Dropout(0.5)(h, deterministic=deterministic)
+
+
+class _TrainByDefault(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(4)(x.reshape((x.shape[0], -1)).astype(jnp.float32))
+        return nn.Dropout(0.5, deterministic=not train)(h)
+
+
+def test_a_training_mode_argument_without_train_arg_is_a_clear_error():
+    needs = (
+        r"_NeedsTrain.__call__ requires 'train' besides the batch x.*\(\.\.\., train_arg='train'\)"
+    )
+    with pytest.raises(TypeError, match=needs):
+        models.classification_problem(_NeedsTrain(), (4,), jr.key(0))
+    # An inference-mode switch cannot be a train_arg (it is True in evaluation).
+    inverted = r"'deterministic'.*inference-mode switch.*deterministic=not train.*train_arg='train'"
+    with pytest.raises(TypeError, match=inverted):
+        models.classification_problem(_NeedsDeterministic(), (4,), jr.key(0))
+    absent = r"train_arg='training', but _NeedsTrain.__call__ takes no argument 'training'"
+    with pytest.raises(TypeError, match=absent + r" \(it takes 'x', 'train'\)"):
+        models.classification_problem(_NeedsTrain(), (4,), jr.key(0), train_arg="training")
+    # A TypeError the signature does not explain is flax's own, unchanged.
+    with pytest.raises(TypeError) as err:
+        models.classification_problem(_Broken(), (4,), jr.key(0))
+    assert "train_arg" not in str(err.value)
+    problem = models.classification_problem(_NeedsTrain(), (4,), jr.key(0), train_arg="train")
+    assert problem.params["Dense_0"]["kernel"].shape == (4, 4)
+
+
+class _Broken(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x) + "not an array"
+
+
+def test_dropout_without_train_arg_is_warned_as_never_acting():
+    never = r"_TrainByDefault has nn.Dropout \(rate 0.5\) but classification_problem got no "
+    with pytest.warns(UserWarning, match=never + "train_arg.*never acts"):
+        models.classification_problem(_TrainByDefault(), (4,), jr.key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models.classification_problem(_TrainByDefault(), (4,), jr.key(0), train_arg="train")
+
+
+EXAMPLE_PLUGIN = Path(__file__).resolve().parent.parent / "examples" / "small_cnn.py"
+FASHION = "/usr/share/datasets/fashion-mnist"
+
+
+def test_the_example_model_plugin_builds_what_its_options_say():
+    from scaffold_jax import experiments
+    from scaffold_jax.registry import load_plugins
+
+    load_plugins([str(EXAMPLE_PLUGIN)])
+    assert {"cnn_channels", "cnn_dropout"} <= set(experiments.declared_options())
+    options = {"cnn_channels": [3, 5], "cnn_dropout": 0.5}
+    problem = models.build("small_cnn", (28, 28), 10, key=jr.key(0), options=options)
+    params = problem.params
+    # Two convolutions of 3 and 5 channels on [28, 28] uint8 images, each halved by its
+    # pool, then the output layer.
+    assert params["conv_0"]["kernel"].shape == (3, 3, 1, 3)
+    assert params["conv_1"]["kernel"].shape == (3, 3, 3, 5)
+    assert params["output"]["kernel"].shape == (7 * 7 * 5, 10) and "conv_2" not in params
+    # Its dropout acts in training (a key: train_arg) and not in evaluation.
+    batch = {"x": np.full((4, 28, 28), 200, np.uint8), "y": np.zeros(4, np.int32)}
+    inference = problem.loss_fn(params, batch)
+    np.testing.assert_array_equal(inference, problem.loss_fn(params, batch))
+    assert not np.allclose(inference, problem.loss_fn(params, batch, key=jr.key(1)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist")
+def test_the_example_model_plugin_runs_from_the_command_line_with_its_options(tmp_path):
+    from scaffold_jax import experiments, results
+    from scaffold_jax.cli import main
+
+    out = tmp_path / "run"
+    argv = [
+        "run", "--plugin", str(EXAMPLE_PLUGIN), "--model", "small_cnn",
+        "--cnn-channels", "3", "5", "--cnn-dropout", "0.5", "--dataset", "fashion_mnist",
+        "--max-train-examples", "300", "--max-test-examples", "100", "--num-clients", "4",
+        "--clients-per-round", "2", "--algorithm", "fedavg", "--rounds", "1",
+        "--eval-every", "1", "--quiet", "--no-checkpoint", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model"] == "small_cnn" and saved["plugins"] == [str(EXAMPLE_PLUGIN)]
+    assert {k: saved["options"][k] for k in ("cnn_channels", "cnn_dropout")} == {
+        "cnn_channels": [3, 5], "cnn_dropout": 0.5
+    }  # fmt: skip
+    records = results.read_records(out)
+    assert [r["round"] for r in records] == [0, 1]
+    assert all(np.isfinite(r["test_loss"]) for r in records)
+    # The run's model is the one those options build: its round-0 test loss is that of
+    # the initial params the plugin's build makes (seed 0) on the run's 100 test examples,
+    # and not that of the default channels.
+    test = experiments.build(experiments.RunConfig.from_dict(saved).validate()).data.test
+    assert len(test["y"]) == 100
+
+    def initial_loss(options):
+        problem = models.build("small_cnn", (28, 28), 10, key=jr.key(0), options=options)
+        return float(jnp.mean(problem.loss_fn(problem.params, test)))
+
+    np.testing.assert_allclose(records[0]["test_loss"], initial_loss(saved["options"]), rtol=1e-5)
+    assert abs(records[0]["test_loss"] - initial_loss({})) > 1e-3

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,7 @@ from scaffold_jax.experiments import (
     run_grid,
 )
 from scaffold_jax.experiments.config import _Checker, _is_number
+from scaffold_jax.experiments.identity import short_digest
 from scaffold_jax.models import MODELS
 
 
@@ -198,8 +200,8 @@ def _chosen_cells(
     for grid_cell in grid.cells:
         result = done[grid_cell.key]
         j, rounds = result.choose(target, metric, higher_is_better)
-        diverged = [c["client_lr"] for c, d in zip(result.configs, result.diverged, strict=True)
-                    if d]  # fmt: skip
+        diverged = sorted({c["client_lr"] for c, d in zip(result.configs, result.diverged,
+                                                          strict=True) if d})  # fmt: skip
         cell = {
             **lead(grid_cell),
             "rounds": rounds,
@@ -210,6 +212,18 @@ def _chosen_cells(
             "run_seconds": round(result.run_seconds, 3),
             **tail(result.records[j]),
         }
+        if grid_cell.seeds:  # the chosen η_l over every seed: means and spreads
+            best, _ = results.select(result.candidates(), target, metric, higher_is_better)
+            bests = [results.best_value(result.records[i], metric, higher_is_better)
+                     for i in best["configs"]]  # fmt: skip
+            cell.update(
+                seeds=best["seeds"],
+                rounds=best["rounds_mean"],
+                rounds_std=best["rounds_std"],
+                rounds_per_seed=best["rounds_to_target"],
+                reached=best["reached"],
+                best_per_seed=bests,
+            )
         panels[panel(grid_cell.labels)].append(cell["series"])
         writer.describe(cell["series"], chosen=True, **cell)
         cells.append(cell)
@@ -431,6 +445,11 @@ class TableProtocol:
     model reaches), the η_l grids (``lr_grids``), MLP hidden sizes (256, 256), one seed,
     evaluation every round (``eval_every``; rounds to target are exact multiples of it).
 
+    ``seeds`` (``--set 'seeds=[0,1,2]'``) runs every η_l of a cell with each of these run
+    seeds (client sampling and minibatches; the data and initial params stay those of
+    ``seed``), in the cell's one vmapped program: the η_l is chosen on the mean over seeds
+    (every seed must reach the target), and the table gives mean ± std.
+
     ``extra_methods`` adds rows for other registered algorithms (``--set
     extra_methods='["feddyn","mime"]'``), one per (epochs, sampled) of the SCAFFOLD rows,
     each with its declared defaults (FedDyn α = 0.01, Mime's momentum 0.9) and its
@@ -454,6 +473,7 @@ class TableProtocol:
     )
     prox_mu: float = 1.0
     seed: int = 0
+    seeds: tuple[int, ...] = ()
     max_train_examples: int | None = None
     max_test_examples: int | None = None
     data_dir: str | None = None
@@ -486,6 +506,11 @@ class TableProtocol:
         _check_list(errors, "hidden_sizes", self.hidden_sizes, _positive_int, "integers >= 1")
         check.number("prox_mu", self.prox_mu, low=0.0, what=">= 0", float32=True)
         _check_seed(check, self.seed)
+        seeds_ok = self.seeds == () or _check_list(
+            errors, "seeds", self.seeds, _is_seed, f"integers in [0, {MAX_SEED}]"
+        )
+        if seeds_ok and len(set(self.seeds)) != len(self.seeds):
+            errors.append(f"seeds = {list(self.seeds)} repeats a seed; give each once.")
         check.integer("max_train_examples", self.max_train_examples, low=1, optional=True)
         check.integer("max_test_examples", self.max_test_examples, low=1, optional=True)
         check.type("data_dir", self.data_dir, str, "a folder path", optional=True)
@@ -535,6 +560,10 @@ class TableProtocol:
         if errors:
             raise ConfigError(f"invalid {self.name} protocol:\n  " + "\n  ".join(errors))
         return self
+
+
+def _is_seed(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED
 
 
 def _positive_int(value: Any) -> bool:
@@ -718,7 +747,7 @@ def table_grid(protocol: TableProtocol, dataset: sources.Dataset) -> Grid:
             labels = {"algorithm": row.method, "epochs": row.epochs, "sampled": row.sampled,
                       "similarity": similarity}  # fmt: skip
             cells.append(Cell(key, config, {"client_lr": protocol.lr_grid(row.method)},
-                              labels=labels))  # fmt: skip
+                              seeds=protocol.seeds, labels=labels))  # fmt: skip
     # The chosen series, one panel per similarity: filled as the report chooses them.
     panels = {f"s = {s:g}%": [] for s in protocol.similarities}
     plots = tuple(
@@ -791,6 +820,11 @@ def reproduce_table(
             tail=lambda records: {"best_accuracy": results.best_value(records)},
             target=target,
         )  # fmt: skip
+        for cell in cells:  # several seeds: the chosen η_l's best accuracy, mean ± std
+            if "best_per_seed" in cell:
+                values = [float(v) for v in cell["best_per_seed"]]
+                cell["best_accuracy"] = statistics.fmean(values)
+                cell["best_accuracy_std"] = statistics.pstdev(values)
         wall = time.perf_counter() - start
         info = next(iter(done.values())).info
         table = format_table(protocol, cells, info, target, wall)
@@ -831,6 +865,10 @@ def format_table(
             horizon=protocol.num_rounds,
             value=c["best_accuracy"],
             client_lr=c["client_lr"],
+            seeds=len(c.get("seeds", [protocol.seed])),
+            rounds_std=c.get("rounds_std"),
+            value_std=c.get("best_accuracy_std"),
+            reached=c.get("reached"),
         )
         for c in cells
     ]
@@ -874,8 +912,14 @@ def format_table(
             f"{info['num_train_examples']} training "
             f"examples over {protocol.num_clients} clients (s% similarity split; columns: "
             f"s); {model}; {what}. " + "; ".join(settings) + ". Horizon "
-            f"{protocol.num_rounds} rounds, evaluated every {protocol.eval_every}; seed "
-            f"{protocol.seed}.",
+            f"{protocol.num_rounds} rounds, evaluated every {protocol.eval_every}; "
+            + (
+                f"seeds {', '.join(str(x) for x in protocol.seeds)} (mean ± std over the "
+                "seeds of the η_l chosen on their mean; data and initial params of seed "
+                f"{protocol.seed})."
+                if protocol.seeds
+                else f"seed {protocol.seed}."
+            ),
             "",
             body,
             "",
@@ -911,6 +955,29 @@ PROTOCOLS: dict[str, Callable[..., Any]] = {
 }
 
 
+#: Protocol fields a ``--resume`` may change (a cell run with another horizon runs again):
+#: left out of the default folder's name, so that the resumed command finds its folder.
+_RESUMABLE = ("num_rounds", "eval_every", "data_dir", "download")
+
+
+def default_folder(name: str, quick: bool, overrides: Mapping[str, Any]) -> Path:
+    """``results/<name>`` (``-quick``), followed by a digest of the protocol fields set
+    (those a resume may change aside) when there are any: two protocols never share a
+    folder, and the same command with ``--resume`` finds its own.
+
+    Examples:
+      >>> str(default_folder("table3", True, {"num_rounds": 50}))
+      'results/table3-quick'
+      >>> str(default_folder("table3", False, {"seeds": (0, 1, 2)}))
+      'results/table3-3dc3171d'
+    """
+    folder = name + ("-quick" if quick else "")
+    fixed = {k: v for k, v in overrides.items() if k not in _RESUMABLE}
+    if fixed:
+        folder += "-" + short_digest(fixed)
+    return Path("results") / folder
+
+
 def reproduce(
     name: str,
     out: str | os.PathLike | None = None,
@@ -925,7 +992,7 @@ def reproduce(
 
     Args:
       name: the protocol.
-      out: the output folder (default ``results/<name>`` or ``results/<name>-quick``).
+      out: the output folder (default: :func:`default_folder`).
       quick: the test-sized variant.
       overwrite: replace a folder that holds a run.
       quiet: print nothing but errors.
@@ -940,7 +1007,7 @@ def reproduce(
     if name not in PROTOCOLS:
         raise ConfigError(f"experiment = {name!r} is unknown: it must be one of {list(PROTOCOLS)}.")
     protocol = PROTOCOLS[name](quick=quick, **overrides)
-    out = Path(out) if out is not None else Path("results") / (name + ("-quick" if quick else ""))
+    out = Path(out) if out is not None else default_folder(name, quick, overrides)
     if name == "fig3":
         return reproduce_fig3(protocol, out, overwrite=overwrite, quiet=quiet, resume=resume)
     return reproduce_table(protocol, out, overwrite=overwrite, quiet=quiet, resume=resume)

@@ -2,6 +2,7 @@
 runner (sweep vs loop), and run()/reproduce_table() end to end on an in-memory dataset."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -398,6 +399,54 @@ def test_reproduce_table_on_an_in_memory_dataset(tmp_path):
     series = {r["series"] for r in results.read_records(tmp_path)}
     assert len(series) == 2 * 3
     assert (tmp_path / "accuracy.png").is_file()
+
+
+def test_a_table_over_seeds_reports_each_cells_mean_and_std_of_one_chosen_step_size(tmp_path):
+    common = dict(quick=True, num_clients=10, num_rounds=6, eval_every=1, rows=[("scaffold", 1)],
+                  similarities=[0], target=0.5, lr_grids={"scaffold": (0.3, 1.0)})  # fmt: skip
+    protocol = paper.table3_protocol(**common, seeds=[0, 1, 2])
+    summary = paper.reproduce_table(protocol, tmp_path / "t", quiet=True, dataset=toy_dataset())
+    (cell,) = summary["cells"]
+    records = results.read_records(tmp_path / "t")
+    # The grid's 2 step sizes x 3 seeds ran; the chosen step size's 3 runs are the cell's.
+    assert len({r["series"] for r in records}) == 6
+    series = f"SCAFFOLD E=1 s=0% client_lr={cell['client_lr']:g} seed="
+    chosen = [[r for r in records if r["series"] == f"{series}{s}"] for s in (0, 1, 2)]
+    per_seed = [results.rounds_to_target(runs, 0.5) for runs in chosen]
+    assert cell["seeds"] == [0, 1, 2] and cell["rounds_per_seed"] == per_seed
+    # Each seed sampled its own clients: three different runs.
+    assert len({tuple(r["test_accuracy"] for r in c) for c in chosen}) == 3
+    bests = [results.best_value(runs) for runs in chosen]
+    assert cell["best_accuracy"] == pytest.approx(np.mean(bests))
+    assert cell["best_accuracy_std"] == pytest.approx(np.std(bests))
+    table = (tmp_path / "t" / "table3.md").read_text()
+    if None not in per_seed:
+        assert cell["rounds"] == pytest.approx(np.mean(per_seed))
+        assert f"| SCAFFOLD | 1 | {np.mean(per_seed):.1f} ± {np.std(per_seed):.1f} |" in table
+    assert f"{np.mean(bests):.3f} ± {np.std(bests):.3f}" in table
+    assert "seeds 0, 1, 2 (mean ± std" in table
+    # One seed: the table as before, plain numbers.
+    single = paper.reproduce_table(paper.table3_protocol(**common), tmp_path / "one", quiet=True,
+                                   dataset=toy_dataset())  # fmt: skip
+    assert "±" not in (tmp_path / "one" / "table3.md").read_text()
+    assert single["cells"][0]["rounds"] == results.rounds_to_target(
+        [r for r in results.read_records(tmp_path / "one")
+         if r["series"] == single["cells"][0]["series"]], 0.5)  # fmt: skip
+    with pytest.raises(ConfigError, match="repeats a seed"):
+        paper.table3_protocol(seeds=[1, 1]).validate()
+    with pytest.raises(ConfigError, match="seeds = \\(-1,\\) is invalid"):
+        paper.table3_protocol(seeds=[-1]).validate()
+
+
+def test_reproduce_default_folders_differ_by_protocol_not_by_what_a_resume_may_change():
+    quick = paper.default_folder("table3", True, {})
+    assert quick == Path("results") / "table3-quick"
+    extra = paper.default_folder("table3", True, {"extra_methods": ("feddyn",)})
+    assert extra.parent == quick.parent and extra.name.startswith("table3-quick-")
+    assert extra != quick != paper.default_folder("table3", False, {})
+    # The same protocol (a list or a tuple) with another horizon: the same folder.
+    resumed = {"extra_methods": ["feddyn"], "num_rounds": 5, "eval_every": 5}
+    assert paper.default_folder("table3", True, resumed) == extra
 
 
 def test_a_diverging_run_says_so_in_its_folder(tmp_path):

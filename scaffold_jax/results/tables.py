@@ -183,14 +183,37 @@ def grid_edges(
 
 
 def format_grid_edge(edge: Mapping[str, Any]) -> str:
-    """One line for an entry of :func:`grid_edges`, saying how to extend the grid."""
-    values = ", ".join(f"{v:g}" for v in edge["grid"])
-    beyond = "below" if edge["edge"] == "smallest" else "above"
-    return (
-        f"{edge['series']}: the chosen {edge['name']} = {edge['value']:g} is the "
-        f"{edge['edge']} value of its grid ({values}); the best value may lie {beyond} it: "
-        f"extend the grid {beyond} {edge['value']:g}."
-    )
+    """One line for an entry of :func:`grid_edges`, saying how to extend the grid.
+
+    Below the smallest value it suggests only values a hyper-parameter can take (every one
+    is >= 0, step sizes > 0): a smaller positive value in the grid's own ratio, or, when 0
+    itself was chosen, values between 0 and the next one.
+
+    Examples:
+      >>> edge = {"series": "fedprox", "name": "prox_mu", "edge": "smallest", "grid": [0, 0.1, 1]}
+      >>> print(format_grid_edge({**edge, "value": 0}))
+      fedprox: the chosen prox_mu = 0 is the smallest value of its grid (0, 0.1, 1); 0 is also the smallest value allowed, so the best value is 0 or lies between 0 and 0.1: refine the grid there (e.g. 0.01, 0.03).
+      >>> print(format_grid_edge({**edge, "value": 0.1, "grid": [0.1, 0.3, 1]}))
+      fedprox: the chosen prox_mu = 0.1 is the smallest value of its grid (0.1, 0.3, 1); the best value may lie below it: extend the grid below 0.1 with smaller positive values (e.g. 0.033).
+    """
+    grid, value = edge["grid"], edge["value"]
+    values = ", ".join(f"{v:g}" for v in grid)
+    head = f"{edge['series']}: the chosen {edge['name']} = {value:g} is the {edge['edge']} value"
+    if edge["edge"] == "largest":
+        advice = f"the best value may lie above it: extend the grid above {value:g}."
+    elif value <= 0:
+        step = grid[1]
+        advice = (
+            f"0 is also the smallest value allowed, so the best value is 0 or lies between 0 "
+            f"and {step:g}: refine the grid there (e.g. {step / 10:.2g}, {step * 0.3:.2g})."
+        )
+    else:
+        smaller = value * value / grid[1]  # one step of the grid's own ratio below
+        advice = (
+            f"the best value may lie below it: extend the grid below {value:g} with smaller "
+            f"positive values (e.g. {smaller:.2g})."
+        )
+    return f"{head} of its grid ({values}); {advice}"
 
 
 # ----------------------------------------------------------------------------- tables
@@ -263,14 +286,21 @@ class Cell(NamedTuple):
       horizon: the number of rounds run.
       value: a scalar for value tables (Table 5's best accuracy); None otherwise.
       client_lr: the η_l chosen for this cell.
+      seeds: how many seeds ``rounds`` and ``value`` are the means of (1: a single run).
+      rounds_std, value_std: their standard deviations over the seeds.
+      reached: how many seeds reached the target (``rounds`` is None unless all did).
     """
 
     row: tuple
     column: str
-    rounds: int | None = None
+    rounds: float | None = None
     horizon: int = 0
     value: float | None = None
     client_lr: float | None = None
+    seeds: int = 1
+    rounds_std: float | None = None
+    value_std: float | None = None
+    reached: int | None = None
 
 
 def rounds_table(
@@ -297,14 +327,20 @@ def rounds_table(
                 line.append("")
                 continue
             base = baselines[col]
-            line.append(
-                rounds_cell(
-                    cell.rounds,
-                    None if base is None else base.rounds,
-                    cell.horizon,
-                    with_speedup=base is not None,
-                )
+            text = rounds_cell(
+                cell.rounds,
+                None if base is None else base.rounds,
+                cell.horizon,
+                with_speedup=base is not None,
             )
+            if cell.seeds > 1:  # "14.7 ± 1.2 (2.6×)", or "100+ (2/3 seeds)"
+                if cell.rounds is None:
+                    reached = f"{cell.reached or 0}/{cell.seeds} seeds"
+                    text = f"{format_rounds(None, cell.horizon)} ({reached})"
+                else:
+                    head = f"{cell.rounds:.1f} ± {cell.rounds_std or 0.0:.1f}"
+                    text = head + text[len(format_rounds(cell.rounds, cell.horizon)) :]
+            line.append(text)
         body.append(line)
     return markdown_table([*row_header, *columns], body)
 
@@ -322,6 +358,9 @@ def value_table(
         for col in columns:
             cell = at.get((row, col))
             value = None if cell is None else getattr(cell, field)
-            line.append("" if value is None else format(value, fmt))
+            text = "" if value is None else format(value, fmt)
+            if field == "value" and value is not None and cell.value_std is not None:
+                text += f" ± {format(cell.value_std, fmt)}"  # a mean over seeds
+            line.append(text)
         body.append(line)
     return markdown_table([*row_header, *columns], body)

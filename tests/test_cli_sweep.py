@@ -6,6 +6,7 @@ one named error per kind of bad grid."""
 import csv
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -134,6 +135,28 @@ def test_grid_edges_fire_at_either_end_and_never_inside_or_on_one_value():
         ]
     inside = {"a": _Grid("a", configs, (0.4, 0.9, 0.5))}
     assert results.grid_edges(inside, results.summarize(inside, 0.8)) == []
+
+
+def test_a_grid_edge_at_the_smallest_value_suggests_only_allowed_values():
+    """Every hyper-parameter is >= 0 (step sizes > 0): below the smallest value of a grid
+    the warning suggests smaller positive values, and at 0 itself values between 0 and
+    the next one, never "below 0"."""
+
+    def warning(name, grid, finals):
+        configs = [{"client_lr": 0.1, name: v, "seed": 0} for v in grid]
+        sweep = {"a": _Grid("a", configs, finals)}
+        (edge,) = results.grid_edges(sweep, results.summarize(sweep, 0.8))
+        assert (edge["name"], edge["edge"]) == (name, "smallest")
+        line = results.format_grid_edge(edge)
+        suggested = [float(v) for v in re.search(r"\(e\.g\. ([^)]*)\)", line)[1].split(", ")]
+        return line, suggested
+
+    line, suggested = warning("server_momentum", [0.0, 0.5, 0.9], (0.9, 0.5, 0.4))
+    assert "below 0" not in line and "0 is also the smallest value allowed" in line
+    assert "between 0 and 0.5" in line and all(0 < v < 0.5 for v in suggested)
+    line, suggested = warning("client_lr", [0.03, 0.1, 0.3], (0.9, 0.5, 0.4))
+    assert "extend the grid below 0.03 with smaller positive values" in line
+    assert all(0 < v < 0.03 for v in suggested)
 
 
 def test_sweep_table_is_tidy_one_row_per_config_and_seed():

@@ -401,6 +401,77 @@ def test_a_failed_download_says_not_found_with_every_way_to_get_the_data(tmp_pat
     assert sources.NIST_EMNIST_URL in msg  # the other ways are still listed
 
 
+def test_an_offline_download_fails_fast_and_leaves_no_tfds_folder(tmp_path, monkeypatch):
+    """TFDS's real download path, with every host lookup failing as it does offline (no
+    request leaves the machine): the retries are capped (TFDS's own 10 waited 204 s), and
+    the folders TFDS made for the failed download are gone, so later loads do not warn
+    about a dataset folder without its dataset_info.json."""
+    import socket
+    import time
+
+    pytest.importorskip("tensorflow_datasets")
+    lookups = []
+
+    def no_dns(host, *args, **kwargs):
+        lookups.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    tfds_dir = tmp_path / "tfds"
+    tfds_dir.mkdir()
+    (tfds_dir / "cifar10").mkdir()  # another dataset's folder is left alone
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as info:
+        sources.load("mnist", cache_dir=tmp_path / "cache", tfds_data_dir=tfds_dir,
+                      allow_download=True)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    assert "could not download mnist" in str(info.value)
+    assert "check the internet connection" in str(info.value)
+    hosts = set(lookups)
+    assert hosts, "the download never reached the network layer"
+    # One attempt and DOWNLOAD_RETRIES retries per host, not TFDS's 11.
+    assert len(lookups) <= (1 + sources.DOWNLOAD_RETRIES) * len(hosts) * 4  # 4 files
+    assert elapsed < 30, f"the offline failure took {elapsed:.0f} s"
+    assert sorted(p.name for p in tfds_dir.iterdir()) == ["cifar10"]
+    # TFDS's own setting is restored for everyone else.
+    from tensorflow_datasets.core.download import downloader
+
+    assert downloader.MAX_RETRIES == 10
+
+
+def test_a_failed_download_keeps_what_it_had_finished(tmp_path):
+    """A completed download file survives the cleanup (a retry need not fetch it again);
+    a partial one (TFDS's ``*.tmp.*``), empty folders and the dataset's ``.config`` go, and
+    what was there before stays. A data dir the download created goes too when empty."""
+    root = tmp_path / "tfds"
+    downloads = root / "downloads"
+    (root / "mnist").mkdir(parents=True)
+    (root / "mnist" / "old.txt").write_text("before")
+    before = sources._download_paths(root, "mnist")
+    (root / "mnist" / ".config").mkdir()
+    (root / "mnist" / ".config" / "metadata.json").write_text("{}")
+    (root / "mnist" / "3.0.1").mkdir()
+    done = downloads / "mnist" / "train-images.gz"
+    partial = downloads / "mnist" / "test-images.gz.tmp.0123" / "test-images.gz"
+    partial.parent.mkdir(parents=True)
+    done.write_bytes(b"finished")
+    partial.write_bytes(b"half")
+    (downloads / "extracted").mkdir()
+    sources._remove_new_paths(root, "mnist", before)
+    assert sources._download_paths(root, "mnist") == {
+        root,
+        root / "mnist",
+        root / "mnist" / "old.txt",
+        downloads,
+        downloads / "mnist",
+        done,
+    }
+    fresh = tmp_path / "fresh"  # a data dir that did not exist: nothing of it is left
+    (fresh / "downloads" / "extracted").mkdir(parents=True)
+    sources._remove_new_paths(fresh, "mnist", set())
+    assert not fresh.exists()
+
+
 def test_a_missing_download_dependency_is_named_not_the_network(tmp_path, monkeypatch):
     """tensorflow-datasets imports importlib_resources to download on every Python but
     declares it for Python < 3.9 only: the message names the module and the fix."""

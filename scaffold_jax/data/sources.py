@@ -461,7 +461,9 @@ def load_tfds(
       data_dir: the TFDS data dir (default: TFDS's, ``~/tensorflow_datasets``).
       cache_dir: the ``.npz`` cache folder (default :func:`default_cache_dir`).
       download: let TFDS download and prepare the dataset when it is not prepared yet
-        (needs internet). When False, only an already prepared dataset is read.
+        (needs internet). When False, only an already prepared dataset is read. Offline,
+        the download fails within seconds (:data:`DOWNLOAD_RETRIES`) and what it created
+        in the TFDS data dir is removed, apart from completed download files.
 
     Returns:
       The :class:`Dataset`: grayscale images squeezed to ``[n, 28, 28]``, EMNIST images
@@ -485,21 +487,27 @@ def load_tfds(
             "reading TFDS datasets needs tensorflow-datasets: pip install 'scaffold-jax[data]'"
         ) from err
     data_dir = None if data_dir is None else os.fspath(Path(data_dir).expanduser())
-    if not download:
-        with _absl_quiet():  # TFDS warns about a missing dataset_info.json: it is missing
-            builder = tfds.builder(name, data_dir=data_dir)
-            prepared = builder.is_prepared()
-        if not prepared:
-            raise FileNotFoundError(
-                f"TFDS dataset {name} is not prepared in {builder.data_dir} and download=False."
-            )
+    with _absl_quiet():  # TFDS warns about a missing dataset_info.json: it is missing
+        builder = tfds.builder(name, data_dir=data_dir)
+        prepared = builder.is_prepared()
+    if not download and not prepared:
+        raise FileNotFoundError(
+            f"TFDS dataset {name} is not prepared in {builder.data_dir} and download=False."
+        )
+    # What a failed download leaves behind is removed: TFDS's empty dataset folder would
+    # make every later load warn that its dataset_info.json is missing.
+    root = Path(builder.data_dir_root)
+    before = _download_paths(root, builder.name) if download and not prepared else None
     # Pass the splits explicitly: with split=None TFDS needs the split metadata up front,
     # which `tfds.testing.mock_data` does not provide.
     try:
-        train_src, test_src = tfds.data_source(
-            name, split=["train", "test"], data_dir=data_dir, download=download
-        )
+        with _few_download_retries():
+            train_src, test_src = tfds.data_source(
+                name, split=["train", "test"], data_dir=data_dir, download=download
+            )
     except Exception as err:
+        if before is not None:
+            _remove_new_paths(root, builder.name, before)
         if not download or isinstance(err, FileNotFoundError):
             raise
         if isinstance(err, ImportError):
@@ -532,6 +540,58 @@ def load_tfds(
     except OSError as err:  # a read-only home must not make the data unusable
         logger.warning("could not write the cache %s: %s", path, err)
     return ds
+
+
+#: Retries of a failed download request. TFDS's own 10, with its exponential backoff
+#: (0.2 s doubling), wait 204 s before an offline download fails; 2 (0.4 s of waiting)
+#: still ride out a transient error.
+DOWNLOAD_RETRIES = 2
+
+
+@contextlib.contextmanager
+def _few_download_retries():
+    """TFDS's download retries capped at :data:`DOWNLOAD_RETRIES`, then restored.
+
+    TFDS reads its module constant ``MAX_RETRIES`` for every request; a TFDS without it is
+    left as it is."""
+    from tensorflow_datasets.core.download import downloader
+
+    saved = getattr(downloader, "MAX_RETRIES", None)
+    if saved is not None:
+        downloader.MAX_RETRIES = min(saved, DOWNLOAD_RETRIES)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            downloader.MAX_RETRIES = saved
+
+
+def _download_paths(root: Path, name: str) -> set[Path]:
+    """The paths a TFDS download of dataset ``name`` writes in the data dir ``root``: the
+    folder itself, and everything in its dataset folder and its ``downloads`` folder."""
+    trees = [tree for tree in (root / name, root / "downloads") if tree.exists()]
+    return {p for p in (root, *trees) if p.exists()} | {p for t in trees for p in t.rglob("*")}
+
+
+def _remove_new_paths(root: Path, name: str, before: set[Path]) -> None:
+    """Removes what a failed TFDS download of ``name`` created (paths not in ``before``).
+
+    A completed download file is kept (a retry need not fetch it again), and so are the
+    folders that hold one; TFDS's partial downloads (``*.tmp.*``) and every folder left
+    empty go, and the dataset's ``.config`` metadata with them. A path that cannot be
+    removed is left, with a warning: the download's own error matters more."""
+    downloads = root / "downloads"
+    for path in sorted(_download_paths(root, name) - before, key=lambda p: -len(p.parts)):
+        inside = path.relative_to(downloads).parts if path.is_relative_to(downloads) else None
+        finished = inside is not None and not any(".tmp." in part for part in inside)
+        try:
+            if path.is_dir() and not path.is_symlink():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            elif not finished:
+                path.unlink()
+        except OSError as err:
+            logger.warning("could not remove %s after the failed download: %s", path, err)
 
 
 @contextlib.contextmanager

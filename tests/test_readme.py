@@ -8,7 +8,8 @@ How each kind of block runs:
   ``examples/`` of the repository are linked. The one change made to a command:
   ``--rounds 2 --eval-every 1`` is appended to ``run``, ``sweep`` and ``reproduce`` (the
   last flag wins), so that a 1,000-round protocol costs its compilations and two rounds.
-  The commands that still take long on 2 cores run under ``-m slow``.
+  Most run under ``-m slow`` (each compiles its programs: 10-60 s on 2 cores); the
+  default suite runs the few listed in ``FAST``.
 * ``python ...`` lines run as a subprocess of this interpreter, in the same folder.
 * Python blocks run in README order in one namespace (the README says that the later
   blocks continue the API example), as written.
@@ -43,17 +44,14 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 #: What each run/sweep/reproduce command gets appended (documented above).
 SHORTEN = ["--rounds", "2", "--eval-every", "1"]
 
-#: Commands that take more than ~15 s on 2 cores even shortened, by a part of their text.
-SLOW = (
-    "reproduce table3",
-    "reproduce fig3",
-    "--dataset shakespeare",
-    "--model cnn",
-    "--model small_cnn",
-    "procedural_synthetic",
-    "--num-clients 1000 ",
-    "--grid similarity=0,50",
-    "--grid local_epochs",
+#: The commands the default suite runs (a few seconds each: small data or one short run
+#: of each kind); every other command runs under ``-m slow`` (a fresh clone's suite stays
+#: within its time, and `make test-slow` runs them all).
+FAST = (
+    "--dataset quadratic",
+    "python tests/plugins/lab.py",
+    "--dataset blobs_npz",
+    "run --availability cyclic",
 )
 
 #: Python blocks quoted from a file: a distinctive first line -> the file.
@@ -144,7 +142,7 @@ def _params():
     for i, line in enumerate(_commands()):
         if line.startswith(("make", "source .venv/bin/activate")):
             continue
-        marks = [pytest.mark.slow] if any(s in line + " " for s in SLOW) else []
+        marks = [] if any(f in line for f in FAST) else [pytest.mark.slow]
         params.append(pytest.param(line, id=f"{i:02d} {line[:60]}", marks=marks))
     return params
 
@@ -166,6 +164,7 @@ def test_every_readme_command_runs_as_written(line, scratch, monkeypatch, capsys
     assert code == 0, f"{line}\n{err[-3000:]}"
 
 
+@pytest.mark.slow  # three 100-round runs and a DP calibration: about a minute
 @pytest.mark.skipif(not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist")
 def test_the_python_blocks_run_in_order_in_one_namespace(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)

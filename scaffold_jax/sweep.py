@@ -308,8 +308,7 @@ class Sweep:
         self.run_rounds = jax.jit(
             self.run_rounds_fn, static_argnames=("num_rounds",), donate_argnums=(1,)
         )
-        per_seed = jax.vmap(simulation.evaluate_fn, in_axes=(0, None, 0))
-        self.evaluate = jax.jit(jax.vmap(per_seed, in_axes=(0, None, 0)))
+        self.evaluate = jax.jit(self.evaluate_fn)
 
     @classmethod
     def of(cls, simulation: Simulation) -> Sweep:
@@ -378,9 +377,30 @@ class Sweep:
         per_seed = SweepCarry(
             SimState(server=0, clients=0, round=0, model=0, participation=0), 0, 0
         )
-        step = jax.vmap(group, in_axes=(0, per_seed, 0), out_axes=(per_seed, 0))
+        if sim.configs_one_at_a_time(data):
+
+            def step(hparams, carry, keys):  # seeds one after another
+                return jax.lax.map(lambda xs: group(*xs), (hparams, carry, keys))
+
+        else:
+            step = jax.vmap(group, in_axes=(0, per_seed, 0), out_axes=(per_seed, 0))
 
         return repeat_rounds(lambda carry: step(hparams, carry, keys), carry, num_rounds, stop)
+
+    def evaluate_fn(self, server: PyTree, data, model: PyTree = None) -> dict[str, jax.Array]:
+        """Every config's centralised metrics, ``[G, M]`` each: :meth:`Simulation.evaluate_fn
+        <scaffold_jax.engine.Simulation.evaluate_fn>` vmapped over the configs, or one config
+        after another (``lax.map``) where vmapped configs would make every convolution over
+        the evaluation set a grouped one (:meth:`Simulation.configs_one_at_a_time
+        <scaffold_jax.engine.Simulation.configs_one_at_a_time>`)."""
+        sim = self.simulation
+        if sim.configs_one_at_a_time(data):
+            lead = jax.tree.leaves(server)[0].shape[:2]
+            flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), (server, model))
+            out = jax.lax.map(lambda one: sim.evaluate_fn(one[0], data, one[1]), flat)
+            return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+        per_seed = jax.vmap(sim.evaluate_fn, in_axes=(0, None, 0))
+        return jax.vmap(per_seed, in_axes=(0, None, 0))(server, data, model)
 
     # -------------------------------------------------------------- the host-side API
     def init(self, data, num_seeds: int, group_size: int) -> SweepCarry:

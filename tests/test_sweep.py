@@ -5,6 +5,8 @@ Compilation dominates the cost on CPU, so one module-scoped sweep of SCAFFOLD (8
 is shared and the other sweeps reuse its program wherever the shapes allow.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +108,37 @@ def test_one_compilation_for_the_whole_grid(setup, base, small_data):
     assert len(traces) == before
     assert program.run_rounds._cache_size() == 1
     assert again.compile_seconds < result.compile_seconds
+
+
+def test_a_cnn_sweep_equals_its_single_runs_and_evaluates_without_grouped_convolutions():
+    """A model with convolutions on CPU: its configs' local steps and evaluations run
+    config by config (vmapped configs would make each convolution a grouped one), with
+    the same results as the configs run alone."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(36, 8, 8), dtype=np.uint8)
+    y = rng.integers(0, 3, size=36).astype(np.int32)
+    test = {"x": x[:12], "y": y[:12]}
+    data = sj.from_partition({"x": x, "y": y}, list(np.arange(36).reshape(6, 6)), test=test)
+    problem = sj.models.build("cnn", (8, 8), 3, key=jax.random.key(1))
+    sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, sj.BatchPlan.fixed(3, 2), 2)
+    assert sim.one_client_at_a_time(data)
+    hp, seeds, configs = grid(client_lr=[0.01, 0.05], seeds=[0, 1])
+    result = sweep(sim, data, hp, seeds, 2, 1)
+    assert result.num_chunks == 1
+    for j, config in enumerate(configs):
+        alone = sim.run(data, sj.hparams(config["client_lr"]), 2, 1, seed=config["seed"])
+        assert_trees_close(_config(result, j), alone.state.server, rtol=1e-4, atol=1e-6)
+        for mine, theirs in zip(result.records[j], alone.records, strict=True):
+            for name in METRICS:
+                np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-5, atol=1e-6)
+    program = Sweep.of(sim)
+    carry = program.init(data, 2, 2)
+    hlo = program.evaluate.lower(carry.state.server, data, carry.state.model).as_text()
+    two_by_two = jax.tree.map(lambda a: a[:4].reshape(2, 2), program.resolve_grid(hp, 4))
+    keys = jax.vmap(jax.random.key)(jnp.arange(2))
+    hlo += program.run_rounds.lower(two_by_two, carry, data, keys, num_rounds=1).as_text()
+    groups = re.findall(r"feature_group_count = (\d+)", hlo)
+    assert groups and set(groups) == {"1"}  # convolutions, none of them grouped
 
 
 # ------------------------------------------------------------------------ divergence

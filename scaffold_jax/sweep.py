@@ -18,10 +18,17 @@ what ``simulation.run(data, hparams_j, seed=seeds[j])`` computes (the root key i
 Layout. Configs are grouped by seed into a ``[G, M]`` block (G seeds, at most M configs
 per seed; see :class:`Sweep`). The configs of one seed share the key, so they sample the
 same clients and minibatches (as their single runs do); the sweep computes those, and the
-batch gather, once per seed. The clients of a round run in chunks sized for all the
-configs of a block together (:meth:`Simulation.resolve_client_chunk
-<scaffold_jax.engine.Simulation.resolve_client_chunk>` with ``configs``). How the sweep
-compares with sequential runs is measured in benchmarks/README.md.
+batch gather, once per seed. Inside a round the M configs run inside each client's work
+(:meth:`Simulation.round_fn <scaffold_jax.engine.Simulation.round_fn>` with ``configs``):
+the rows are gathered client-major ``[S, M, ...]`` and each client's local steps of the M
+configs run side by side on its batches, so their products are one wider dot. The clients
+run in chunks sized for all the configs of a block together
+(:meth:`Simulation.resolve_client_chunk
+<scaffold_jax.engine.Simulation.resolve_client_chunk>` with ``configs``). On CPU a model
+with convolutions or loops runs its seeds, configs and evaluations one after another
+instead (:meth:`Simulation.configs_one_at_a_time
+<scaffold_jax.engine.Simulation.configs_one_at_a_time>`). How the sweep compares with
+sequential runs is measured in benchmarks/README.md.
 
 Divergence is per config (the loop's ``freeze`` policy). After every round, a config whose
 new server state or new client rows hold a NaN/Inf is marked ``diverged`` at that round
@@ -284,13 +291,15 @@ class Sweep:
 
     Layout. Configs are grouped by seed: every leaf of the carry is ``[G, M, ...]`` for G
     distinct seeds with at most M configs each (shorter groups are padded with copies
-    whose results are dropped). The outer ``vmap`` runs over the seeds (the keys), the
-    inner one over the hyper-parameters of one seed with the key and the round number
-    SHARED (``in_axes=None``). A single run's sampled clients and minibatches follow from
-    its key and the round alone, so configs of one seed draw the same ones anyway; sharing
-    them is exact, and it turns the batch gather and the forward/backward products of a
-    group into one op each (whether that op beats M separate ones is the backend's
-    business; see benchmarks/README.md).
+    whose results are dropped). A ``vmap`` runs over the seeds (the keys; ``lax.map``
+    where :meth:`Simulation.configs_one_at_a_time
+    <scaffold_jax.engine.Simulation.configs_one_at_a_time>`), and each seed's round runs
+    its M configs inside the clients' work with the key and the round number SHARED. A
+    single run's sampled clients and minibatches follow from its key and the round alone,
+    so configs of one seed draw the same ones anyway; sharing them is exact, and it turns
+    the batch gather and the forward/backward products of a group into one op each
+    (whether that op beats M separate ones is the backend's business; see
+    benchmarks/README.md).
 
     Build one per simulation (:meth:`of` and :func:`sweep` keep it) so that a second sweep
     of the same shape reuses the compiled program: :attr:`run_rounds` and

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 import re
 import shutil
 import struct
@@ -876,6 +877,12 @@ CASES = [
          "invalid config:\n  privacy = 'gaussian': dp_delta = 1.0 is invalid: it must be in "
          "(0, 1).",
          lambda ctx: RunConfig(**DP_RUN, dp_epsilon=3.0, dp_delta=1.0).validate()),
+    Case("dp-infinite-cohort", "a private run's config file with clients_per_round: Infinity",
+         "RunConfig.validate", ConfigError,
+         "invalid config:\n  clients_per_round = inf is invalid: it must be an integer in "
+         "[1, num_clients = 50].",
+         lambda ctx: RunConfig(**DP_RUN, clients_per_round=math.inf, dp_clip=1.0,
+                               dp_noise_multiplier=1.0).validate()),
     Case("dp-no-noise", "--dp-clip 1 without a noise multiplier or a target epsilon",
          "RunConfig.resolved_hparams", ConfigError,
          "a private run needs its noise: give dp_noise_multiplier (--dp-noise-multiplier Z) or "

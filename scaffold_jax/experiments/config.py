@@ -453,21 +453,19 @@ class RunConfig:
         how = None
         if all([check.registered(k, getattr(self, k), r) for k, r in participation.KINDS.items()]):
             how = self._validate_participation(errors)
-        if self.privacy is not None and check.registered("privacy", self.privacy, MECHANISMS):
-            self._validate_privacy(errors, how)
+        said = len(errors)
         if check.integer(
             "num_clients", self.num_clients, low=1, high=MAX_CLIENTS,
             what=f"an integer in [1, {MAX_CLIENTS}] (client ids are int32)",
         ):  # fmt: skip
-            if check.integer(
+            check.integer(
                 "clients_per_round",
                 self.clients_per_round,
                 low=1,
                 high=self.num_clients,
                 optional=True,
                 what=f"an integer in [1, num_clients = {self.num_clients}]",
-            ):
-                pass
+            )
         check.number(
             "client_fraction",
             self.client_fraction,
@@ -482,6 +480,11 @@ class RunConfig:
                 f"clients_per_round = {self.clients_per_round} and client_fraction = "
                 f"{self.client_fraction} are both set: give one of them."
             )
+        counts_ok = len(errors) == said
+        # The private algorithm's own checks need the cohort S: valid client counts first.
+        if self.privacy is not None and check.registered("privacy", self.privacy, MECHANISMS):
+            if counts_ok:
+                self._validate_privacy(errors, how)
         self._validate_plan(check, errors)
         check.integer(
             "rounds", self.rounds, low=1, high=MAX_ROUNDS,

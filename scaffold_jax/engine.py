@@ -970,7 +970,7 @@ class Simulation:
         evaluations one after another (``lax.map``) rather than vmapped: on CPU, for a model
         with convolutions or loops (:meth:`one_client_at_a_time`). Vmapped, each with its own
         kernels, they make every convolution a grouped one; on W4's CNN a sweep so vmapped
-        took 6.5x the time of its configs run one by one (benchmarks/README.md)."""
+        took 6-7x the time of its configs run one by one (benchmarks/README.md)."""
         return jax.default_backend() == "cpu" and self.one_client_at_a_time(data)
 
     def client_bytes(self, data) -> int:

@@ -717,7 +717,7 @@ class Simulation:
             # Every config of a group on the same batches, inside this client's work: side
             # by side (their dots one wider dot), or one after another where side by side
             # makes every convolution a grouped one (`configs_one_at_a_time`).
-            over = per_config if not config_by_config else partial(_config_by_config, configs)
+            over = one_after_another if config_by_config else per_config
             return over(update)(hparams, server_in, row, stats, model.get("server"))
 
         # The configs of a group run inside each client's work: rows client-major.
@@ -1325,10 +1325,10 @@ def _over_configs(configs: int, fn: Callable, in_axes: Any = 0) -> Callable:
     return jax.vmap(fn, in_axes=in_axes, axis_size=configs)
 
 
-def _config_by_config(configs: int, fn: Callable) -> Callable:
-    """``fn`` mapped (``lax.map``) over a group's leading ``[M]`` config axis of every
-    argument: :func:`_over_configs` one config at a time."""
-    del configs
+def one_after_another(fn: Callable) -> Callable:
+    """``fn`` mapped (``lax.map``) over the leading axis of every argument: a vmap that
+    runs one slice at a time (a sweep's configs or seeds, see
+    :meth:`Simulation.configs_one_at_a_time`)."""
     return lambda *args: jax.lax.map(lambda xs: fn(*xs), args)
 
 

@@ -103,6 +103,7 @@ from scaffold_jax.engine import (
     Simulation,
     check_count,
     initial_state,
+    one_after_another,
     repeat_rounds,
 )
 from scaffold_jax.loop import drive
@@ -387,10 +388,7 @@ class Sweep:
             SimState(server=0, clients=0, round=0, model=0, participation=0), 0, 0
         )
         if sim.configs_one_at_a_time(data):
-
-            def step(hparams, carry, keys):  # seeds one after another
-                return jax.lax.map(lambda xs: group(*xs), (hparams, carry, keys))
-
+            step = one_after_another(group)
         else:
             step = jax.vmap(group, in_axes=(0, per_seed, 0), out_axes=(per_seed, 0))
 
@@ -403,13 +401,12 @@ class Sweep:
         the evaluation set a grouped one (:meth:`Simulation.configs_one_at_a_time
         <scaffold_jax.engine.Simulation.configs_one_at_a_time>`)."""
         sim = self.simulation
-        if sim.configs_one_at_a_time(data):
-            lead = jax.tree.leaves(server)[0].shape[:2]
-            flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), (server, model))
-            out = jax.lax.map(lambda one: sim.evaluate_fn(one[0], data, one[1]), flat)
-            return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
-        per_seed = jax.vmap(sim.evaluate_fn, in_axes=(0, None, 0))
-        return jax.vmap(per_seed, in_axes=(0, None, 0))(server, data, model)
+
+        def one(server, model):
+            return sim.evaluate_fn(server, data, model)
+
+        over = one_after_another if sim.configs_one_at_a_time(data) else jax.vmap
+        return over(over(one))(server, model)
 
     # -------------------------------------------------------------- the host-side API
     def init(self, data, num_seeds: int, group_size: int) -> SweepCarry:

@@ -59,9 +59,10 @@ import argparse
 import dataclasses
 import difflib
 import json
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from scaffold_jax import compilation_cache
 from scaffold_jax.algorithms import ALGORITHMS
@@ -78,6 +79,36 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+#: What a flag of each type takes, in words (for a bad value's message).
+_TAKES = {"float": "a number (e.g. 0.5 or 1e-3)", "int": "an integer (e.g. 10)"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are ONE line (no usage block): the flag, the
+    bad value and what the flag takes, then where to read more (``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"scaffold-jax: error: {_usage_error(message)} See '{self.prog} --help'.\n")
+
+
+def _usage_error(message: str) -> str:
+    """argparse's error ``message`` in the words of the other errors: ``argument --rounds:
+    invalid int value: 'ten'`` -> ``--rounds 'ten' is invalid: it takes an integer (e.g.
+    10).``"""
+    bad_type = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.+)", message)
+    if bad_type:
+        flag, kind, value = bad_type.groups()
+        return f"{flag} {value} is invalid: it takes {_TAKES.get(kind, f'a {kind} value')}."
+    choice = re.fullmatch(
+        r"argument (\S+?)(?:/\S+)?: invalid choice: (.+?) \(choose from (.+)\)", message
+    )
+    if choice:
+        flag, value, choices = choice.groups()
+        return f"{flag} {value} is invalid: it takes one of {choices}."
+    message = message.removeprefix("argument ")
+    return message if message.endswith(".") else message + "."
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``scaffold-jax`` (run, reproduce, sweep, diagnose)."""
     return _build_parsers()[0]
@@ -91,7 +122,7 @@ def _algorithm_names() -> str:
 
 def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The argument parser and its commands' parsers by name."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="scaffold-jax",
         description="Simulate federated learning in JAX with every registered algorithm "
         f"({_algorithm_names()}) and reproduce the experiments of Karimireddy et al., "
@@ -131,6 +162,12 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         help="continue the run the --out folder holds, from its newest checkpoint, bit for "
         "bit (only --rounds, --eval-every and --targets may change)",
     )
+    run.add_argument(
+        "--accept-new-versions",
+        action="store_true",
+        help="with --resume: go on although jax, jaxlib or numpy changed since the checkpoint "
+        "(the rest may then differ from an uninterrupted run in the last bits)",
+    )
     _checkpoint_flags(run)
     _tensorboard_flag(run)
 
@@ -148,6 +185,12 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         "--resume",
         action="store_true",
         help="continue the protocol the --out folder holds: finished cells are kept",
+    )
+    rep.add_argument(
+        "--accept-new-versions",
+        action="store_true",
+        help="with --resume: go on although jax, jaxlib or numpy changed since the checkpoint "
+        "(the rest may then differ from an uninterrupted run in the last bits)",
     )
     rep.add_argument(
         "--dataset",
@@ -253,6 +296,12 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         action="store_true",
         help="continue the sweep the --out folder holds: finished grids are kept, the others "
         "continue from their newest checkpoint",
+    )
+    sw.add_argument(
+        "--accept-new-versions",
+        action="store_true",
+        help="with --resume: go on although jax, jaxlib or numpy changed since the checkpoint "
+        "(the rest may then differ from an uninterrupted run in the last bits)",
     )
     _checkpoint_flags(sw)
     _tensorboard_flag(sw)
@@ -375,7 +424,7 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-every",
         type=int,
         metavar="N",
-        help="checkpoint every N rounds [default: every evaluation]",
+        help="checkpoint every N rounds [default: at evaluations, within 10%% of the run's time]",
     )
     parser.add_argument(
         "--checkpoint-minutes",
@@ -676,7 +725,7 @@ def _preload_plugins(argv: Sequence[str]) -> None:
     register (an algorithm's hyper-parameters, say) has its flags."""
     from scaffold_jax.registry import load_plugins
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _Parser(prog="scaffold-jax", add_help=False)
     pre.add_argument("--plugin", action="append", default=[])
     known, _ = pre.parse_known_args(argv)
     load_plugins(known.plugin)
@@ -697,7 +746,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sweep": _sweep_command,
             "diagnose": _diagnose_command,
         }
-        with sigterm_exits():
+        from scaffold_jax.loop import accept_new_versions
+
+        with sigterm_exits(), accept_new_versions(getattr(args, "accept_new_versions", False)):
             return commands[args.command](args)
     except ConfigError as err:  # what the flags, the config or its build got wrong
         print(f"scaffold-jax: error: {err}", file=sys.stderr)

@@ -680,6 +680,7 @@ class Simulation:
 
             rows_in, server_in = per_config(pre_round)(hparams, state.server, rows_in)
 
+        sampled = present  # the cohort (Poisson's slots, the available clients' draw)
         if part.dropouts is not None:
             # A client that drops after its local work is lost to the round: from here on
             # it is a masked row (after the pre-round pass, which it did send). Its work
@@ -787,7 +788,11 @@ class Simulation:
                     return masked_mean(values.astype(jnp.float32), taking_part)
 
             metrics = {k: mean(v) for k, v in outputs.metrics.items()}
-            metrics["client_ids"] = ids if present is None else jnp.where(present, ids, -1)
+            # The ids of the clients sampled (−1 only for a varying cohort's empty slots),
+            # and with dropouts which of them reported: a user sees who dropped.
+            metrics["client_ids"] = ids if sampled is None else jnp.where(sampled, ids, -1)
+            if part.dropouts is not None:
+                metrics["reported"] = present
             if present is not None:
                 metrics["participants"] = jnp.sum(taking_part)
             if part.stragglers is not None:
@@ -1163,6 +1168,10 @@ class Simulation:
             )
         self._check_problem_fits(data)
         self._check_labels(data)
+        stragglers = self.participation.stragglers
+        if stragglers is not None and hasattr(stragglers, "check"):
+            # The most local steps a client takes (an epochs plan's: its largest client's).
+            stragglers.check(int(self.plan.shape(int(counts.max()))[0]))
 
     def _check_participation(self, num_clients: int) -> None:
         availability = self.participation.availability

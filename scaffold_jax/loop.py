@@ -11,7 +11,12 @@ policy, ``raise`` for a single run (:class:`DivergenceError` naming the round) o
 Schedule. The loop is anchored at the round the run started from, r0 (0 for a fresh
 run): evaluations at r0, r0 + E, r0 + 2E, ... and at the last round r0 + ``num_rounds``;
 checkpoints (with a checkpoint directory) at r0 and every ``checkpoint_every`` rounds
-after it, and at the last round, so a finished run always leaves its final state. The
+after it, and at the last round, so a finished run always leaves its final state. Without
+``checkpoint_every`` the cadence is adaptive: a checkpoint at an evaluation once the time
+since the last one is at least (1 - s) / s times what that one took to write, s =
+:data:`CHECKPOINT_SHARE`, so writing checkpoints costs at most about that share of the
+run's time (a resume is exact from any checkpoint; a sparser cadence only means more
+rounds to run again after a kill). The
 rounds between two such points are one call of ONE compiled program, as long as the
 longest such block (a shorter block stops early inside it), so a run compiles once
 whatever its cadence. Evaluations are timed apart from the rounds.
@@ -32,6 +37,7 @@ of them stops all of them after the same block.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -65,7 +71,10 @@ class RunResult:
       records: one dict per evaluation (round, test/train metrics, elapsed seconds). After
         ``resume=True`` it starts with the records restored from the checkpoint.
       client_ids: ``[R, S]`` int32, the clients sampled in every round run by THIS call
-        (audit and replay); after a resume the first row is round ``resumed_from``.
+        (audit and replay); after a resume the first row is round ``resumed_from``. −1
+        marks an empty slot of a varying cohort (Poisson sampling, too few available).
+      reported: ``[R, S]`` bool, which of them reported their update: False for an empty
+        slot and for a client that dropped out (``dropouts``) after being sampled.
       round_metrics: per-round metrics of the rounds run by this call, each ``[R]``.
       compile_seconds: time spent compiling the round program and the evaluation (once
         per call: one program runs every block, whatever the cadence).
@@ -90,6 +99,11 @@ class RunResult:
     resumed_from: int | None = None
     checkpoint_seconds: float = 0.0
     eval_seconds: float = 0.0
+    reported: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.reported is None:  # no dropouts: every sampled client reported
+            self.reported = np.asarray(self.client_ids) >= 0
 
     @property
     def round_seconds(self) -> float:
@@ -267,6 +281,11 @@ class Outcome:
     resumed_from: int | None
 
 
+#: The adaptive checkpoint cadence's budget: the share of a run's wall time that writing
+#: checkpoints may take (see the module docstring).
+CHECKPOINT_SHARE = 0.1
+
+
 def drive(
     task: Task,
     state: PyTree | None,
@@ -298,7 +317,8 @@ def drive(
       callback: a record sink, called with every new record, after the checkpoint of
         its round (when one is due) is written.
       checkpointer: a :class:`~scaffold_jax.checkpoint.Checkpointer`, or None.
-      checkpoint_every: checkpoint period in rounds (with a checkpointer).
+      checkpoint_every: checkpoint period in rounds (with a checkpointer); None: the
+        adaptive cadence (at evaluations, within :data:`CHECKPOINT_SHARE` of the time).
       identity: what fixes the run's trajectory; stored with every checkpoint and compared
         on resume (see :func:`check_same_run`).
       resume_into: the state's shapes (``jax.ShapeDtypeStruct`` leaves) to restore into.
@@ -358,7 +378,7 @@ def drive(
 
     def next_boundary(r: int) -> int:
         boundary = next_point(r, eval_every)
-        if checkpointer is not None:
+        if checkpointer is not None and checkpoint_every is not None:
             boundary = min(boundary, next_point(r, checkpoint_every))
         return boundary
 
@@ -384,6 +404,7 @@ def drive(
     save_every_seconds = checkpoint_seconds
     checkpoint_seconds = 0.0
     last_save = time.perf_counter()
+    last_save_cost = 0.0  # seconds the newest save took (the adaptive cadence's measure)
     run_start = time.perf_counter()
 
     def elapsed() -> float:
@@ -417,13 +438,24 @@ def drive(
             on_block(current)
 
     def save() -> None:
-        nonlocal checkpoint_seconds, last_save
-        t0 = last_save = time.perf_counter()
+        nonlocal checkpoint_seconds, last_save, last_save_cost
+        t0 = time.perf_counter()
         extra = {"identity": identity, "start_round": start, "records": records}
         extra["pending"] = _pending(since_record)
         extra["seconds"] = elapsed()
         checkpointer.save(state, key, extra, step=current)
-        checkpoint_seconds += time.perf_counter() - t0
+        last_save = time.perf_counter()
+        last_save_cost = last_save - t0
+        checkpoint_seconds += last_save_cost
+
+    def save_due(evaluated: bool) -> bool:
+        since = time.perf_counter() - last_save
+        if save_every_seconds is not None and since >= save_every_seconds:
+            return True
+        if checkpoint_every is not None:
+            return due(current, checkpoint_every)
+        budget = (1 - CHECKPOINT_SHARE) / CHECKPOINT_SHARE * last_save_cost
+        return current == end or (evaluated and since >= budget)
 
     def outcome(status: str) -> Any:
         jax.block_until_ready(state)
@@ -485,14 +517,9 @@ def drive(
                 task.check(state, metrics, first, current)
             except Diverged as err:
                 raise DivergenceError(str(err), outcome("diverged"), err.diverged_round) from None
-            new = record() if due(current, eval_every) else []
-            if checkpointer is not None and (
-                due(current, checkpoint_every)
-                or (
-                    save_every_seconds is not None
-                    and time.perf_counter() - last_save >= save_every_seconds
-                )
-            ):
+            evaluated = due(current, eval_every)
+            new = record() if evaluated else []
+            if checkpointer is not None and save_due(evaluated):
                 save()
             # After the checkpoint: a sink never holds a record a resume would make again.
             deliver(new)
@@ -539,6 +566,7 @@ def run_identity(
 
     ``hparams`` holds exactly the algorithm's declared hyper-parameters (resolved)."""
     identity = {
+        "versions": library_versions(),
         "algorithm": simulation.algorithm.name,
         "algorithm_options": dict(simulation.algorithm.options),
         "data_fingerprint": fingerprint or data_fingerprint(data),
@@ -583,7 +611,7 @@ def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], whe
     diffs = [
         f"{k}: {show(k, saved.get(k))} in the checkpoint, {show(k, v)} now"
         for k, v in current.items()
-        if saved.get(k) != v
+        if k != "versions" and saved.get(k) != v
     ]
     if diffs:
         raise ConfigError(
@@ -591,6 +619,56 @@ def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], whe
             "Resume with the same algorithm, data, batch plan, S, weighting, hparams and "
             "seed, or start a new run in another checkpoint directory."
         )
+    check_versions(saved, where)
+
+
+# ----------------------------------------------------------------------------- versions
+_ACCEPT_NEW_VERSIONS = contextvars.ContextVar("accept_new_versions", default=False)
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of the libraries a run's numbers depend on (a run's identity holds
+    them): a resume under others may differ from an uninterrupted run in the last bits."""
+    import jaxlib
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__}
+
+
+@contextlib.contextmanager
+def accept_new_versions(accept: bool = True):
+    """Within it, a resume whose checkpoint was written under other library versions
+    (:func:`library_versions`) goes on instead of being refused (``--accept-new-versions``).
+
+    Example:
+      >>> with accept_new_versions():  # doctest: +SKIP
+      ...     sim.run(data, hp, 100, checkpoint_dir="ckpt", resume=True)
+    """
+    token = _ACCEPT_NEW_VERSIONS.set(bool(accept))
+    try:
+        yield
+    finally:
+        _ACCEPT_NEW_VERSIONS.reset(token)
+
+
+def check_versions(saved: Mapping[str, Any], where: str) -> None:
+    """Refuses to resume ``saved`` (a run identity) under other library versions than it
+    was written with, naming both, unless within :func:`accept_new_versions`. An identity
+    written before versions were recorded is not checked."""
+    then = saved.get("versions")
+    if not isinstance(then, Mapping):
+        return
+    now = library_versions()
+    changed = [k for k in now if then.get(k) != now[k]]
+    if not changed or _ACCEPT_NEW_VERSIONS.get():
+        return
+    was = ", ".join(f"{k} {then.get(k)}" for k in changed)
+    is_ = ", ".join(f"{k} {now[k]}" for k in changed)
+    raise ConfigError(
+        f"cannot resume from {where}: it was written with {was}, and this is {is_}; a resume "
+        "across versions continues correctly but may differ from an uninterrupted run in "
+        "the last bits. Pass --accept-new-versions (Python: within "
+        "scaffold_jax.loop.accept_new_versions()) to resume anyway, or start a new run."
+    )
 
 
 # ----------------------------------------------------------------------------- single runs
@@ -672,11 +750,11 @@ def run(
     resumed from a state at round r continues exactly as an uninterrupted one. To resume,
     pass the arguments of the interrupted call unchanged: ``num_rounds`` still counts from
     r0, and ``callback`` sees only the new records. A record is handed to ``callback``
-    once the checkpoint of its round (if one is due) is written, so with the default
-    cadence (a checkpoint at every evaluation) no record is ever handed over twice, even
-    across a crash; with a sparser one the records after the newest checkpoint are made
-    again on resume (``on_restore`` gets the ones the checkpoint holds: a sink that
-    persists records rewrites its copy with them). The data and the state are placed in
+    once the checkpoint of its round (if one is due) is written, so with a checkpoint at
+    every evaluation (``checkpoint_every=eval_every``) no record is ever handed over twice,
+    even across a crash; with a sparser cadence, the default's included, the records after
+    the newest checkpoint are made again on resume (``on_restore`` gets the ones the
+    checkpoint holds: a sink that persists records rewrites its copy with them). The data and the state are placed in
     the simulation's layout first.
 
     Divergence. After every block the server state is checked; NaN or Inf stops the run
@@ -700,7 +778,9 @@ def run(
       callback: called with each evaluation record as it is made.
       checkpoint_dir: where to save checkpoints (see :mod:`scaffold_jax.checkpoint`).
         Without ``resume`` it must not hold checkpoints already.
-      checkpoint_every: checkpoint period in rounds (default: at every evaluation).
+      checkpoint_every: checkpoint period in rounds (default: the adaptive cadence, at
+        evaluations and within :data:`CHECKPOINT_SHARE` of the run's time; see the module
+        docstring).
       keep_checkpoints: how many of the newest checkpoints to keep.
       resume: continue from the newest checkpoint in ``checkpoint_dir``.
       identity: more of what fixes the run (e.g. the command line's data source and
@@ -738,9 +818,8 @@ def run(
                 "to save in."
             )
     else:
-        checkpoint_every = check_count(
-            "checkpoint_every", eval_every if checkpoint_every is None else checkpoint_every
-        )
+        if checkpoint_every is not None:
+            checkpoint_every = check_count("checkpoint_every", checkpoint_every)
         keep_checkpoints = check_count("keep_checkpoints", keep_checkpoints)
     if resume and state is not None:
         raise ValueError(
@@ -766,13 +845,16 @@ def run(
         if out.metrics:
             metrics = {k: np.concatenate([m[k] for m in out.metrics]) for k in out.metrics[0]}
             client_ids = metrics.pop("client_ids")
+            reported = metrics.pop("reported", None)
         else:
+            reported = None
             metrics = {}
             client_ids = np.zeros((0, simulation.clients_per_round), np.int32)
         return RunResult(
             state=out.state,
             records=out.records,
             client_ids=client_ids,
+            reported=reported,
             round_metrics=metrics,
             compile_seconds=out.compile_seconds,
             run_seconds=out.run_seconds,

@@ -4,9 +4,18 @@ One :class:`Progress` serves every command: ``run`` (rounds), ``sweep`` (rounds 
 algorithms), ``reproduce`` (cells) and ``diagnose`` (gradient steps). Everything goes to
 stderr, so stdout stays clean for tables. On a terminal (or in a notebook) the bar is
 tqdm's, with its rate and ETA; when stderr is a file or a pipe (a batch job's log, a
-test), each update is one plain line instead, e.g.::
+test), an update is one plain line instead, e.g.::
 
     scaffold: round 20/100 (20%), 12.3 s elapsed, 2.1 round/s, ETA 38.1 s, acc=0.612
+
+at most one per tenth of the work or per :data:`PLAIN_LINE_SECONDS` (and the last), so
+that a command's log stays readable however often it evaluates (Figure 3's 15 cells of
+1,000 evaluated rounds each: about a dozen lines).
+
+The rate and the ETA count from the first update past the start (or a
+:meth:`Progress.rebase`): what came before it, the first block's one-off costs
+(compilation, the first execution, the first checkpoint), is not work the remaining units
+will repeat.
 
 The long silent stretches before the first round, loading the data and compiling, are
 :meth:`Progress.phase` lines, each with its duration, e.g. ``compiling 5 rounds as one
@@ -20,6 +29,9 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, TextIO
+
+#: A plain line at least this often (seconds) while the work moves, besides one per tenth.
+PLAIN_LINE_SECONDS = 30.0
 
 # The record fields shown beside the bar, the first present wins.
 _POSTFIX = (("test_accuracy", "acc"), ("error", "err"), ("test_loss", "loss"))
@@ -54,9 +66,11 @@ def _interactive(stream: TextIO) -> bool:
 class Progress:
     """Progress over ``total`` units (rounds, cells, steps) plus timed phase lines.
 
-    Steady-state rate and ETA: a bar starts at the first update past zero (so the rate of
-    a round bar excludes the first compilation, as the plain lines' rate excludes the time
-    spent in :meth:`phase`). Disabled (a no-op) with ``enabled=False`` (``--quiet``).
+    Steady-state rate and ETA: a bar starts at the first update past zero, and the plain
+    lines' rate counts from there too (so neither includes the first block's compilation
+    and one-off costs), leaving out the time spent in :meth:`phase`. Disabled (a no-op)
+    with ``enabled=False`` (``--quiet``). With ``brief`` set (a grid's cells after the
+    first), a phase prints only its end line, and only when it took a second or more.
 
     Args:
       total: the number of units.
@@ -87,6 +101,9 @@ class Progress:
         self._start = time.perf_counter()
         self._phase_seconds = 0.0  # spent in phase() since the start: not in the rate
         self._base = (0.0, self._start, 0.0)  # (done, time, phase seconds) the rate counts from
+        self._warm = False  # an update since the start or the last rebase: the base is set
+        self._printed = (-1.0, -1)  # (time, tenth of the work) of the last plain line
+        self.brief = False
 
     @property
     def stream(self) -> TextIO:
@@ -112,7 +129,9 @@ class Progress:
     def phase(self, text: str) -> Iterator[None]:
         """A line ``text...`` when the phase starts and ``text: <seconds>`` when it ends;
         its time is left out of the plain lines' rate."""
-        self.write(f"{text}...")
+        brief = self.brief
+        if not brief:
+            self.write(f"{text}...")
         start = time.perf_counter()
         try:
             yield
@@ -120,13 +139,15 @@ class Progress:
             seconds = time.perf_counter() - start
             self._phase_seconds += seconds
         # Only a phase that finished says so: a failed one is followed by its error.
-        self.write(f"{text}: {format_seconds(seconds)}")
+        if not brief or seconds >= 1.0:
+            self.write(f"{text}: {format_seconds(seconds)}")
 
     def rebase(self, done: float) -> None:
         """Starts at ``done`` units without counting them in the rate (a resumed run: the
         rounds before its checkpoint were run by another process)."""
         self.done = float(done)
         self._base = (self.done, time.perf_counter(), self._phase_seconds)
+        self._warm = False
 
     # -- the bar -------------------------------------------------------------------
     def update(self, done: float, postfix: str | None = None) -> None:
@@ -134,8 +155,17 @@ class Progress:
         if not self.enabled or done == self.done:
             return
         self.done = done
+        warm = self._warm
+        if not warm:  # the first update: the rate counts from here
+            self._warm = True
+            self._base = (done, time.perf_counter(), self._phase_seconds)
         if self.plain:
-            self.write(self._line(postfix))
+            now = time.perf_counter()
+            tenth = int(10 * done / self.total) if self.total else 10
+            last_time, last_tenth = self._printed
+            if done >= self.total or tenth > last_tenth or now - last_time >= PLAIN_LINE_SECONDS:
+                self._printed = (now, tenth)
+                self.write(self._line(postfix, rate=warm))
             return
         if self.bar is None:
             self._open_bar(initial=done)
@@ -154,13 +184,7 @@ class Progress:
             leave=self.leave, dynamic_ncols=True, file=self.stream, mininterval=0.5,
         )  # fmt: skip
 
-    def show(self) -> None:
-        """Draws the bar now, at zero (units that each take long, such as cells, where
-        an empty bar beats silence); plain lines start with the first unit."""
-        if self.enabled and not self.plain and self.bar is None:
-            self._open_bar(initial=self.done)
-
-    def _line(self, postfix: str | None) -> str:
+    def _line(self, postfix: str | None, rate: bool = True) -> str:
         now = time.perf_counter()
         elapsed = now - self._start
         base_done, base_time, base_phases = self._base
@@ -172,7 +196,7 @@ class Progress:
             f"({percent:.0f}%)",
             f"{format_seconds(elapsed)} elapsed",
         ]
-        if self.done > base_done and steady > 0:
+        if rate and self.done > base_done and steady > 0:
             rate = (self.done - base_done) / steady
             parts.append(f"{rate:.3g} {self.unit}/s")
             parts.append(f"ETA {format_seconds(max(self.total - self.done, 0) / rate)}")
@@ -190,14 +214,6 @@ class Progress:
                 postfix = f"{label}={value:.4g}"
                 break
         self.update(int(record["round"]), postfix)
-
-    def step(self, text: str | None = None) -> None:
-        """One more unit done, described by ``text`` (a finished cell): in the plain line,
-        or as a line ``[done/total] text`` above the bar."""
-        if self.enabled and text is not None and not self.plain:
-            self.write(f"[{self.done + 1:g}/{self.total:g}] {text}")
-            text = None
-        self.update(self.done + 1, text)
 
     def close(self) -> None:
         if self.bar is not None:

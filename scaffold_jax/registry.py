@@ -20,8 +20,10 @@ Examples:
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import math
 import sys
@@ -41,6 +43,19 @@ PLUGIN_HINT = (
 class ConfigError(ValueError):
     """An invalid configuration; the message names every bad field, its value and the
     allowed range."""
+
+
+def in_one_line(what: str, errors: Iterable[str]) -> str:
+    """``errors`` as one line after ``what`` (``"invalid config: a = 1 is invalid: ...
+    b = 2 ..."``): each error a sentence, any line break inside one a space, so that the
+    command line's error is one line whatever was wrong.
+
+    Examples:
+      >>> in_one_line("invalid config", ["rounds = 0 is invalid: it must be >= 1.", "x\ny"])
+      'invalid config: rounds = 0 is invalid: it must be >= 1. x y.'
+    """
+    sentences = [" ".join(str(e).split()) for e in errors]
+    return f"{what}: " + " ".join(s if s.endswith((".", "?", "!")) else s + "." for s in sentences)
 
 
 #: The kinds of value an :class:`Option` takes, and the Python type of one element.
@@ -359,12 +374,32 @@ def code_of(entry: Any) -> dict[str, str]:
             continue
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
-        if path and Path(path).is_file():
+        installed = _distribution(name)
+        if installed is not None:  # an installed library's (jax's own jnp.ones_like): its
+            found[name] = installed  # version, which a resume names if it changed
+        elif path and Path(path).is_file():
             digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
             found[name] = f"{Path(path).name} sha256 {digest}"
         else:
             found[name] = "(no source file)"
     return found
+
+
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+def _distribution(module: str) -> str | None:
+    """``"<distribution> <version>"`` of the installed package that holds ``module``,
+    None for a module of no installed distribution (a plugin file)."""
+    names = _distributions().get(module.partition(".")[0])
+    if not names:
+        return None
+    try:
+        return f"{names[0]} {importlib.metadata.version(names[0])}"
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def load_plugins(specs: Iterable[str]) -> list[str]:

@@ -240,7 +240,10 @@ class SweepResult:
       model_states: the final running statistics of a model that keeps them
         (``SimState.model``, leaves ``[C, ...]``; a per-client table only with
         ``keep_client_states=True``), else None.
-      client_ids: int32 ``[C, R, S]``, the clients sampled in every round (−1 once diverged).
+      client_ids: int32 ``[C, R, S]``, the clients sampled in every round (−1 once diverged,
+        and for a varying cohort's empty slots).
+      reported: bool ``[C, R, S]``, which of them reported (False for a client that dropped
+        out, an empty slot, or once diverged).
       round_metrics: per-round metrics, each ``[C, R]`` (NaN once diverged).
       compile_seconds: compiling the round program(s) and the evaluation.
       run_seconds: wall time of all chunks after compilation.
@@ -262,6 +265,7 @@ class SweepResult:
     client_states: PyTree = None
     model_states: PyTree = None
     client_ids: np.ndarray | None = None
+    reported: np.ndarray | None = None
     round_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     compile_seconds: float = 0.0
     run_seconds: float = 0.0
@@ -506,8 +510,9 @@ class Sweep:
           callback: a record sink called with every record as it is made (each carries
             its ``config`` and ``config_index``), e.g. a run writer's.
           checkpoint_dir: checkpoint every chunk into ``<checkpoint_dir>/chunk-<i>``
-            (the loop's checkpoints: every ``checkpoint_every`` rounds, default every
-            evaluation, and after ``checkpoint_seconds`` of wall time), so that
+            (the loop's checkpoints: every ``checkpoint_every`` rounds, default the
+            loop's adaptive cadence at evaluations, and after ``checkpoint_seconds`` of
+            wall time), so that
             ``resume=True`` continues the sweep: a finished chunk is read back, an
             unfinished one continues from its newest checkpoint bit for bit, and its
             restored records are handed to ``callback`` again (so a sink that dropped the
@@ -610,6 +615,8 @@ class Sweep:
         result.round_metrics = {
             k: np.stack([o["metrics"][k] for o in outputs]) for k in outputs[0]["metrics"]
         }
+        reported = result.round_metrics.pop("reported", None)
+        result.reported = result.client_ids >= 0 if reported is None else reported
         return result
 
 
@@ -654,7 +661,7 @@ def _drive_chunk(
             chunk.finish,
             callback=callback,
             checkpointer=checkpointer,
-            checkpoint_every=eval_every if every is None else every,
+            checkpoint_every=every,
             identity=identity,
             resume_into=jax.eval_shape(lambda: carry) if restore else None,
             on_restore=on_restore,
@@ -675,6 +682,7 @@ class _Chunk:
         self.num_rounds, self.keys = num_rounds, keys
         self.hparams = jax.tree.map(lambda a: a[jnp.asarray(index)], grid)
         self.slots = [(a, b, int(index[a, b])) for a, b in zip(*np.nonzero(valid), strict=True)]
+        self._hparams_on_host = None
 
     def round_of(self, carry: SweepCarry) -> int:
         return int(np.asarray(carry.state.round)[0])
@@ -695,16 +703,19 @@ class _Chunk:
         return lambda carry: evaluate(carry.state.server, data, carry.state.model)
 
     def records(self, carry, metrics, round, seconds):
+        # Host values only: a sweep makes a record per config per evaluation (Figure 3
+        # ~165k), so one transfer per block, never a JAX index per value.
         diverged_round = np.asarray(carry.diverged_round)
+        values = {k: np.asarray(v) for k, v in metrics.items()}
+        simulation = self.sweep.simulation
         out = []
         for a, b, j in self.slots:
             diverged = diverged_round[a, b] >= 0
             entry = {"round": int(round)}
-            entry.update(
-                {k: float("nan") if diverged else float(v[a, b]) for k, v in metrics.items()}
-            )
-            hparams = jax.tree.map(lambda x, a=a, b=b: x[a, b], self.hparams)
-            entry.update(self.sweep.simulation.report(hparams, round, self.data.num_clients))
+            entry.update({k: float("nan") if diverged else float(v[a, b]) for k, v in values.items()})
+            if simulation.algorithm.report is not None:
+                hparams = {k: v[a, b] for k, v in self._host_hparams().items()}
+                entry.update(simulation.report(hparams, round, self.data.num_clients))
             entry["seconds"] = seconds
             entry["status"] = "diverged" if diverged else "ok"
             entry["config"] = self.result.configs[j]
@@ -712,6 +723,11 @@ class _Chunk:
             self.result.records[j].append(entry)
             out.append(entry)
         return out
+
+    def _host_hparams(self) -> dict[str, np.ndarray]:
+        if self._hparams_on_host is None:
+            self._hparams_on_host = jax.device_get(dict(self.hparams))
+        return self._hparams_on_host
 
     def check(self, carry, metrics, first, last):
         del carry, metrics, first, last  # freeze: the compiled round handles divergence

@@ -360,9 +360,30 @@ def test_a_dropped_client_changes_neither_the_server_nor_its_row(data, problem, 
     )
     assert leaves_equal(before.clients, after.clients)
     assert float(metrics["dropped"]) == 4.0 and float(metrics["participants"]) == 0.0
-    assert (np.asarray(metrics["client_ids"]) == -1).all()
+    ids = np.asarray(metrics["client_ids"])  # the sampled clients, kept: who dropped
+    assert (ids >= 0).all() and len(set(ids.tolist())) == 4
+    assert not np.asarray(metrics["reported"]).any()
     if name in ("scaffold", "fedavg", "fedprox", "fednova"):
         assert leaves_equal(before.server, after.server)
+
+
+def test_the_result_keeps_the_sampled_ids_and_says_who_reported(data, problem):
+    """With dropouts, RunResult.client_ids holds every sampled client (none is -1) and
+    RunResult.reported which of them reported: its False entries are the round's
+    dropped count, and the reporting ones are the round's participants."""
+    part = participation.make(dropouts="bernoulli", options={"dropout_rate": 0.5})
+    result = simulation(problem, part).run(data, sj.hparams(client_lr=0.1), num_rounds=12)
+    ids, reported = np.asarray(result.client_ids), np.asarray(result.reported)
+    assert ids.shape == reported.shape == (12, 4) and reported.dtype == bool
+    assert (ids >= 0).all() and all(len(set(row)) == 4 for row in ids.tolist())
+    np.testing.assert_array_equal((~reported).sum(axis=1), result.round_metrics["dropped"])
+    np.testing.assert_array_equal(reported.sum(axis=1), result.round_metrics["participants"])
+    assert 0 < reported.sum() < reported.size  # some reported, some dropped
+    # Without dropouts every sampled client reported.
+    plain = simulation(problem, participation.make()).run(
+        data, sj.hparams(client_lr=0.1), num_rounds=2
+    )
+    assert np.asarray(plain.reported).all()
 
 
 # ------------------------------------------------------------------ state: resume, sweeps

@@ -64,8 +64,9 @@ def test_a_record_reaches_the_callback_only_after_its_checkpoint(tmp_path, monke
         return original(self, state, key, extra, step)
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", save)
-    with pytest.raises(OSError):
-        _sim().run(_data(), HP, 5, eval_every=1, checkpoint_dir=directory, callback=seen.append)
+    with pytest.raises(OSError):  # a checkpoint at every evaluation (not the default)
+        _sim().run(_data(), HP, 5, eval_every=1, checkpoint_dir=directory, checkpoint_every=1,
+                   callback=seen.append)  # fmt: skip
     assert [r["round"] for r in seen] == [0, 1, 2]
     monkeypatch.undo()
     result = _sim().run(
@@ -90,6 +91,66 @@ def test_the_means_a_record_reports_are_exact_after_a_resume_between_evaluations
     assert resumed.records[-1]["round"] == 8
     for name in ("local_loss", "client_drift"):
         assert resumed.records[-1][name] == reference.records[-1][name], name
+
+
+@pytest.mark.parametrize(("share", "saved"), [(1.0, [0, 2, 4, 6, 8]), (1e-9, [0, 8])])
+def test_the_default_cadence_saves_at_evaluations_within_its_share_of_the_time(
+    tmp_path, monkeypatch, share, saved
+):
+    """Without checkpoint_every a checkpoint comes at an evaluation once the time since the
+    last save is (1 - s) / s times what that save took: every evaluation when s = 1, only
+    the start and the end when s is tiny; a resume from the sparse ones is exact."""
+    from scaffold_jax import loop
+
+    monkeypatch.setattr(loop, "CHECKPOINT_SHARE", share)
+    directory = tmp_path / "ckpt"
+    result = _sim().run(_data(), HP, 8, eval_every=2, checkpoint_dir=directory, keep_checkpoints=10)
+    assert checkpoint.Checkpointer(directory).rounds() == saved
+    assert result.checkpoint_seconds > 0
+    if share < 1:  # killed before the end: the resume runs again from round 0, exactly
+        shutil.rmtree(directory / "8")
+        resumed = _sim().run(_data(), HP, 8, eval_every=2, checkpoint_dir=directory, resume=True)
+        strip = lambda records: [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+        assert resumed.resumed_from == 0 and strip(resumed.records) == strip(result.records)
+
+
+def test_a_resume_under_other_library_versions_names_both_and_the_flag(tmp_path, monkeypatch):
+    """The identity records jax, jaxlib and numpy's versions (not a hash of their files):
+    a resume after an upgrade is refused naming both versions and --accept-new-versions,
+    and goes on within accept_new_versions()."""
+    from scaffold_jax import loop
+
+    directory = tmp_path / "ckpt"
+    _sim().run(_data(), HP, 4, eval_every=2, checkpoint_dir=directory)
+    saved = checkpoint.latest_extra(directory)["identity"]
+    assert saved["versions"] == loop.library_versions()
+    assert "plugin_code" not in json.dumps(saved) and "sha256" not in json.dumps(saved)
+    newer = {**loop.library_versions(), "jax": "99.0.0"}
+    monkeypatch.setattr(loop, "library_versions", lambda: newer)
+    with pytest.raises(ConfigError) as refused:
+        _sim().run(_data(), HP, 6, eval_every=2, checkpoint_dir=directory, resume=True)
+    message = str(refused.value)
+    assert f"written with jax {saved['versions']['jax']}, and this is jax 99.0.0" in message
+    assert "--accept-new-versions" in message and "\n" not in message
+    with loop.accept_new_versions():
+        result = _sim().run(_data(), HP, 6, eval_every=2, checkpoint_dir=directory, resume=True)
+    assert result.resumed_from == 4 and result.records[-1]["round"] == 6
+
+
+def test_the_command_line_refuses_other_versions_unless_accepted(tmp_path, monkeypatch, capsys):
+    from scaffold_jax import loop
+
+    out = str(tmp_path / "run")
+    assert main([*RUN, "--out", out]) == 0
+    newer = {**loop.library_versions(), "numpy": "9.9.9"}
+    monkeypatch.setattr(loop, "library_versions", lambda: newer)
+    capsys.readouterr()
+    assert main([*RUN, "--rounds", "8", "--out", out, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "this is numpy 9.9.9" in err and "--accept-new-versions" in err
+    assert len(err.splitlines()) == 1
+    assert main([*RUN, "--rounds", "8", "--out", out, "--resume", "--accept-new-versions"]) == 0
+    assert results.read_records(out)[-1]["round"] == 8
 
 
 # ----------------------------------------------------------------------------- the CLI

@@ -85,7 +85,8 @@ def run(
     grid of one cell of one config (:func:`~scaffold_jax.experiments.runner.run_grid`).
 
     The run checkpoints into ``<out>/checkpoints`` (every ``checkpoint_every`` rounds,
-    default every evaluation, and at the end of any block once ``checkpoint_minutes``
+    default at evaluations as often as keeps checkpoint writing within 10% of the run's
+    time, and at the end of any block once ``checkpoint_minutes``
     have passed since the last save; the newest two are kept), so a killed run continues
     with ``resume=True`` (``--resume``) bit for bit: the records are cut back to the
     restored checkpoint and rewritten from there (each evaluation round exactly once),
@@ -198,7 +199,8 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         f"rounds to target accuracy: {reached}" if best is not None else None,
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "
-        f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s",
+        f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s"
+        + (f", checkpoints {info['checkpoint_seconds']:.1f} s" if "checkpoint_seconds" in info else ""),
         f"wrote {folder}/: {', '.join(summary.get('files', []))}",
     ]
     return "\n".join(line for line in lines if line is not None)

@@ -30,6 +30,7 @@ from scaffold_jax.registry import (
     Registry,
     RegistryUnion,
     factory_kwargs,
+    in_one_line,
     load_plugins,
 )
 from scaffold_jax.types import (
@@ -519,7 +520,7 @@ class RunConfig:
                 "results/<algorithm>-<dataset>-<digest>."
             )
         if errors:
-            raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+            raise ConfigError(in_one_line("invalid config", errors))
         return self
 
     @property

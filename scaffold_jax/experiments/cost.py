@@ -3,11 +3,14 @@ the cells it has measured.
 
 The cells of a grid differ in their local work (Table 3's rows run 1 to 20 epochs, a
 sweep's settings other client counts), so a rate in rounds per second, measured on the
-first cell, is wrong for the next. :class:`CostModel` counts each cell's work in examples
-instead: a round of one config is S · K · B gradient examples (its plan's shape for the
-data's mean client), and an evaluation the examples it reads (the test set and the
-training-loss subsample, a forward pass each). Two rates, seconds per gradient example and
-per evaluated example, are fitted on the cells already run (their round and evaluation
+first cell, is wrong for the next. :class:`CostModel` counts each cell's work in
+parameter-examples instead: a round of one config is S · K · B gradient examples (its
+plan's shape for the data's mean client) times the model's P parameters, plus a fixed
+:data:`ROUND_OVERHEAD` (dispatch, sampling, aggregation, the host's work per round: what
+a round of a tiny model such as Figure 3's quadratics costs whatever its K), and an
+evaluation the examples it reads (the test set and the training-loss subsample, a forward
+pass each) times P plus :data:`EVAL_OVERHEAD`. Two rates, seconds per unit of round work
+and of evaluation work, are fitted on the cells already run (their round and evaluation
 time, measured apart), and a compilation is counted once per program the grid has not
 compiled yet. The progress bar of a grid moves by the same work, so its ETA is right too.
 """
@@ -23,6 +26,14 @@ from typing import Any
 #: the progress bar's weights use it; the estimate fits both rates on measured cells.
 _FORWARD_SHARE = 1.0 / 3.0
 
+#: A round's fixed cost per config, in parameter-examples: on a 2-core CPU a config-round
+#: of Figure 3's quadratics (a handful of parameters) takes ~0.1 ms whatever its K, about
+#: what 1e5 parameter-examples of an MLP's gradient take; on an accelerator both shrink.
+#: Only the split between the two terms rests on it: the rate is measured.
+ROUND_OVERHEAD = 1e5
+#: An evaluation's fixed cost per config (the host's records included), likewise.
+EVAL_OVERHEAD = 1e5
+
 
 @dataclasses.dataclass(frozen=True)
 class CellWork:
@@ -35,6 +46,7 @@ class CellWork:
     evaluations: int
     eval_examples: float
     program: tuple  # what its compiled program depends on: equal programs compile once
+    params: int = 1  # P, the model's parameters: an example's cost scales with it
 
     @property
     def gradient_examples(self) -> float:
@@ -44,15 +56,26 @@ class CellWork:
     def evaluated_examples(self) -> float:
         return self.configs * self.evaluations * self.eval_examples
 
+    @property
+    def round_work(self) -> float:
+        """Its rounds' work in parameter-examples, the fixed cost of each included."""
+        return self.configs * self.rounds * (ROUND_OVERHEAD + self.round_examples * self.params)
+
+    @property
+    def eval_work(self) -> float:
+        """Its evaluations' work in parameter-examples, the fixed cost of each included."""
+        return self.configs * self.evaluations * (EVAL_OVERHEAD + self.eval_examples * self.params)
+
     def weight(self, eval_share: float) -> float:
-        """Its work in gradient-example units (the progress bar's), an evaluated example
-        counted as ``eval_share`` of a gradient example."""
-        return self.gradient_examples + eval_share * self.evaluated_examples
+        """Its work in round-work units (the progress bar's), a unit of evaluation work
+        counted as ``eval_share`` of one."""
+        return self.round_work + eval_share * self.eval_work
 
 
-def cell_work(cell: Any, data: Any) -> CellWork:
-    """A cell's work, for the data of the grid's first cell (``FederatedData``): each
-    cell's client count rescales the mean client size (the same pool split N ways)."""
+def cell_work(cell: Any, data: Any, params: int = 1) -> CellWork:
+    """A cell's work, for the data of the grid's first cell (``FederatedData``) and its
+    model's ``params`` P: each cell's client count rescales the mean client size (the
+    same pool split N ways)."""
     config = cell.config
     configs = max(len(cell.seeds), 1) * math.prod(len(v) for v in cell.axes.values())
     counts = data.counts
@@ -67,7 +90,7 @@ def cell_work(cell: Any, data: Any) -> CellWork:
     program = (config.algorithm, repr(plan), clients, config.num_clients, config.model)
     return CellWork(
         configs, config.rounds, float(clients * steps * batch), evaluations,
-        float(test + train_eval), program,
+        float(test + train_eval), program, max(int(params), 1),
     )  # fmt: skip
 
 
@@ -85,19 +108,19 @@ class CostModel:
         self._measured: list[tuple[CellWork, float, float, float]] = []
 
     def weights(self) -> list[float]:
-        """Each cell's work in gradient-example units, an evaluated example weighed as
-        measured once a cell ran (a forward pass, a third of a gradient one, before)."""
+        """Each cell's work in round-work units, evaluation work weighed as measured once
+        a cell ran (a forward pass, a third of a gradient one, before)."""
         rates = self._rates()
         share = _FORWARD_SHARE if rates is None or rates[0] <= 0 else rates[1] / rates[0]
         return [w.weight(share) for w in self.works]
 
     def _rates(self) -> tuple[float, float, float] | None:
-        """Seconds per gradient example, per evaluated example and per compilation,
+        """Seconds per unit of round work, of evaluation work and per compilation,
         fitted on the measured cells; None before the first."""
         if not self._measured:
             return None
-        gradient = sum(w.gradient_examples for w, *_ in self._measured)
-        evaluated = sum(w.evaluated_examples for w, *_ in self._measured)
+        gradient = sum(w.round_work for w, *_ in self._measured)
+        evaluated = sum(w.eval_work for w, *_ in self._measured)
         per_gradient = sum(r for _, r, _, _ in self._measured) / max(gradient, 1.0)
         per_evaluated = sum(e for _, _, e, _ in self._measured) / max(evaluated, 1.0)
         compiles = [c for *_, c in self._measured if c > 0]
@@ -135,7 +158,7 @@ class CostModel:
         for i, w in enumerate(self.works):
             if i in done:
                 continue
-            left += w.gradient_examples * per_gradient + w.evaluated_examples * per_evaluated
+            left += w.round_work * per_gradient + w.eval_work * per_evaluated
             if w.program not in seen:
                 seen.add(w.program)
                 left += per_compile

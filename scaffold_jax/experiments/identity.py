@@ -19,6 +19,7 @@ from scaffold_jax.experiments.config import (
     declared_hparams,
     declared_options,
 )
+from scaffold_jax.loop import library_versions
 from scaffold_jax.registry import ConfigError, code_of
 from scaffold_jax.types import STEP_SIZES
 
@@ -41,6 +42,7 @@ def run_identity(config: RunConfig, built: Built, fingerprint: str | None = None
     entry defined outside scaffold_jax (a plugin file's content hash); in the form it has
     after a JSON round trip."""
     identity = {
+        "versions": library_versions(),
         "dataset": built.info["dataset"],
         "max_train_examples": config.max_train_examples,
         "max_test_examples": config.max_test_examples,

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from scaffold_jax import results
@@ -40,7 +42,7 @@ from scaffold_jax.experiments.identity import (
     data_fingerprint,
     run_identity,
 )
-from scaffold_jax.loop import DivergenceError
+from scaffold_jax.loop import DivergenceError, check_versions
 from scaffold_jax.loop import run as run_loop
 from scaffold_jax.progress import Progress, format_seconds
 from scaffold_jax.registry import ConfigError
@@ -93,6 +95,7 @@ class CellResult:
       info: the built run's facts (dataset, N, S, partition, plan).
       identity: what fixes the cell's results (see :func:`run_identity`), data included.
       compile_seconds, run_seconds, eval_seconds: the cell's timing (every config).
+      checkpoint_seconds: the time spent writing its checkpoints (outside run_seconds).
       resumed_from: the round of the checkpoint a single run resumed from, else None.
       horizon: ``[rounds, eval_every]`` it ran (a resume with another keeps none of it).
     """
@@ -109,6 +112,7 @@ class CellResult:
     compile_seconds: float = 0.0
     run_seconds: float = 0.0
     eval_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
     resumed_from: int | None = None
     targets: tuple[float, ...] = ()
     horizon: list[int] = dataclasses.field(default_factory=list)
@@ -263,6 +267,7 @@ class _Runner:
         self.done = 0.0  # weighted rounds of the cells before the current one
         self._weighted: dict[str, float] = {}
         self.cost: CostModel | None = None
+        self._described = ""  # the last data line written (see build)
         # What the folder's summary said before this process: a resume with no round left
         # to run keeps the timing of the process that ran them.
         self.previous = (results.read_summary(folder) or {}) if resume else {}
@@ -287,16 +292,20 @@ class _Runner:
             except ValueError as err:  # what the data or a builder refuses: the config's
                 raise ConfigError(str(err)) from err
         info = built.info
-        self.progress.write(
+        line = (
             f"{built_summary(built)}; {info['clients_per_round']} clients a round, up to "
             f"{info['max_local_steps']} local steps of {info['max_batch_size']} examples"
         )
+        if line != self._described:  # a grid's cells on the same data: said once
+            self.progress.write(line)
+            self._described = line
         return built
 
     def plan(self, first: Built, kept: Mapping[str, CellResult]) -> None:
         """Sizes every cell's work on the first cell's data; a grid of several cells says
         its plan before it starts, and its progress moves by work, not by rounds."""
-        self.cost = CostModel([cell_work(cell, first.data) for cell in self.grid.cells])
+        params = sum(math.prod(np.shape(a)) for a in jax.tree.leaves(first.problem.params))
+        self.cost = CostModel([cell_work(cell, first.data, params) for cell in self.grid.cells])
         self._finished = {i for i, cell in enumerate(self.grid.cells) if cell.key in kept}
         self._reweigh()
         if not self.grid.single:
@@ -326,6 +335,9 @@ class _Runner:
                            result.compile_seconds)  # fmt: skip
         self._reweigh()  # an evaluation weighs what it was measured to cost, from now on
         self.progress.rebase(self.done)  # the rate counts from the new weights
+        # The next cells' phases (building, compiling) only when they take a while: a
+        # grid of hundreds of cells keeps one line per cell.
+        self.progress.brief = not self.grid.single
 
     def finished(self, cell: Cell, result: CellResult) -> str:
         """The line a finished cell of a grid prints: its time, and the time left."""
@@ -488,6 +500,7 @@ class _Runner:
         result.compile_seconds = run.compile_seconds
         result.run_seconds = run.run_seconds
         result.eval_seconds = run.eval_seconds
+        result.checkpoint_seconds = run.checkpoint_seconds
         result.resumed_from = run.resumed_from
 
     def _sweep(self, cell, built, result, write, directory, hp, seeds) -> None:
@@ -561,6 +574,7 @@ class _Runner:
                     # simulator.
                     round_seconds=round(round_seconds, 3),
                     eval_seconds=round(result.eval_seconds, 3),
+                    checkpoint_seconds=round(result.checkpoint_seconds, 3),
                     seconds_per_round=round(round_seconds / rounds, 6),
                     rounds_per_second=round(rounds / max(round_seconds, 1e-9), 3),
                     resumed_from=result.resumed_from,
@@ -570,7 +584,8 @@ class _Runner:
 
 #: The summary's timing of a single run, from the process that ran its rounds.
 TIMING = ("compile_seconds", "run_seconds", "round_seconds", "eval_seconds",
-          "seconds_per_round", "rounds_per_second", "resumed_from")  # fmt: skip
+          "checkpoint_seconds", "seconds_per_round", "rounds_per_second",
+          "resumed_from")  # fmt: skip
 
 
 def _has_checkpoint(directory: Path) -> bool:
@@ -583,7 +598,9 @@ def _has_checkpoint(directory: Path) -> bool:
 def _check_same(saved: Mapping[str, Any], identity: Mapping[str, Any], folder: Path,
                 what: str) -> None:  # fmt: skip
     diffs = [
-        f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in identity.items() if saved.get(k) != v
+        f"{k}: {saved.get(k)!r} then, {v!r} now"
+        for k, v in identity.items()
+        if k != "versions" and saved.get(k) != v
     ]
     if diffs:
         raise ConfigError(
@@ -591,6 +608,7 @@ def _check_same(saved: Mapping[str, Any], identity: Mapping[str, Any], folder: P
             "with the same settings, data and plugin code, or start a new run in another "
             "folder (or with --overwrite)."
         )
+    check_versions(saved, f"{what} in {folder}")
 
 
 def run_grid(
@@ -625,7 +643,8 @@ def run_grid(
         one simply starts).
       quiet: no progress.
       checkpoint: write checkpoints (orbax); False: none.
-      checkpoint_every: checkpoint period in rounds (default: every evaluation).
+      checkpoint_every: checkpoint period in rounds (default: at evaluations, as often
+        as keeps checkpoint writing within 10% of the run's time; see scaffold_jax.loop).
       checkpoint_minutes: save at least this often (at block ends).
       tensorboard: also write every record's metrics as TensorBoard scalars.
       dataset: the first cell's dataset, already loaded (skips reading it).

@@ -24,8 +24,9 @@ Failed saves. A save that cannot be written (a full disk, a read-only folder) ra
 :class:`CheckpointWriteError` (an ``OSError``: its errno, and one line naming the round and
 the directory) instead of orbax's and tensorstore's errors; the threads orbax started for it
 are waited for, its temporary directory is removed, and orbax's reports of the same error
-from its threads (absl log records with tracebacks, "Event loop is closed" from late
-tensorstore callbacks) are not printed. The steps saved before are intact, so the run
+from its threads (absl log records with tracebacks, asyncio's "Task exception was never
+retrieved" for its tasks, "Event loop is closed" from late tensorstore callbacks) are not
+printed: the error is said once. The steps saved before are intact, so the run
 resumes from the newest of them. A directory deleted or moved while the checkpointer is
 open (or a folder above it: the run folder) is never recreated: saving raises instead.
 
@@ -81,6 +82,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import hashlib
 import json
 import logging
@@ -317,6 +319,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for orbax to finish and releases its threads."""
+        # After a failed save orbax may log that error again while it closes: said already.
+        held = _HeldLog()
+        if self._failed:
+            held.hold()
         try:
             for close in (self._manager.close, self._arrays_handler.close):
                 try:
@@ -324,8 +330,9 @@ class Checkpointer:
                 except Exception:
                     if not self._failed:
                         raise
-                    # After a failed save orbax may report that error again: said already.
+                    # After a failed save orbax may raise that error again: said already.
         finally:
+            held.stop()
             for fd in self._pins:
                 if fd is not None:
                     os.close(fd)
@@ -418,11 +425,11 @@ class Checkpointer:
         arrays["key"] = key_data
         ocp = self._ocp
         threads = set(threading.enumerate())
-        # Orbax's log of this save is held back: passed on once it succeeded, dropped when
-        # it failed (its warnings then only repeat the error raised).
+        # Orbax's log of this save (absl's records, asyncio's reports of its tasks) is held
+        # back: passed on once it succeeded, dropped when it failed (it then only repeats
+        # the error raised).
         held = _HeldLog()
-        absl = logging.getLogger("absl")
-        absl.addFilter(held)
+        held.hold()
         try:
             self._manager.reload()
             saved = self._manager.save(
@@ -443,9 +450,9 @@ class Checkpointer:
                 raise
             raise error from err
         finally:
-            absl.removeFilter(held)
+            held.stop()
         if not self._failed:
-            held.release(absl)
+            held.release()
         _barrier(f"saved-{step}")  # no process lists the directory before the step is there
         return _step_dir(self.directory, step)
 
@@ -468,13 +475,19 @@ class Checkpointer:
         waited for and, for a failed write, its temporary directory removed, so that what
         is left is exactly the steps saved before."""
         _settle(threads)
+        problem = _os_problem(err)
+        if problem is not None:  # orbax's late reports of it are not printed (see below)
+            _FAILED_CODES.add(problem[0])
+        # The save's asyncio tasks and futures that failed unawaited are reported when they
+        # are collected ("Task exception was never retrieved", a traceback): now, while
+        # their reports are held back, not at some later collection or at exit.
+        gc.collect()
         try:
             self._check_place(step)  # a folder deleted or moved: say that, not ENOENT
         except OSError as moved:
             if _is_writer():
                 self._undo_recreated(step)
             return moved
-        problem = _os_problem(err)
         if problem is None:
             return None  # not the disk's: left as it is (the next opening clears it)
         if _is_writer():
@@ -760,44 +773,107 @@ def _os_problem(err: BaseException) -> tuple[int, str] | None:
     return None
 
 
+#: The loggers orbax reports a save's errors on: absl's (its own log, its threads'), and
+#: asyncio's (its tasks' and futures' exceptions nobody retrieved).
+_ORBAX_LOGGERS = ("absl", "asyncio")
+
+
 class _HeldLog(logging.Filter):
-    """Holds back the records it sees (see :meth:`Checkpointer.save`)."""
+    """While held (see :meth:`Checkpointer.save`), holds back the records of orbax's
+    loggers and the errors its threads (or those of its asyncio loops) end with."""
 
     def __init__(self):
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self.thread_errors: list[Any] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         self.records.append(record)
         return False
 
-    def release(self, logger: logging.Logger) -> None:
+    def hold(self) -> None:
+        for name in _ORBAX_LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        _HOLDING.append(self)
+
+    def stop(self) -> None:
+        for name in _ORBAX_LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+        with contextlib.suppress(ValueError):
+            _HOLDING.remove(self)
+
+    def release(self) -> None:
+        """Passes what it held on: each record to its own logger, each thread's error to
+        ``threading.excepthook``."""
         for record in self.records:
-            logger.handle(record)
+            logging.getLogger(record.name).handle(record)
+        for args in self.thread_errors:
+            threading.excepthook(args)
         self.records.clear()
+        self.thread_errors.clear()
+
+
+#: The holds in force (a save in progress, a checkpointer closing after a failed one).
+_HOLDING: list[_HeldLog] = []
 
 
 _NOISE_FILTERED = False
 
 
+#: The errno of every save that failed in this process (its late reports are repeats).
+_FAILED_CODES: set[int] = set()
+
+
 def _filter_orbax_noise() -> None:
     """Keeps orbax's second and third reports of a failed save off stderr (once per
     process, when the first :class:`Checkpointer` opens): its threads log the error they
-    hand to the caller (absl ERROR records with a traceback each), and tensorstore writes
-    still in flight complete into the closed event loop of that thread ("Event loop is
-    closed", an unraisable exception). The caller gets the error itself, once
-    (:class:`CheckpointWriteError`). Every other record and unraisable exception is
-    passed on as before."""
+    hand to the caller (absl ERROR records with a traceback each), its asyncio tasks that
+    failed unawaited are reported when collected (asyncio's "Task exception was never
+    retrieved", with a traceback), a thread of it may end with the error, and tensorstore
+    writes still in flight complete into the closed event loop of that thread ("Event
+    loop is closed", an unraisable exception). The caller gets the error itself, once
+    (:class:`CheckpointWriteError`). Every other record, unraisable exception and thread
+    error is passed on as before."""
     global _NOISE_FILTERED
     if _NOISE_FILTERED:
         return
     _NOISE_FILTERED = True
     logging.getLogger("absl").addFilter(_not_a_rethrown_error)
+    logging.getLogger("asyncio").addFilter(_not_a_repeated_report)
     sys.unraisablehook = _UnraisableFilter(sys.unraisablehook)
+    threading.excepthook = _ThreadErrorFilter(threading.excepthook)
 
 
 def _not_a_rethrown_error(record: logging.LogRecord) -> bool:
-    return "_SignalingThread.run() raised an exception" not in str(record.msg)
+    if "_SignalingThread.run() raised an exception" in str(record.msg):
+        return False
+    return not (record.exc_info and _repeats_a_failed_save(record.exc_info[1]))
+
+
+def _not_a_repeated_report(record: logging.LogRecord) -> bool:
+    """asyncio's report of a task or future of a failed save: its error unretrieved, or
+    the task left pending when orbax closed its loop."""
+    if record.exc_info and _repeats_a_failed_save(record.exc_info[1]):
+        return False
+    if _FAILED_CODES and "Task was destroyed but it is pending" in str(record.msg):
+        text = record.getMessage()
+        return "orbax" not in text and "tensorstore" not in text
+    return True
+
+
+def _repeats_a_failed_save(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a late report of a save that failed in this process (raised to
+    its caller once already): that write error, or a callback into the event loop orbax
+    closed after it."""
+    try:
+        if not _FAILED_CODES or exc is None:
+            return False
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return True
+        problem = _os_problem(exc)
+        return problem is not None and problem[0] in _FAILED_CODES
+    except Exception:  # noqa: BLE001 - a filter never fails what it filters
+        return False
 
 
 class _UnraisableFilter:
@@ -805,8 +881,37 @@ class _UnraisableFilter:
         self.previous = previous
 
     def __call__(self, unraisable) -> None:
-        if not _late_loop_callback(unraisable):
+        if not (_late_loop_callback(unraisable) or _repeats_a_failed_save(unraisable.exc_value)):
             self.previous(unraisable)
+
+
+class _ThreadErrorFilter:
+    """``threading.excepthook`` but for a thread of orbax (or of its asyncio loops) that
+    ends with the error of a failed save."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, args) -> None:
+        if not _in_orbax(args):
+            self.previous(args)
+        elif _HOLDING:  # during a save: said with it if it fails, passed on if not
+            _HOLDING[-1].thread_errors.append(args)
+        elif not _repeats_a_failed_save(args.exc_value):
+            self.previous(args)
+
+
+def _in_orbax(args) -> bool:
+    """Whether a thread's error came through orbax, tensorstore or an asyncio loop."""
+    if type(args.thread).__module__.startswith("orbax"):
+        return True
+    tb = args.exc_traceback
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if any(f"{os.sep}{part}{os.sep}" in name for part in ("orbax", "tensorstore", "asyncio")):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _late_loop_callback(unraisable) -> bool:

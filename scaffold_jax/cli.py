@@ -32,9 +32,11 @@ the digest that of the settings a resume compares
 included, finds its folder again, and different commands never share one.
 
 Exit status: 0 success; 1 a run that could not start or did not finish although its
-arguments were valid (missing data, an occupied or full folder, divergence); 2 invalid
-arguments or config (what argparse, the config's checks or its build refuse: a
-:class:`~scaffold_jax.registry.ConfigError`); 130 (SIGINT) or 143
+arguments were valid (missing data, an occupied, read-only or full folder, divergence); 2
+invalid arguments or config (what argparse, the config's checks, its build or the run's
+own checks before it starts refuse, such as Scaffnew's S = N or a private run's noise: a
+:class:`~scaffold_jax.registry.ConfigError`), said in ONE line on stderr that names the
+setting and the fix (a bad flag value without argparse's usage block); 130 (SIGINT) or 143
 (SIGTERM) interrupted: the folder keeps every finished record and says
 ``"status": "interrupted"``.
 
@@ -751,7 +753,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_exits(), accept_new_versions(getattr(args, "accept_new_versions", False)):
             return commands[args.command](args)
     except ConfigError as err:  # what the flags, the config or its build got wrong
-        print(f"scaffold-jax: error: {err}", file=sys.stderr)
+        # One line, whatever the message quotes (a plugin's or a library's text).
+        message = re.sub(r"\s*\n\s*", " ", str(err))
+        print(f"scaffold-jax: error: {message}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as err:
         # A run that could not start or finish although the arguments were valid: missing

@@ -44,6 +44,7 @@ cadence, checkpoints, signals, divergence) is :mod:`scaffold_jax.loop`.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -1130,7 +1131,20 @@ class Simulation:
         )
 
     def check(self, data) -> None:
-        """Raises ValueError naming the problem if the simulation cannot run on ``data``."""
+        """Raises ValueError naming the problem if the simulation cannot run on ``data``.
+
+        Once ``data`` passed, checking it again is free (a command checks before its
+        folder is made, then ``run`` checks as every caller's does)."""
+        checked = getattr(self, "_checked", None)
+        if checked is not None and checked() is data:
+            return
+        self._check(data)
+        try:
+            self._checked = weakref.ref(data)
+        except TypeError:  # data that cannot be referenced weakly: checked every time
+            self._checked = None
+
+    def _check(self, data) -> None:
         if not all(hasattr(data, a) for a in ("num_clients", "counts", "client_batches")):
             raise TypeError(
                 "data must be a federated dataset (a FederatedData, e.g. from "

@@ -754,8 +754,8 @@ def run(
     every evaluation (``checkpoint_every=eval_every``) no record is ever handed over twice,
     even across a crash; with a sparser cadence, the default's included, the records after
     the newest checkpoint are made again on resume (``on_restore`` gets the ones the
-    checkpoint holds: a sink that persists records rewrites its copy with them). The data and the state are placed in
-    the simulation's layout first.
+    checkpoint holds: a sink that persists records rewrites its copy with them). The data
+    and the state are placed in the simulation's layout first.
 
     Divergence. After every block the server state is checked; NaN or Inf stops the run
     with :class:`DivergenceError` (a ``ValueError``) naming the round, the algorithm and

@@ -44,6 +44,7 @@ from scaffold_jax.experiments import (
 from scaffold_jax.experiments.config import _Checker, _is_number
 from scaffold_jax.experiments.identity import short_digest
 from scaffold_jax.models import MODELS
+from scaffold_jax.registry import in_one_line
 
 
 # =====================================================================================
@@ -120,7 +121,7 @@ class Fig3Protocol:
                     errors.append(f"methods = {self.methods!r} is invalid: unknown method {m!r}.")
         check.type("warm_controls", self.warm_controls, bool, "true or false")
         if errors:
-            raise ConfigError("invalid fig3 protocol:\n  " + "\n  ".join(errors))
+            raise ConfigError(in_one_line("invalid fig3 protocol", errors))
         return self
 
 
@@ -561,7 +562,7 @@ class TableProtocol:
                     f"{', '.join(sources.DATASETS)}."
                 )
         if errors:
-            raise ConfigError(f"invalid {self.name} protocol:\n  " + "\n  ".join(errors))
+            raise ConfigError(in_one_line(f"invalid {self.name} protocol", errors))
         return self
 
 

@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -26,6 +27,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import math
+import signal
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -51,8 +53,8 @@ def in_one_line(what: str, errors: Iterable[str]) -> str:
     command line's error is one line whatever was wrong.
 
     Examples:
-      >>> in_one_line("invalid config", ["rounds = 0 is invalid: it must be >= 1.", "x\ny"])
-      'invalid config: rounds = 0 is invalid: it must be >= 1. x y.'
+      >>> in_one_line("invalid config", ["rounds = 0 is invalid: it must be >= 1.", "seed = -1"])
+      'invalid config: rounds = 0 is invalid: it must be >= 1. seed = -1.'
     """
     sentences = [" ".join(str(e).split()) for e in errors]
     return f"{what}: " + " ".join(s if s.endswith((".", "?", "!")) else s + "." for s in sentences)
@@ -338,6 +340,42 @@ def plugin_blamed(err: BaseException) -> str | None:
     return where
 
 
+@contextlib.contextmanager
+def _sigint_watched() -> Iterator[Callable[[], bool]]:
+    """Yields whether a SIGINT arrived since entering (the previous handler still runs:
+    Ctrl-C interrupts as before). Outside the main thread, where no handler can be set,
+    every KeyboardInterrupt counts as a real one."""
+    seen = []
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            seen.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, handler)
+    except (ValueError, TypeError):  # not the main thread (or no handler to restore)
+        yield lambda: True
+        return
+    try:
+        yield lambda: bool(seen)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _innermost(err: BaseException) -> str | None:
+    """``"<file>:<line> (in <function>)"`` of the frame that raised ``err``."""
+    tb = err.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno} (in {tb.tb_frame.f_code.co_name})"
+
+
 def _import_file(path: Path) -> str:
     """Imports a plugin file under ``scaffold_jax_plugin_<stem>`` (a second file of the
     same stem in another folder gets a name of its own, never the first one's module);
@@ -426,11 +464,21 @@ def load_plugins(specs: Iterable[str]) -> list[str]:
                 + ("is a directory; give a .py file." if path.is_dir() else "does not exist.")
             )
         try:
-            if spec.endswith(".py"):
-                name = _import_file(path)
-            else:
-                name = spec
-                importlib.import_module(spec)
+            with _sigint_watched() as pressed:
+                if spec.endswith(".py"):
+                    name = _import_file(path)
+                else:
+                    name = spec
+                    importlib.import_module(spec)
+        except KeyboardInterrupt as err:
+            if pressed():
+                raise  # a real Ctrl-C while importing: the command is interrupted
+            where = _innermost(err)
+            raise ConfigError(
+                f"plugin {spec!r} failed while importing: it raised KeyboardInterrupt"
+                f"{f' at {where}' if where else ''} (no Ctrl-C was pressed); a plugin only "
+                "registers entries: fix that line or leave the plugin out."
+            ) from err
         except ModuleNotFoundError as err:
             raise ConfigError(
                 f"plugin {spec!r} cannot be imported ({err}); give a module on sys.path "

@@ -23,9 +23,10 @@ _FALLBACK_AVAILABLE_BYTES = 2 << 30
 
 def available_memory_bytes(device: jax.Device | None = None) -> int:
     """Free memory on ``device`` (default the first): ``bytes_limit − bytes_in_use`` on an
-    accelerator, ``MemAvailable`` of ``/proc/meminfo`` on CPU, 2 GiB when neither can be
-    read. (A sweep sizes its chunks from it; :meth:`Simulation.check` refuses a client
-    table larger than it.)"""
+    accelerator; on CPU ``MemAvailable`` of ``/proc/meminfo``, or less when the process's
+    address space is limited (``ulimit -v``, ``prlimit --as``: what the limit leaves of it);
+    2 GiB when none can be read. (A sweep sizes its chunks from it; :meth:`Simulation.check`
+    refuses a client table larger than it, :func:`scaffold_jax.models.build` a model.)"""
     device = jax.devices()[0] if device is None else device
     if device.platform != "cpu":
         try:
@@ -34,7 +35,8 @@ def available_memory_bytes(device: jax.Device | None = None) -> int:
                 return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         except Exception:  # backends without memory stats raise their own errors
             pass
-    return _meminfo_available() or _FALLBACK_AVAILABLE_BYTES
+    known = [m for m in (_meminfo_available(), _address_space_left()) if m is not None]
+    return min(known) if known else _FALLBACK_AVAILABLE_BYTES
 
 
 def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
@@ -43,6 +45,28 @@ def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _address_space_left(status: str = "/proc/self/status") -> int | None:
+    """What RLIMIT_AS (``ulimit -v``, ``prlimit --as``) leaves of the process's address
+    space: the limit minus ``VmSize``; None when there is no limit or it cannot be read.
+    (An allocation beyond it fails inside XLA, which aborts the process.)"""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):  # not POSIX
+        return None
+    if limit == resource.RLIM_INFINITY or limit < 0:
+        return None
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return max(0, limit - int(line.split()[1]) * 1024)  # kB
     except (OSError, ValueError, IndexError):
         pass
     return None

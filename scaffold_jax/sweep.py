@@ -712,7 +712,9 @@ class _Chunk:
         for a, b, j in self.slots:
             diverged = diverged_round[a, b] >= 0
             entry = {"round": int(round)}
-            entry.update({k: float("nan") if diverged else float(v[a, b]) for k, v in values.items()})
+            entry.update(
+                {k: float("nan") if diverged else float(v[a, b]) for k, v in values.items()}
+            )
             if simulation.algorithm.report is not None:
                 hparams = {k: v[a, b] for k, v in self._host_hparams().items()}
                 entry.update(simulation.report(hparams, round, self.data.num_clients))

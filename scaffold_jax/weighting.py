@@ -55,6 +55,8 @@ class WeightingSpec(NamedTuple):
 
 
 WEIGHTINGS: Registry[WeightingSpec] = Registry("weighting")
+
+
 def _ones(counts: jax.Array) -> jax.Array:
     # A function of this package, not jnp.ones_like itself: a run's identity records the
     # code of chosen entries defined outside scaffold_jax (a plugin's), and jax's own

@@ -12,9 +12,11 @@ names the machine, e.g. its platform).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gzip
 import json
 import math
+import os
 import re
 import shutil
 import struct
@@ -29,16 +31,22 @@ import numpy as np
 import pytest
 
 import scaffold_jax as sj
-from scaffold_jax import checkpoint, cli, experiments, paper, resources
+from scaffold_jax import checkpoint, cli, experiments, paper, resources, results
 from scaffold_jax import sweep as sweeps
 from scaffold_jax.data import femnist, partition, sources, synthetic
 from scaffold_jax.experiments import ConfigError, RunConfig, load_config_file
 from scaffold_jax.loop import DivergenceError
+from scaffold_jax.registry import load_plugins
 
 DOC = Path(__file__).parent.parent / "docs" / "bad_inputs.md"
 
 # A run whose privacy settings the DP cases vary (quadratic data: nothing to load).
 DP_RUN = {"dataset": "quadratic", "num_clients": 50, "rounds": 10}
+# What a dropout rate must be (scaffold_jax.participation.dropouts).
+DROPOUT_RATE = (
+    "a probability in [0, 1): at 1 every sampled client drops, so no update ever reaches the "
+    "server and the model never trains"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +185,38 @@ def with_memory(num_bytes: int, call: Callable[[], object]) -> object:
     """``call()`` on a machine with ``num_bytes`` of memory available."""
     with mock.patch.object(resources, "available_memory_bytes", lambda device=None: num_bytes):
         return call()
+
+
+def unwritable(ctx, call: Callable[[], object], code: int = errno.EROFS) -> object:
+    """``call()`` with ``ctx.tmp / "ro"`` on a read-only file system (``code``: EROFS), or
+    not writable by this user (EACCES): creating or removing anything under it fails, as
+    in a chmod 0o555 folder (simulated: the tests may run as root)."""
+    root = str(ctx.tmp / "ro")
+
+    def refused(real):
+        def call_(path, *args, **kwargs):
+            if os.fspath(path).startswith(root):
+                raise OSError(code, os.strerror(code), os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        return call_
+
+    with mock.patch.object(os, "mkdir", refused(os.mkdir)), \
+            mock.patch.object(os, "unlink", refused(os.unlink)):  # fmt: skip
+        return call()
+
+
+def overwrite_unwritable(ctx) -> None:
+    """``--overwrite`` of a finished run whose folder has become read-only."""
+    folder = ctx.tmp / "ro" / "run"
+    with results.RunWriter(folder, {"a": 1}, plots=()) as writer:
+        writer.record("s", {"round": 0, "test_accuracy": 0.1})
+    unwritable(ctx, lambda: results.check_folder(folder, overwrite=True))
+
+
+def quick_run(values) -> None:
+    """``scaffold-jax run`` of these config values (refused before its folder is made)."""
+    experiments.run(RunConfig.from_dict({**DP_RUN, **values}), quiet=True)
 
 
 def sweep_args(*argv: str):
@@ -511,7 +551,7 @@ CASES = [
          lambda ctx: run(ctx, seed=2**32)),
     Case("config-seed-beyond-32-bits", "a config seed >= 2**63", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  seed = 9223372036854775808 is invalid: it must be an integer >= 0 "
+         "invalid config: seed = 9223372036854775808 is invalid: it must be an integer >= 0 "
          "and <= 4294967295 (jax.random.key keeps only the low 32 bits: a larger seed repeats "
          "a smaller one).",
          lambda ctx: RunConfig(seed=2**63).validate()),
@@ -521,7 +561,7 @@ CASES = [
          lambda ctx: sweeps.grid(client_lr=0.1, seeds=[0, 2**32])),
     Case("protocol-seed-beyond-32-bits", "a protocol seed >= 2**32", "paper.fig3_protocol",
          ConfigError,
-         "invalid fig3 protocol:\n  seed = 4294967296 is invalid: it must be an integer >= 0 "
+         "invalid fig3 protocol: seed = 4294967296 is invalid: it must be an integer >= 0 "
          "and <= 4294967295 (jax.random.key keeps only the low 32 bits: a larger seed repeats "
          "a smaller one).",
          lambda ctx: paper.fig3_protocol(quick=True, seed=2**32)),
@@ -596,7 +636,7 @@ CASES = [
          lambda ctx: sj.hparams(client_lr=1e39)),
     Case("config-client-lr-beyond-float32", "--client-lr 1e39", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  client_lr = 1e+39 is invalid: it must be finite and > 0, and at "
+         "invalid config: client_lr = 1e+39 is invalid: it must be finite and > 0, and at "
          "most 3.4028235e+38 (the largest float32; the step sizes and hyper-parameters are "
          "float32, where a larger value becomes inf).",
          lambda ctx: RunConfig(client_lr=1e39).validate()),
@@ -608,20 +648,20 @@ CASES = [
          "folders and the cache.",
          lambda ctx: sources.load("fashion_mnist", data_dir=ctx.tmp / "nowhere")),
     Case("out-empty", "--out \"\"", "RunConfig.validate", ConfigError,
-         "invalid config:\n  out = '' is invalid: it must be a folder path (an empty one would "
+         "invalid config: out = '' is invalid: it must be a folder path (an empty one would "
          "write into the working folder); give a folder, or leave out unset for "
          "results/<algorithm>-<dataset>-<digest>.",
          lambda ctx: RunConfig(out="").validate()),
     Case("scaffold-option-list", "scaffold_option = [2] (a list)", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  scaffold_option = [2] is invalid: it must be one of 'I', 'II'.",
+         "invalid config: scaffold_option = [2] is invalid: it must be one of 'I', 'II'.",
          lambda ctx: RunConfig.from_dict({"scaffold_option": [2]}).validate()),
     Case("hparams-not-a-table", "hparams = 0.5 (not a table)", "RunConfig.from_dict",
          ConfigError,
          "hparams = 0.5 is invalid: it must be a table of names and values.",
          lambda ctx: RunConfig.from_dict({"hparams": 0.5})),
     Case("optimizer-name", "an unknown server optimizer", "RunConfig.validate", ConfigError,
-         "invalid config:\n  server_optimizer = 'adamw' is invalid: optimizer 'adamw' is "
+         "invalid config: server_optimizer = 'adamw' is invalid: optimizer 'adamw' is "
          "unknown (did you mean 'adam'?); use one of sgd, momentum, adagrad, adam, fedadam, "
          "yogi…",
          lambda ctx: RunConfig(options={"server_optimizer": "adamw"}).validate()),
@@ -631,7 +671,7 @@ CASES = [
          lambda ctx: sj.optimizers.parse("momentum:beta=0.9")),
     Case("scaffold-local-optimizer", "SCAFFOLD with a local optimizer", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  local_optimizer = 'momentum' does not apply to algorithm = "
+         "invalid config: local_optimizer = 'momentum' does not apply to algorithm = "
          "'scaffold': SCAFFOLD's correction c - c_i is defined for plain SGD local steps…",
          lambda ctx: RunConfig(options={"local_optimizer": "momentum"}).validate()),
     Case("sweep-target", "sweep --target 5", "scaffold-jax sweep", ConfigError,
@@ -675,12 +715,12 @@ CASES = [
          lambda ctx: sj.hparams(client_lr=0.1, prox_mu=1e-40)),
     Case("config-client-lr-underflows-float32", "--client-lr 1e-50", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  client_lr = 1e-50 underflows float32 (smallest normal 1.2e-38): "
+         "invalid config: client_lr = 1e-50 underflows float32 (smallest normal 1.2e-38): "
          "the step sizes and hyper-parameters are float32, where it would become 0; it must be "
          "finite and > 0, and at least 1.1754944e-38.",
          lambda ctx: RunConfig(client_lr=1e-50).validate()),
     Case("config-mu-underflows-float32", "--prox-mu 1e-40", "RunConfig.validate", ConfigError,
-         "invalid config:\n  prox_mu = 1e-40 underflows float32 (smallest normal 1.2e-38): the "
+         "invalid config: prox_mu = 1e-40 underflows float32 (smallest normal 1.2e-38): the "
          "step sizes and hyper-parameters are float32, where it would become 0; it must be "
          "finite and >= 0, and 0 or at least 1.1754944e-38.",
          lambda ctx: RunConfig(algorithm="fedprox", prox_mu=1e-40).validate()),
@@ -705,19 +745,19 @@ CASES = [
          lambda ctx: sj.BatchPlan.epochs(batch_size=1, num_epochs=2).shape(10**6)),
     Case("config-local-steps-too-many", "--local-steps 1000000000", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  local_steps = 1000000000 (batch_plan = 'full'): num_local_steps (K) "
+         "invalid config: local_steps = 1000000000 (batch_plan = 'full'): num_local_steps (K) "
          f"= 1000000000 is invalid: {TOO_MANY}; use fewer.",
          lambda ctx: RunConfig(local_steps=10**9).validate()),
     Case("config-local-epochs-too-many", "--local-epochs 100000000", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  batch_fraction = 0.2, local_epochs = 100000000 (batch_plan = "
+         "invalid config: batch_fraction = 0.2, local_epochs = 100000000 (batch_plan = "
          "'fraction'): batch fraction = 0.2 with num_epochs = 100000000 makes K = 500000000 "
          f"local steps per round (num_epochs * round(1 / fraction)); {TOO_MANY}. Use a larger "
          "fraction or fewer epochs.",
          lambda ctx: RunConfig(local_epochs=10**8).validate()),
     Case("config-rounds-too-many", "--rounds 2000000000 (it hung before compiling)",
          "RunConfig.validate", ConfigError,
-         "invalid config:\n  rounds = 2000000000 is invalid: it must be an integer >= 1 and <= "
+         "invalid config: rounds = 2000000000 is invalid: it must be an integer >= 1 and <= "
          "10000000 (every round's metrics and sampled clients are kept in memory, and the blocks "
          "of rounds are planned before compiling).",
          lambda ctx: RunConfig(rounds=2_000_000_000).validate()),
@@ -749,7 +789,7 @@ CASES = [
          lambda ctx: sj.optimizers.parse("adam:b1=0.5,b1=0.6")),
     Case("config-optimizer-tau-zero", "--server-optimizer fedadam:tau=0", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  server_optimizer = 'fedadam:tau=0' is invalid: optimizer "
+         "invalid config: server_optimizer = 'fedadam:tau=0' is invalid: optimizer "
          "'fedadam:tau=0': tau = 0.0 is invalid: it must be a number > 0, at least "
          "1.1754944e-38 (the smallest normal float32).",
          lambda ctx: RunConfig(options={"server_optimizer": "fedadam:tau=0"}).validate()),
@@ -798,10 +838,10 @@ CASES = [
          lambda ctx: load_config_file(json_with_a_repeated_key(ctx))),
     Case("config-field-wrong-type", "model = [\"mlp\"] (a list for a name), with "
          "state_policy", "RunConfig.validate", ConfigError,
-         "invalid config:\n  state_policy = 'local' does not apply to this config; remove it "
-         "or set model = 'resnet18'.\n  state_policy = 'local' applies to a model with running "
+         "invalid config: state_policy = 'local' does not apply to this config; remove it "
+         "or set model = 'resnet18'. state_policy = 'local' applies to a model with running "
          "statistics (resnet18 with resnet_norm = 'batch', or a plugin model that takes "
-         "state_policy); model = ['mlp'] keeps none.\n  model = ['mlp'] is invalid: it must be "
+         "state_policy); model = ['mlp'] keeps none. model = ['mlp'] is invalid: it must be "
          "one of 'logreg', 'mlp', 'cnn', 'resnet18', 'char_lstm' (did you mean 'mlp'?); an "
          "entry defined outside scaffold_jax is registered when its module is imported: pass "
          "--plugin MODULE_OR_FILE.py (config key 'plugins').",
@@ -826,18 +866,18 @@ CASES = [
     # ----- paper protocols
     Case("protocol-dim-beyond-memory", "reproduce fig3 --set dim=100000 (1 GiB available)",
          "paper.fig3_protocol", ConfigError,
-         "invalid fig3 protocol:\n  dim=100000 with num_clients=2 needs 480000000000 bytes "
+         "invalid fig3 protocol: dim=100000 with num_clients=2 needs 480000000000 bytes "
          "(447.0 GiB) of host memory for the clients' d x d Hessians, in float64, more than the "
          "1073741824 bytes (1.0 GiB) available; use a smaller dim.",
          lambda ctx: with_memory(2**30, lambda: paper.fig3_protocol(quick=True, dim=100_000))),
     Case("protocol-local-steps-too-many", "reproduce fig3 --set local_steps=[2,1000000]",
          "paper.fig3_protocol", ConfigError,
-         "invalid fig3 protocol:\n  local_steps = (2, 1000000) is invalid: it must be a "
+         "invalid fig3 protocol: local_steps = (2, 1000000) is invalid: it must be a "
          "non-empty list of integers in [1, 100000].",
          lambda ctx: paper.fig3_protocol(quick=True, local_steps=[2, 10**6])),
     Case("protocol-field-wrong-type", "reproduce table3 --set similarities=5 (not a list)",
          "TableProtocol.validate", ConfigError,
-         "invalid table3 protocol:\n  similarities = 5 is invalid: it must be a non-empty list "
+         "invalid table3 protocol: similarities = 5 is invalid: it must be a non-empty list "
          "of percentages in [0, 100].",
          lambda ctx: paper.table3_protocol(quick=True, similarities=5).validate()),
     Case("quadratic-dim-beyond-memory", "a quadratic of dim 100000 (1 GiB available)",
@@ -850,7 +890,7 @@ CASES = [
     # Found by tests/test_fuzz.py: N = 2**31 clients allocated 72 GiB before any check.
     Case("config-num-clients-beyond-int32", "--num-clients 2147483648", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  num_clients = 2147483648 is invalid: it must be an integer in "
+         "invalid config: num_clients = 2147483648 is invalid: it must be an integer in "
          "[1, 2147483647] (client ids are int32).",
          lambda ctx: RunConfig(dataset="synthetic", num_clients=2**31).validate()),
     Case("synthetic-clients-beyond-memory", "Synthetic(α, β) with 10⁹ clients (1 GiB available)",
@@ -871,15 +911,15 @@ CASES = [
              10**9, alpha=1.0, beta=1.0))),
     # User-level differential privacy (scaffold_jax.privacy).
     Case("dp-epsilon-zero", "--dp-epsilon 0", "RunConfig.validate", ConfigError,
-         "invalid config:\n  dp_epsilon = 0.0 is invalid: it must be a number > 0.",
+         "invalid config: dp_epsilon = 0.0 is invalid: it must be a number > 0.",
          lambda ctx: RunConfig(**DP_RUN, dp_epsilon=0.0).validate()),
     Case("dp-delta-one", "--dp-delta 1", "RunConfig.validate", ConfigError,
-         "invalid config:\n  privacy = 'gaussian': dp_delta = 1.0 is invalid: it must be in "
+         "invalid config: privacy = 'gaussian': dp_delta = 1.0 is invalid: it must be in "
          "(0, 1).",
          lambda ctx: RunConfig(**DP_RUN, dp_epsilon=3.0, dp_delta=1.0).validate()),
     Case("dp-infinite-cohort", "a private run's config file with clients_per_round: Infinity",
          "RunConfig.validate", ConfigError,
-         "invalid config:\n  clients_per_round = inf is invalid: it must be an integer in "
+         "invalid config: clients_per_round = inf is invalid: it must be an integer in "
          "[1, num_clients = 50].",
          lambda ctx: RunConfig(**DP_RUN, clients_per_round=math.inf, dp_clip=1.0,
                                dp_noise_multiplier=1.0).validate()),
@@ -904,12 +944,12 @@ CASES = [
                                dp_delta=1e-10).validate().resolved_hparams()),
     Case("dp-pld-fixed-size", "--dp-accountant pld with the uniform (fixed-size) sampler",
          "RunConfig.validate", ConfigError,
-         "invalid config:\n  privacy = 'gaussian': accountant = 'pld' does not cover sampling "
+         "invalid config: privacy = 'gaussian': accountant = 'pld' does not cover sampling "
          "= 'fixed_size' (sampling without replacement, replace-one adjacency): use accountant "
          "= 'rdp', or the poisson sampler (sampler = 'poisson').",
          lambda ctx: RunConfig(**DP_RUN, dp_epsilon=3.0, dp_accountant="pld").validate()),
     Case("dp-weighted", "--weighting num_examples with DP", "RunConfig.validate", ConfigError,
-         "invalid config:\n  privacy = 'gaussian': differential privacy needs weighting = "
+         "invalid config: privacy = 'gaussian': differential privacy needs weighting = "
          "'uniform', not 'num_examples': weights of n_i make one client's share of the sum "
          "unbounded and reveal its size.",
          lambda ctx: RunConfig(**DP_RUN, dp_noise_multiplier=1.0,
@@ -937,30 +977,30 @@ CASES = [
     # Participation models (scaffold_jax.participation).
     Case("markov-short-off-spells", "--availability markov --availability-rate 0.8 "
          "--mean-on-rounds 2", "RunConfig.validate", ConfigError,
-         "invalid config:\n  availability_rate = 0.8 with mean_on_rounds = 2.0 asks for "
+         "invalid config: availability_rate = 0.8 with mean_on_rounds = 2.0 asks for "
          "unavailable spells shorter than one round (mean 0.5): use mean_on_rounds >= 4, or a "
          "lower availability_rate.",
          lambda ctx: RunConfig(**DP_RUN, availability="markov", availability_rate=0.8,
                                mean_on_rounds=2.0).validate()),
     Case("cyclic-uneven-blocks", "--availability cyclic --cycle-groups 4 --cycle-rounds 10",
          "RunConfig.validate", ConfigError,
-         "invalid config:\n  cycle_rounds = 10 does not split into cycle_groups = 4 equal "
+         "invalid config: cycle_rounds = 10 does not split into cycle_groups = 4 equal "
          "blocks: use a multiple of 4 (e.g. 8).",
          lambda ctx: RunConfig(**DP_RUN, availability="cyclic", cycle_groups=4,
                                cycle_rounds=10).validate()),
     Case("cyclic-empty-groups", "--cycle-groups 64 for N = 50 clients", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  cycle_groups = 64 exceeds the number of clients N = 50: some "
+         "invalid config: cycle_groups = 64 exceeds the number of clients N = 50: some "
          "groups would be empty. Use cycle_groups <= N.",
          lambda ctx: RunConfig(**DP_RUN, availability="cyclic", cycle_groups=64).validate()),
     Case("trace-no-path", "--availability trace without a file", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  availability = 'trace' needs availability_trace = PATH (command "
+         "invalid config: availability = 'trace' needs availability_trace = PATH (command "
          "line: --availability-trace PATH), the file of the clients' availability bits.",
          lambda ctx: RunConfig(**DP_RUN, availability="trace").validate()),
     Case("trace-missing", "--availability-trace of a file that does not exist",
          "RunConfig.validate", ConfigError,
-         "invalid config:\n  availability_trace = '{tmp}/devices.txt': no such file. Give the "
+         "invalid config: availability_trace = '{tmp}/devices.txt': no such file. Give the "
          "path of a trace (.npy [clients, rounds] of 0/1, or text: one line of 0/1 per "
          "client).",
          lambda ctx: RunConfig(**DP_RUN, availability="trace",
@@ -974,18 +1014,176 @@ CASES = [
                                                                b"0110\n1100\n0011\n"))})))),
     Case("dropout-rate-without-model", "--dropout-rate 0.3 without --dropouts bernoulli",
          "RunConfig.validate", ConfigError,
-         "invalid config:\n  dropout_rate = 0.3 does not apply to dropouts = 'none'; remove it "
+         "invalid config: dropout_rate = 0.3 does not apply to dropouts = 'none'; remove it "
          "or set dropouts = 'bernoulli'.",
          lambda ctx: RunConfig(**DP_RUN, dropout_rate=0.3).validate()),
     Case("dp-with-dropouts", "a private run with --dropouts bernoulli", "RunConfig.validate",
          ConfigError,
-         "invalid config:\n  privacy = 'gaussian': differential privacy's accounting assumes "
+         "invalid config: privacy = 'gaussian': differential privacy's accounting assumes "
          "every sampled client is drawn by the sampler alone and reaches the server; with "
          "dropouts = 'bernoulli' who takes part changes in a way no accountant here covers: "
          "use availability = 'always' and dropouts = 'none' for a private run (stragglers are "
          "fine: clipping bounds any update).",
          lambda ctx: RunConfig(**DP_RUN, dropouts="bernoulli",
                                dp_noise_multiplier=1.0).validate()),
+    # Issue 40: settings that cannot mean what the user wants, and trace files that were
+    # not named.
+    Case("dropout-rate-one", "--dropouts bernoulli --dropout-rate 1 (no update ever arrives)",
+         "RunConfig.validate", ConfigError,
+         f"invalid config: dropout_rate = 1.0 is invalid: it must be {DROPOUT_RATE}.",
+         lambda ctx: RunConfig(**DP_RUN, dropouts="bernoulli", dropout_rate=1.0).validate()),
+    Case("dropout-rate-one-api", "Bernoulli dropouts of rate 1", "participation.make",
+         ValueError, f"dropout_rate = 1.0 is invalid: it must be {DROPOUT_RATE}.",
+         lambda ctx: sj.participation.make(dropouts="bernoulli",
+                                           options={"dropout_rate": 1.0})),
+    Case("trace-all-zeros", "an availability trace of zeros only (0 participants every round)",
+         "RunConfig.validate", ConfigError,
+         "invalid config: the availability trace {tmp}/zeros.txt makes no client available in "
+         "any round (every bit of its first 50 rows, the run's N clients, is 0): every round "
+         "would have 0 participants and the model would never train. Mark each client's "
+         "available rounds with 1 (rounds with none available are fine).",
+         lambda ctx: RunConfig(**DP_RUN, availability="trace", availability_trace=str(
+             write(ctx.tmp / "zeros.txt", b"0000\n" * 50))).validate()),
+    Case("straggler-min-steps-above-K", "--stragglers uniform --straggler-min-steps 1000 with "
+         "a plan of 5 steps (it was capped silently)", "RunConfig.validate", ConfigError,
+         "invalid config: straggler_min_steps = 1000 exceeds K = 5, the most local steps the "
+         "plan gives a client: every client would complete all its steps (k_min is capped at "
+         "K), so none would straggle. Use straggler_min_steps <= 5, or a plan of more local "
+         "steps.",
+         lambda ctx: RunConfig(**DP_RUN, stragglers="uniform",
+                               straggler_min_steps=1000).validate()),
+    Case("straggler-min-steps-above-K-api", "uniform stragglers of k_min = 2 with K = 1",
+         "Simulation.run", ValueError,
+         "straggler_min_steps = 2 exceeds K = 1, the most local steps the plan gives a client: "
+         "every client would complete all its steps (k_min is capped at K), so none would "
+         "straggle. Use straggler_min_steps <= 1, or a plan of more local steps.",
+         lambda ctx: run(ctx, sim=simulation(ctx, participation=sj.participation.make(
+             stragglers="uniform", options={"straggler_min_steps": 2})))),
+    Case("dp-epsilon-below-resolution", "--dp-epsilon 1e-300 (met by epsilon 0, reported far "
+         "above it once z was rounded to float32)", "RunConfig.resolved_hparams", ConfigError,
+         "dp_epsilon = 1e-300 at delta = 0.0135 after 10 rounds (sampling rate 0.2) is below "
+         "what the accountant resolves: its epsilon is already 0 at a noise multiplier of "
+         "117.033 (delta alone bounds the privacy loss there), so such a target does not set "
+         "the noise. Use dp_epsilon >= 3e-06, or a smaller delta.",
+         lambda ctx: RunConfig(**DP_RUN, dp_epsilon=1e-300).validate().resolved_hparams()),
+    Case("dp-delta-above-one-over-N", "--dp-delta 0.5 for N = 50 (it was a Python warning)",
+         "RunConfig.validate", ConfigError,
+         "invalid config: privacy = 'gaussian': dp_delta = 0.5 >= 1/N = 2.0e-02 (N = 50 "
+         "clients) is no privacy: a delta of 1/N or more lets a mechanism publish one client's "
+         "data outright. Use delta < 1/N, e.g. N^-1.1 = 1.4e-02 (the default).",
+         lambda ctx: RunConfig(**DP_RUN, dp_epsilon=3.0, dp_delta=0.5).validate()),
+    Case("dp-delta-above-one-over-N-api", "privacy.private(..., delta=0.5) for N = 7",
+         "Simulation.run", ValueError,
+         "dp_delta = 0.5 >= 1/N = 1.4e-01 (N = 7 clients) is no privacy: a delta of 1/N or "
+         "more lets a mechanism publish one client's data outright. Use delta < 1/N, e.g. "
+         "N^-1.1 = 1.2e-01 (the default).",
+         lambda ctx: run(ctx, sim=simulation(ctx, algorithm=sj.privacy.private(
+             sj.fedavg(ctx.problem.loss_fn), delta=0.5)),
+             hp=sj.hparams(0.1, dp_clip=1.0, dp_noise_multiplier=1.0))),
+    Case("model-beyond-memory", "--model mlp --hidden-sizes 500000 with 64 MiB available (it "
+         "aborted in XLA under a memory limit)", "models.build", ValueError,
+         "model = 'mlp' with hidden_sizes = [500000]: MLP's 35500010 parameters need 502000040 "
+         "bytes (478.7 MiB) of … memory to be initialised (142000040 for their values, 3x the "
+         "largest weight's for its random draw), more than the 67108864 bytes (64.0 MiB) "
+         "available; use a smaller model.",
+         lambda ctx: with_memory(2**26, lambda: sj.models.build(
+             "mlp", (60,), 10, key=ctx.key, options={"hidden_sizes": [500_000]}))),
+    Case("trace-empty", "an empty availability trace (it said \"cannot reshape array\")",
+         "participation.load_trace", ValueError,
+         "the availability trace {tmp}/empty.txt holds no clients: it is empty, or only blank "
+         "lines and # comments. Write one line per client of its rounds' 0/1 (0110, or "
+         "0 1 1 0), or save a [clients, rounds] array of 0/1 as NAME.npy.",
+         lambda ctx: sj.participation.load_trace(write(ctx.tmp / "empty.txt", b""))),
+    Case("trace-blank", "an availability trace of blank lines and comments",
+         "participation.load_trace", ValueError,
+         "the availability trace {tmp}/blank.txt holds no clients: it is empty, or only blank "
+         "lines and # comments. Write one line per client of its rounds' 0/1 (0110, or "
+         "0 1 1 0), or save a [clients, rounds] array of 0/1 as NAME.npy.",
+         lambda ctx: sj.participation.load_trace(write(ctx.tmp / "blank.txt",
+                                                       b"\n   \n# devices\n"))),
+    Case("trace-binary", "a binary availability trace (it raised a codec error)",
+         "participation.load_trace", ValueError,
+         "the availability trace {tmp}/trace.bin is not text (its byte 1 is not UTF-8: a "
+         "binary file?) and its name does not end in .npy. Give a text file of one line of 0/1 "
+         "per client, or a [clients, rounds] array of 0/1 saved with numpy.save as NAME.npy.",
+         lambda ctx: sj.participation.load_trace(write(ctx.tmp / "trace.bin", b"\x00\xff\x93"))),
+    Case("trace-npy-bad-header", "a .npy trace with a damaged header",
+         "participation.load_trace", ValueError,
+         "the availability trace {tmp}/trace.npy is a damaged .npy file: numpy cannot read its "
+         "header or data (…). Save a [clients, rounds] array of 0/1 with numpy.save, or give a "
+         "text trace (one line of 0/1 per client) under a name that does not end in .npy.",
+         lambda ctx: sj.participation.load_trace(write(ctx.tmp / "trace.npy",
+                                                       b"\x93NUMPY\x01\x00garbage"))),
+    Case("trace-npy-not-npy", "a text file named .npy given as a trace",
+         "participation.load_trace", ValueError,
+         "the availability trace {tmp}/trace.npy is not a .npy file (it does not start with "
+         "numpy's magic string \\x93NUMPY). Save a [clients, rounds] array of 0/1 with "
+         "numpy.save, or give a text trace (one line of 0/1 per client) under a name that does "
+         "not end in .npy.",
+         lambda ctx: sj.participation.load_trace(write(ctx.tmp / "trace.npy", b"0110\n"))),
+    Case("trace-directory", "--availability-trace DIR (it said \"no such file\")",
+         "RunConfig.validate", ConfigError,
+         "invalid config: availability_trace = '{tmp}' is a directory, not a file. Give the "
+         "path of a trace (.npy [clients, rounds] of 0/1, or text: one line of 0/1 per "
+         "client).",
+         lambda ctx: RunConfig(**DP_RUN, availability="trace",
+                               availability_trace=str(ctx.tmp)).validate()),
+    # ----- found once the run is built: refused as the config's, before its folder is made
+    Case("scaffnew-partial", "Scaffnew with S < N", "experiments.run", ConfigError,
+         "Scaffnew needs every client in every round (S = N): the server's average relies on "
+         "the controls h_i of ALL clients summing to 0, but clients_per_round (S) = 10 < N = "
+         "50. Set clients_per_round = N (command line: --client-fraction 1).",
+         lambda ctx: quick_run({"algorithm": "scaffnew", "out": str(ctx.tmp / "o")})),
+    Case("poisson-bound-run", "--sampler poisson --poisson-bound 1", "experiments.run",
+         ConfigError,
+         "poisson_bound = 1 is too small for an expected cohort of S = 10 of N = 50: a round "
+         "overflows it with probability 1.0e+00 (> 1e-09), and an overflowing round would "
+         "drop sampled clients. Use poisson_bound >= 29, or leave it unset (the default "
+         "bound).",
+         lambda ctx: quick_run({"sampler": "poisson", "poisson_bound": 1,
+                                "out": str(ctx.tmp / "o")})),
+    Case("dp-count-noise-run", "--dp-count-noise 0.25 with --dp-noise-multiplier 10 and "
+         "adaptive clipping", "experiments.run", ConfigError,
+         "dp_count_noise = 0.25 is too small for dp_noise_multiplier = 10 with adaptive "
+         "clipping (dp_clip_lr = 0.2): the count of unclipped clients gets noise sigma_b = "
+         "dp_count_noise x S = 2.5 (S = 10), and adaptive clipping needs 2 sigma_b > "
+         "dp_noise_multiplier. Use dp_count_noise > 0.5, a lower dp_noise_multiplier, or "
+         "dp_clip_lr = 0 (a fixed clip norm).",
+         lambda ctx: quick_run({"dp_noise_multiplier": 10, "dp_clip_lr": 0.2,
+                                "dp_count_noise": 0.25, "out": str(ctx.tmp / "o")})),
+    Case("dp-count-noise-api", "a private algorithm's count noise too small for z",
+         "Simulation.run", ValueError,
+         "dp_count_noise = 0.01 is too small for dp_noise_multiplier = 1 with adaptive "
+         "clipping (dp_clip_lr = 0.2): the count of unclipped clients gets noise sigma_b = "
+         "dp_count_noise x S = 0.02 (S = 2), and adaptive clipping needs 2 sigma_b > "
+         "dp_noise_multiplier. Use dp_count_noise > 0.25, a lower dp_noise_multiplier, or "
+         "dp_clip_lr = 0 (a fixed clip norm).",
+         lambda ctx: run(ctx, sim=simulation(ctx, algorithm=sj.privacy.private(
+             sj.fedavg(ctx.problem.loss_fn), count_noise=0.01)),
+             hp=sj.hparams(0.1, dp_noise_multiplier=1.0, dp_clip_lr=0.2, dp_clip=1.0))),
+    # ----- an output folder that cannot be written, a plugin that stops its own import
+    Case("out-read-only", "--out on a read-only file system", "RunWriter.open",
+         results.RunFolderError,
+         "cannot write {tmp}/ro/run: it is on a read-only file system. Choose a writable --out.",
+         lambda ctx: unwritable(ctx, results.RunWriter(ctx.tmp / "ro" / "run", {"a": 1},
+                                                       plots=()).open)),
+    Case("out-not-permitted", "--out in a folder this user may not write",
+         "RunWriter.open", results.RunFolderError,
+         "cannot write {tmp}/ro/run: permission denied. Choose a writable --out, or make this "
+         "folder writable.",
+         lambda ctx: unwritable(ctx, results.RunWriter(ctx.tmp / "ro" / "run", {"a": 1},
+                                                       plots=()).open, errno.EACCES)),
+    Case("overwrite-read-only", "--overwrite of a run on a read-only file system",
+         "check_folder", results.RunFolderError,
+         "cannot write {tmp}/ro/run: it is on a read-only file system. Choose a writable --out.",
+         overwrite_unwritable),
+    Case("plugin-keyboard-interrupt", "a plugin whose top level raises KeyboardInterrupt",
+         "load_plugins", ConfigError,
+         "plugin '{tmp}/stop.py' failed while importing: it raised KeyboardInterrupt at "
+         "{tmp}/stop.py:2 (in <module>) (no Ctrl-C was pressed); a plugin only registers "
+         "entries: fix that line or leave the plugin out.",
+         lambda ctx: load_plugins([str(write(ctx.tmp / "stop.py",
+                                             b"x = 1\nraise KeyboardInterrupt\n"))])),
 ]
 # fmt: on
 
@@ -1009,7 +1207,7 @@ def finished_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("finished") / "ckpt"
     ctx = SimpleNamespace(problem=problem, data=data)
     sim = simulation(ctx)  # shared, so that the diverging case reuses its compiled rounds
-    result = run(ctx, sim=sim, checkpoint_dir=base)
+    result = run(ctx, sim=sim, checkpoint_dir=base, checkpoint_every=1)
     return SimpleNamespace(problem=problem, data=data, base=base, state=result.state, sim=sim)
 
 

@@ -9,6 +9,7 @@ messages); here the command line is checked end to end, in-process, on tiny inpu
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -36,13 +37,11 @@ def refused(argv: list[str], capsys, tmp_path, code: int | None = 2) -> str:
 
 
 def one_error(err: str) -> str:
-    """The single error of a refusal (a config's errors are listed one per line under
-    ``invalid config:``)."""
+    """The single error of a refusal: ONE line (a config's errors follow ``invalid
+    config:`` on that line)."""
     lines = err.removeprefix("scaffold-jax: error: ").strip().splitlines()
-    if lines[0].endswith(("invalid config:", "protocol:")):
-        lines = lines[1:]
     assert len(lines) == 1, lines
-    return lines[0].strip()
+    return re.sub(r"^invalid (config|\w+ protocol): ", "", lines[0].strip())
 
 
 # ------------------------------------------------------------ 1. step sizes below float32
@@ -191,7 +190,7 @@ def test_every_config_field_given_the_wrong_type_is_a_config_error(field):
     from scaffold_jax.experiments import ConfigError
 
     kind = RunConfig.__dataclass_fields__[field].metadata["kind"]
-    with pytest.raises(ConfigError, match=f"(^|\n  ){field} = "):
+    with pytest.raises(ConfigError, match=f"(^|invalid config: |\\. ){field} = "):
         RunConfig.from_dict({field: WRONG[kind]}).validate()
 
 
@@ -216,3 +215,178 @@ def test_a_protocol_field_that_cannot_run_is_a_usage_error(
     argv = ["reproduce", protocol, "--quick", "--set", setting]
     error = one_error(refused(argv, capsys, tmp_path))
     assert says in error
+
+
+# ------------------------------------------------------------ 9. the contract: exit 2, one line
+PRIVATE = ["--dataset", "quadratic", "--num-clients", "50", "--rounds", "10"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["run", *PRIVATE, "--dp-noise-multiplier", "10", "--dp-clip-lr", "0.2",
+          "--dp-count-noise", "0.25"],
+         "dp_count_noise = 0.25 is too small for dp_noise_multiplier = 10 with adaptive "
+         "clipping (dp_clip_lr = 0.2)"),
+        (["run", *PRIVATE, "--sampler", "poisson", "--poisson-bound", "1"],
+         "poisson_bound = 1 is too small for an expected cohort of S = 10 of N = 50"),
+        (["run", *PRIVATE, "--algorithm", "scaffnew"],
+         "Scaffnew needs every client in every round (S = N)"),
+        (["sweep", *PRIVATE, "--algorithms", "scaffnew", "--lr-grid", "0.1", "0.3"],
+         "Scaffnew needs every client in every round (S = N)"),
+        (["sweep", *PRIVATE, "--dp-noise-multiplier", "1", "--dp-clip-lr", "0.2",
+          "--grid", "dp_noise_multiplier=1,10", "--dp-count-noise", "0.25"],
+         "dp_count_noise = 0.25 is too small for dp_noise_multiplier = 10"),
+    ],
+)  # fmt: skip
+def test_a_config_error_found_once_the_run_is_built_is_a_usage_error(argv, says, capsys, tmp_path):
+    """Refused by the algorithm's, the sampler's or the privacy mechanism's own checks
+    (not the config's): these exited 1, as a run that failed, with the folder made."""
+    assert one_error(refused(argv, capsys, tmp_path)).startswith(says)
+
+
+def test_a_failure_while_running_is_still_not_a_usage_error(capsys, tmp_path, monkeypatch):
+    """Only what the run's checks refuse before it starts is the config's: a ValueError
+    raised while it runs (a bug, a failed check at run time) stays exit 1."""
+    from scaffold_jax.experiments import runner
+
+    def fails(*args, **kwargs):
+        raise ValueError("something went wrong in round 3")
+
+    monkeypatch.setattr(runner, "run_loop", fails)
+    status = main(["run", *QUAD, "--quiet", "--no-checkpoint", "--out", str(tmp_path / "o")])
+    assert status == 1
+    assert capsys.readouterr().err == "scaffold-jax: error: something went wrong in round 3\n"
+
+
+def test_a_config_with_several_errors_says_them_in_one_line(capsys, tmp_path):
+    err = refused(["run", *QUAD[:-2], "--rounds", "0", "--client-lr", "-1"], capsys, tmp_path)
+    assert err == (
+        "scaffold-jax: error: invalid config: client_lr = -1.0 is invalid: it must be finite "
+        "and > 0. rounds = 0 is invalid: it must be an integer >= 1 and <= 10000000 (every "
+        "round's metrics and sampled clients are kept in memory, and the blocks of rounds are "
+        "planned before compiling).\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--dp-noise-multiplier", "one"],
+         "--dp-noise-multiplier 'one' is invalid: it takes a number (e.g. 0.5 or 1e-3). See "
+         "'scaffold-jax run --help'."),
+        (["run", "--rounds", "ten"],
+         "--rounds 'ten' is invalid: it takes an integer (e.g. 10). See 'scaffold-jax run "
+         "--help'."),
+        (["sweep", "--seeds", "0", "x"],
+         "--seeds 'x' is invalid: it takes an integer (e.g. 10). See 'scaffold-jax sweep "
+         "--help'."),
+        (["reproduce", "fig4"],
+         "experiment 'fig4' is invalid: it takes one of 'fig3', 'table3', 'table4', 'table5'. "
+         "See 'scaffold-jax reproduce --help'."),
+        (["run", "--rounds"], "--rounds: expected one argument. See 'scaffold-jax run --help'."),
+        (["--plugin"], "--plugin: expected one argument. See 'scaffold-jax --help'."),
+    ],
+)  # fmt: skip
+def test_a_bad_flag_value_is_one_line_naming_the_flag_without_the_usage(argv, message, capsys):
+    """argparse printed 25 lines of usage before its error."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"scaffold-jax: error: {message}\n"
+
+
+# ------------------------------------------------------------ issue 40: settings that cannot
+# mean what the user wants, and availability traces that were not named
+def _trace(tmp_path, name: str, payload: bytes | None) -> str:
+    path = tmp_path / name
+    if payload is None:
+        path.mkdir()
+    else:
+        path.write_bytes(payload)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--dropouts", "bernoulli", "--dropout-rate", "1"],
+         "dropout_rate = 1.0 is invalid: it must be a probability in [0, 1): at 1 every sampled "
+         "client drops"),
+        (["--stragglers", "uniform", "--straggler-min-steps", "1000"],
+         "straggler_min_steps = 1000 exceeds K = 5, the most local steps the plan gives a "
+         "client"),
+        # An epochs plan: its K is the data's, refused once the data is built.
+        (["--stragglers", "uniform", "--straggler-min-steps", "3", "--batch-size", "1",
+          "--local-epochs", "1"],
+         "straggler_min_steps = 3 exceeds K = 1, the most local steps the plan gives a client"),
+        (["--num-clients", "50", "--rounds", "10", "--dp-epsilon", "1e-300"],
+         "dp_epsilon = 1e-300 at delta = 0.0135 after 10 rounds (sampling rate 0.2) is below "
+         "what the accountant resolves"),
+        (["--num-clients", "50", "--rounds", "10", "--dp-epsilon", "3", "--dp-delta", "0.5"],
+         "privacy = 'gaussian': dp_delta = 0.5 >= 1/N = 2.0e-02 (N = 50 clients) is no privacy"),
+    ],
+)  # fmt: skip
+def test_a_setting_that_cannot_mean_what_was_asked_is_a_usage_error(flags, says, capsys, tmp_path):
+    """Each was accepted with exit 0 (the last with a Python warning only)."""
+    error = one_error(refused(["run", *QUAD, *flags], capsys, tmp_path))
+    assert error.startswith(says), error
+
+
+@pytest.mark.parametrize(
+    ("name", "payload", "says"),
+    [
+        ("zeros.txt", b"0000\n" * 4, "makes no client available in any round"),
+        ("empty.txt", b"", "holds no clients: it is empty, or only blank lines"),
+        ("blank.txt", b"\n \n# none\n", "holds no clients: it is empty, or only blank lines"),
+        ("trace.bin", b"\x00\xff\x93", "is not text (its byte 1 is not UTF-8: a binary file?)"),
+        ("trace.npy", b"\x93NUMPY\x01\x00garbage", "is a damaged .npy file: numpy cannot read"),
+        ("text.npy", b"0110\n", "is not a .npy file (it does not start with numpy's magic"),
+        ("folder", None, "is a directory, not a file. Give the path of a trace (.npy"),
+    ],
+)  # fmt: skip
+def test_an_availability_trace_that_cannot_be_read_is_named_with_its_problem(
+    name, payload, says, capsys, tmp_path
+):
+    """They said "cannot reshape array of size 0", raised a codec error, quoted numpy, said
+    "no such file" for a directory, or ran with 0 participants every round."""
+    trace = _trace(tmp_path, name, payload)
+    error = one_error(
+        refused(["run", *QUAD, "--availability", "trace", "--availability-trace", trace],
+                capsys, tmp_path)
+    )  # fmt: skip
+    assert trace in error and says in error, error
+    if payload is not None and name != "zeros.txt":
+        assert "0/1" in error and ".npy" in error  # the formats
+
+
+def test_a_model_beyond_a_memory_limit_is_refused_before_it_is_allocated(tmp_path):
+    """Under an address-space limit (ulimit -v) the model's params were allocated and read,
+    and XLA aborted with "Check failed" (exit 134); now refused up front, in one line."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("resource")
+    limit = 8 * 2**30
+    args = ["run", "--dataset", "synthetic", "--num-clients", "2", "--rounds", "1", "--model",
+            "mlp", "--hidden-sizes", "200000000", "--quiet", "--no-checkpoint",
+            "--no-compile-cache", "--out", str(tmp_path / "out")]  # fmt: skip
+    # The limit set in the child itself (a preexec_fn would fork this multithreaded process).
+    script = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
+        "from scaffold_jax.cli import main\n"
+        f"sys.exit(main({args!r}))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # a GPU's driver needs more address space
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and done.stderr.startswith("scaffold-jax: error: ")
+    error = one_error(done.stderr)
+    assert error.startswith("model = 'mlp' with hidden_sizes = [200000000]: MLP's "), error
+    needed, available = map(int, re.findall(r"(\d+) bytes \(", error))
+    assert needed > limit > available
+    assert not (tmp_path / "out").exists()

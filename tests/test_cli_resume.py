@@ -59,8 +59,9 @@ def env(tmp_path_factory):
 
 def _argv(root, out, *extra):
     config = str(root / "tiny.toml")
+    # A checkpoint every round (not the default cadence): a kill can land in any save.
     return [sys.executable, "-m", "scaffold_jax.cli", "run", "--config", config,
-            "--out", str(out), "--quiet", *extra]  # fmt: skip
+            "--out", str(out), "--quiet", "--checkpoint-every", "1", *extra]  # fmt: skip
 
 
 def _run(root, environment, out, *extra):
@@ -382,7 +383,7 @@ def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, record
     root, environment = env
     argv = ["sweep", "--algorithms", "fedavg", "scaffold", "--lr-grid", "0.1", "0.3",
             "--seeds", "0", "1", "--rounds", "6", "--eval-every", "1",
-            "--target", "0.5"]  # fmt: skip
+            "--checkpoint-every", "1", "--target", "0.5"]  # fmt: skip
     tensorboard = importlib.util.find_spec("tensorboardX") is not None
     if tensorboard:
         argv.append("--tensorboard")

@@ -4,6 +4,8 @@ with the closest flag, and --help naming every registered algorithm."""
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,38 @@ def test_plugin_before_the_command_works_as_after_it(tmp_path):
 def test_a_plugin_before_the_command_that_cannot_load_is_a_usage_error(capsys):
     assert main(["--plugin", "no_such_module_xyz", "run"]) == 2
     assert "plugin 'no_such_module_xyz' cannot be imported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_plugin_that_raises_keyboard_interrupt_at_import_is_named_not_an_interrupt(
+    where, tmp_path, capsys
+):
+    """It exited 130, "interrupted; finished records are kept", naming no plugin."""
+    plugin = tmp_path / "halts.py"
+    plugin.write_text("import os\n\nraise KeyboardInterrupt('stop here')\n")
+    flag = ["--plugin", str(plugin)]
+    argv = [*flag, "run"] if where == "before" else ["run", *flag]
+    assert main([*argv, *QUAD, "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == (
+        f"scaffold-jax: error: plugin '{plugin}' failed while importing: it raised "
+        f"KeyboardInterrupt at {plugin}:3 (in <module>) (no Ctrl-C was pressed); a plugin "
+        "only registers entries: fix that line or leave the plugin out.\n"
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_ctrl_c_while_a_plugin_imports_still_interrupts(tmp_path):
+    """A real SIGINT during the plugin's import is the user's Ctrl-C: exit 130, as always."""
+    plugin = tmp_path / "slow.py"
+    plugin.write_text("import os, signal, time\n\nos.kill(os.getpid(), signal.SIGINT)\n"
+                      "time.sleep(30)\n")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "scaffold_jax.cli", "--plugin", str(plugin), "run", *QUAD,
+         "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "scaffold-jax: interrupted; finished records are kept.\n"
 
 
 # ----------------------------------------------------------------------------- flags

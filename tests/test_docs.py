@@ -171,3 +171,38 @@ def test_the_readme_opens_with_exactly_the_two_commands():
     commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert commands == ["make demo", "make test"]
     assert readme.index("```") < readme.index("\n\n", readme.index("# scaffold_jax")) + 3
+
+
+def test_the_readme_commands_leave_git_status_clean():
+    """Every folder the README's commands write (their --out, their data folders, and
+    each command's default output folder) is ignored by git: `git status` stays clean."""
+    import shlex
+    import shutil
+    import subprocess
+
+    from test_readme import _commands
+
+    from scaffold_jax import paper
+    from scaffold_jax.experiments import RunConfig
+    from scaffold_jax.experiments.commands import default_folder
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = {"results/demo/accuracy.png"}  # make demo
+    for line in _commands():
+        argv = shlex.split(line, comments=True)
+        for flag in ("--out", "--data-dir"):
+            if flag in argv:
+                written.add(argv[argv.index(flag) + 1] + "/x")
+        if argv[:2] == ["python", "tests/plugins/lab.py"]:
+            written.add(argv[2] + "/blobs.npz")
+    config = RunConfig()
+    for command in ("run", "sweep", "diagnose"):
+        written.add(str(default_folder(command, config, config.to_dict()) / "summary.json"))
+    written.add(str(paper.default_folder("fig3", False, {}) / "summary.json"))
+    written.add(str(paper.default_folder("table3", True, {"seed": 1}) / "summary.json"))
+    assert len(written) > 8
+    checked = subprocess.run(["git", "check-ignore", "--no-index", *sorted(written)], cwd=ROOT,
+                             capture_output=True, text=True)  # fmt: skip
+    ignored = set(checked.stdout.split())
+    assert sorted(written - ignored) == []

@@ -226,11 +226,14 @@ socket.socket.connect_ex = _guard_connect(socket.socket.connect_ex)
 # notebook makes.
 KEY_RESULTS = {
     "01_quickstart.ipynb": (
-        "{n: r['rounds'] for n, r in runs.items()}",
-        # SCAFFOLD reaches the target, in fewer rounds than FedAvg and SGD.
+        "({n: r['rounds'] for n, r in runs.items()}, {n: r['lr'] for n, r in runs.items()}, "
+        "ds.name)",
+        # SCAFFOLD reaches the target, in fewer rounds than FedAvg and SGD; on Fashion-MNIST
+        # the tuning picks the demo's step sizes (so its rounds are the demo's).
         lambda v: (
-            v["scaffold"] is not None
-            and all(r is None or v["scaffold"] < r for n, r in v.items() if n != "scaffold")
+            v[0]["scaffold"] is not None
+            and all(r is None or v[0]["scaffold"] < r for n, r in v[0].items() if n != "scaffold")
+            and (v[2] != "fashion_mnist" or v[1] == _demo_step_sizes())
         ),
     ),
     "02_client_drift.ipynb": (
@@ -261,6 +264,12 @@ KEY_RESULTS = {
         ),
     ),
 }
+
+
+def _demo_step_sizes():
+    from scaffold_jax.demo import STEP_SIZES
+
+    return STEP_SIZES
 
 
 @pytest.mark.slow

@@ -164,8 +164,9 @@ def test_trace_availability_replays_the_file_and_repeats_it(tmp_path):
 
 @pytest.mark.parametrize(
     ("text", "match"),
-    [("0102\n", "other than 0/1"), ("0110\n01\n", "different numbers of rounds"), ("", "shape")],
-)
+    [("0102\n", "other than 0/1"), ("0110\n01\n", "different numbers of rounds"),
+     ("", "holds no clients"), (",\n", "shape")],
+)  # fmt: skip
 def test_a_malformed_trace_is_refused_with_where(tmp_path, text, match):
     path = tmp_path / "bad.txt"
     path.write_text(text)
@@ -173,6 +174,24 @@ def test_a_malformed_trace_is_refused_with_where(tmp_path, text, match):
         load_trace(path)
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_trace(tmp_path / "missing.npy")
+
+
+def test_a_trace_with_rounds_of_no_client_runs_them_with_no_participant(data, problem, tmp_path):
+    """Rounds in which no client is available (a trace's nights) are research, not a
+    mistake: they run with 0 participants (the model stays put for SCAFFOLD and FedAvg)
+    and the records say so; only a trace with no client available in ANY round is
+    refused."""
+    path = tmp_path / "nights.txt"
+    path.write_text("\n".join(["1010"] * 12))  # rounds 2 and 4 of every 4: nobody
+    part = participation.make("trace", options={"availability_trace": str(path)})
+    result = simulation(problem, part).run(data, sj.hparams(client_lr=0.1), num_rounds=8)
+    np.testing.assert_array_equal(result.round_metrics["participants"], [4, 0] * 4)
+    np.testing.assert_array_equal(result.round_metrics["available"], [12, 0] * 4)
+    losses = [r["test_loss"] for r in result.records]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    path.write_text("\n".join(["0000"] * 12) + "\n1111\n")  # the 13th client: not in the run
+    with pytest.raises(ValueError, match="makes no client available in any round"):
+        simulation(problem, part.__class__(availability=Trace(str(path)))).init(data)
 
 
 # ------------------------------------------------------------------ sampling among them
@@ -351,7 +370,9 @@ def test_a_dropped_client_changes_neither_the_server_nor_its_row(data, problem, 
     """Every sampled client drops: the client table is untouched for every algorithm, and
     the server model is too where the aggregate of nothing is the whole update (FedDyn
     still steps by −h/α, Mime's momentum by the pre-round gradients: their contracts)."""
-    part = participation.make(dropouts="bernoulli", options={"dropout_rate": 1.0})
+    # The largest rate below 1 (1 is refused): above every float32 uniform draw.
+    every = math.nextafter(1.0, 0.0)
+    part = participation.make(dropouts="bernoulli", options={"dropout_rate": every})
     sim = simulation(problem, part, name)
     state = sim.init(data)
     before = jax.tree.map(np.asarray, state)

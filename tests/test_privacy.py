@@ -8,6 +8,7 @@ Statistical tests state their false-alarm rate; each is at most 1e-6 per test.
 import csv
 import json
 import math
+import re
 import sys
 
 import jax
@@ -22,7 +23,7 @@ import scaffold_jax as sj
 from scaffold_jax import sampling
 from scaffold_jax.cli import main
 from scaffold_jax.engine import client_keys, round_key_and_ids
-from scaffold_jax.experiments import RunConfig
+from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.privacy import accounting, private
 from scaffold_jax.privacy.mechanism import clip_rows
 from scaffold_jax.sweep import grid, sweep
@@ -364,11 +365,26 @@ def test_bad_privacy_settings_are_usage_errors(flags, says, capsys, tmp_path):
     assert not out.exists()
 
 
-def test_a_delta_of_one_over_n_or_more_is_warned_about(tmp_path):
+def test_a_delta_of_one_over_n_or_more_is_refused_by_the_config_and_the_api(data, problem):
+    """δ >= 1/N is no privacy: refused with one message by the config (it was a Python
+    warning) and by a Simulation of the Python API (it was accepted silently)."""
+    says = (
+        "dp_delta = 0.05 >= 1/N = 2.0e-02 (N = 50 clients) is no privacy: a delta of 1/N or "
+        "more lets a mechanism publish one client's data outright. Use delta < 1/N, e.g. "
+        "N^-1.1 = 1.4e-02 (the default)."
+    )
     config = RunConfig(dataset="quadratic", num_clients=50, rounds=5, dp_noise_multiplier=1.0,
                        dp_delta=0.05)  # fmt: skip
-    with pytest.warns(UserWarning, match=r"dp_delta = 0.05 >= 1/N"):
-        config.validate().resolved_hparams()
+    with pytest.raises(ConfigError) as info:
+        config.validate()
+    assert str(info.value) == f"invalid config: privacy = 'gaussian': {says}"
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        config.resolved_hparams()
+    n = data.num_clients
+    algorithm = sj.privacy.private(sj.fedavg(problem.loss_fn), delta=1.0 / n)
+    sim = sj.Simulation(algorithm, problem, sj.BatchPlan.fixed(2, 1), 2)
+    with pytest.raises(ValueError, match=re.escape(f"dp_delta = {1.0 / n} >= 1/N = ")):
+        sim.run(data, sj.hparams(0.1, dp_clip=1.0, dp_noise_multiplier=1.0), num_rounds=1)
 
 
 def test_without_the_extra_the_message_says_how_to_install_it(monkeypatch):

@@ -4,6 +4,7 @@ import math
 import re
 import sys
 
+import numpy as np
 import pytest
 
 dp = pytest.importorskip("dp_accounting")
@@ -13,6 +14,7 @@ from scaffold_jax.privacy.accounting import Sampling  # noqa: E402
 
 POISSON = Sampling("poisson", 1000, 10)
 FIXED = Sampling("fixed_size", 1000, 10)
+FIXED_50 = Sampling("fixed_size", 50, 10)  # the bad-input cases' private run (N = 50, S = 10)
 
 
 def _direct(event, rounds, delta, accountant):
@@ -108,7 +110,9 @@ def test_rdp_computes_one_round_once_per_sampling_and_noise(monkeypatch):
     replace_one = dp.NeighboringRelation.REPLACE_ONE
     for t, eps in zip((1, 2, 5, 50, 400, 1000), mine, strict=True):
         event = accounting.round_event(sampling, 1.3)
-        assert eps == _direct(event, t, delta, dp.rdp.RdpAccountant(neighboring_relation=replace_one))
+        assert eps == _direct(
+            event, t, delta, dp.rdp.RdpAccountant(neighboring_relation=replace_one)
+        )
 
 
 @pytest.mark.parametrize(
@@ -126,6 +130,43 @@ def test_calibrate_with_rdp_for_poisson():
     z = accounting.calibrate(POISSON, 200, 2.0, delta, "rdp")
     expected = _direct(_poisson(0.01, z), 200, delta, dp.rdp.RdpAccountant())
     assert 2.0 * 0.99 <= expected <= 2.0 * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "accountant"),
+    [(Sampling("poisson", 20, 5), "pld"), (Sampling("poisson", 41, 5), "pld"),
+     (Sampling("fixed_size", 50, 10), "rdp")],
+)  # fmt: skip
+def test_calibrate_returns_the_float32_a_run_accounts_and_meets_the_target(sampling, accountant):
+    """A run holds z as a float32 and reports the epsilon of that value: the calibrated z
+    is one, rounded up, so the reported epsilon never exceeds the target (rounded to the
+    nearest float32, z = 8.524 for 20 clients reported 1.0001x a target of 3e-6, and 2e-9
+    for a target of 1e-300)."""
+    delta = sampling.num_clients**-1.1
+    for target in (3e-6, 1e-3, 3.0):
+        z = accounting.calibrate(sampling, 10, target, delta, accountant)
+        assert float(np.float32(z)) == z
+        assert 0.99 * target <= accounting.epsilon(sampling, z, 10, delta, accountant) <= target
+
+
+@pytest.mark.parametrize(
+    ("sampling", "accountant"), [(Sampling("poisson", 50, 10), "pld"), (FIXED_50, "rdp")]
+)
+def test_a_target_below_what_the_accountant_resolves_is_refused(sampling, accountant):
+    """At delta = N^-1.1 the accountant's epsilon is 0 from a finite z on: a target of
+    1e-300 (or 1e-9) was "met" there, by the same z as any tiny target, and reported as
+    epsilon 0 or, with z rounded down to a float32, ~1e-9. Refused, with a target that
+    works."""
+    delta = sampling.num_clients**-1.1
+    for target in (1e-300, 1e-12):
+        with pytest.raises(ValueError) as info:
+            accounting.calibrate(sampling, 10, target, delta, accountant)
+        message = str(info.value)
+        assert message.startswith(f"dp_epsilon = {target} at delta = {delta:.3g} after 10 rounds")
+        assert "is below what the accountant resolves: its epsilon is already 0" in message
+        works = float(re.search(r"Use dp_epsilon >= (\S+), or a smaller delta\.$", message)[1])
+    z = accounting.calibrate(sampling, 10, works, delta, accountant)
+    assert 0.99 * works <= accounting.epsilon(sampling, z, 10, delta, accountant) <= works
 
 
 def test_calibrate_unreachable_and_too_large_targets():
@@ -193,11 +234,19 @@ def test_bad_delta_message_suggests_the_usual_choice():
         accounting.epsilon(POISSON, 1.0, -1, 1e-4)
 
 
-def test_delta_warning():
-    (warning,) = accounting.check_privacy_parameters(delta=0.01, num_clients=1000)
-    assert "delta >= 1/N" in warning and "N**-1.1 = 5.0e-04" in warning
+def test_a_delta_of_one_over_n_or_more_is_refused():
+    """δ >= 1/N is no privacy: refused (it was only a warning), naming N^-1.1."""
+    with pytest.raises(ValueError) as info:
+        accounting.check_privacy_parameters(delta=0.01, num_clients=1000)
+    assert str(info.value) == (
+        "dp_delta = 0.01 >= 1/N = 1.0e-03 (N = 1000 clients) is no privacy: a delta of 1/N or "
+        "more lets a mechanism publish one client's data outright. Use delta < 1/N, e.g. "
+        "N^-1.1 = 5.0e-04 (the default)."
+    )
+    with pytest.raises(ValueError, match="is no privacy"):
+        accounting.check_privacy_parameters(delta=1e-3, num_clients=1000)  # 1/N itself
     usual = accounting.default_delta(1000)
-    assert accounting.check_privacy_parameters(1.0, usual, 1.0, 1000) == []
+    assert accounting.check_privacy_parameters(1.0, usual, 1.0, 1000) is None
 
 
 def test_require_names_the_extra(monkeypatch):

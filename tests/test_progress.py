@@ -62,7 +62,8 @@ def test_plain_lines_come_once_a_tenth_or_every_half_minute(monkeypatch):
         bar.update(r)
     lines = stream.getvalue().splitlines()
     assert [line.split()[2] for line in lines] == [
-        "1/1000", *[f"{100 * t}/1000" for t in range(1, 11)]
+        "1/1000",
+        *[f"{100 * t}/1000" for t in range(1, 11)],
     ]
     slow = io.StringIO()
     bar = Progress(1000, "slow", stream=slow)

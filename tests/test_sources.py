@@ -254,13 +254,42 @@ def test_nothing_found_lists_every_place_and_every_remedy(tmp_path, monkeypatch)
     assert "apt-get install dataset-fashion-mnist" in msg
     assert "SCAFFOLD_JAX_DATA_DIR" in msg and "data_dir=..." in msg
     assert "allow_download=True" in msg and "--download" not in msg  # the API's terms
-    assert sources.NIST_EMNIST_URL in msg
+    # Only what applies to Fashion-MNIST: no EMNIST step.
+    assert sources.NIST_EMNIST_URL not in msg and "not applicable" not in msg
+    assert "(1) `apt-get install" in msg and "(2) go online" in msg and "(3)" not in msg
     # The command line says the same in its own terms.
     cli = err.value.for_cli()
     assert "--download" in cli and "--data-dir" in cli and "allow_download" not in cli
     assert cli.replace("--download", "").replace("--data-dir", "") == msg.replace(
         "load(..., allow_download=True)", ""
     ).replace("data_dir=...", "")
+
+
+def test_a_missing_dataset_lists_only_the_ways_that_apply_to_it(tmp_path, monkeypatch):
+    """EMNIST's NIST download for EMNIST alone; IDX files only for a dataset that has them
+    (a step marked "not applicable" was listed for every other dataset)."""
+    monkeypatch.setattr(sources, "SYSTEM_DIRS", {})
+    monkeypatch.delenv(sources.ENV_DATA_DIR, raising=False)
+    messages = {}
+    for name in ("emnist/balanced", "fashion_mnist", "cifar10"):
+        with pytest.raises(FileNotFoundError) as err:
+            sources.load(name, cache_dir=tmp_path / "cache", tfds_data_dir=tmp_path / "tfds")
+        messages[name] = err.value.for_cli()
+    for msg in messages.values():
+        assert "not applicable" not in msg and "no IDX distribution" not in msg
+    emnist, fashion, cifar = messages.values()
+    assert "(1) place the IDX files (emnist-balanced-train-images-idx3-ubyte" in emnist
+    assert "(2) go online and let TFDS download it: --download" in emnist
+    assert f"(3) download gzip.zip from {sources.NIST_EMNIST_URL}" in emnist
+    assert emnist.endswith("pass that folder as --data-dir.")
+    assert sources.NIST_EMNIST_URL not in fashion and "(3)" not in fashion
+    assert fashion.endswith("(2) go online and let TFDS download it: --download (download was "
+                            "not allowed this time).")  # fmt: skip
+    assert "IDX" not in cifar and "(2)" not in cifar
+    assert cifar.endswith(
+        "The way to get it:\n  (1) go online and let TFDS download it: --download (download "
+        "was not allowed this time)."
+    )
 
 
 def test_a_missing_dataset_tells_cli_users_the_flag_and_no_absl_warning(tmp_path, capfd):

@@ -125,7 +125,9 @@ def test_records_index_no_device_array_one_value_at_a_time(setup, base, small_da
     monkeypatch.setattr(sweeps._Chunk, "records", records)
     result = sweep(sim, small_data, hp, seeds, ROUNDS, EVERY)
     assert indexed == []
-    strip = lambda runs: [[{k: v for k, v in r.items() if k != "seconds"} for r in rs] for rs in runs]
+    strip = lambda runs: [
+        [{k: v for k, v in r.items() if k != "seconds"} for r in rs] for rs in runs
+    ]
     assert strip(result.records) == strip(expected.records)
 
 
@@ -303,6 +305,21 @@ def test_available_memory_is_read(tmp_path):
     assert _meminfo_available(str(meminfo)) == 1024 * 1024
     assert _meminfo_available(str(tmp_path / "missing")) is None
     assert available_memory_bytes() > 0
+
+
+def test_available_memory_is_what_an_address_space_limit_leaves(tmp_path, monkeypatch):
+    """Under ulimit -v / prlimit --as, MemAvailable says nothing of the limit: what the
+    limit leaves of the address space (the limit minus VmSize) is what can be allocated."""
+    resource = pytest.importorskip("resource")
+    from scaffold_jax import resources
+
+    status = tmp_path / "status"
+    status.write_text("Name: python\nVmPeak:  3000 kB\nVmSize:  2048 kB\n")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (10 * 2**20, resource.RLIM_INFINITY))
+    assert resources._address_space_left(str(status)) == 10 * 2**20 - 2048 * 1024
+    assert resources.available_memory_bytes(jax.devices("cpu")[0]) < 10 * 2**20
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    assert resources._address_space_left(str(status)) is None
 
 
 # ------------------------------------------------------------------------ summary

@@ -803,7 +803,8 @@ def _not_found_message(
     data_dir = "--data-dir" if cli else "data_dir=..."
     lines = [f"could not find the {name} dataset. Looked in:"]
     lines += [f"  - {place}" for place in looked]
-    lines.append("Ways to get it:")
+    # Only the ways that apply to this dataset, numbered.
+    ways = []
     if spec.idx_prefix is not None:
         files = ", ".join(
             _idx_candidates(spec.idx_prefix, split, kind)[0]
@@ -816,25 +817,20 @@ def _not_found_message(
             if name == "fashion_mnist"
             else ""
         )
-        lines.append(
-            f"  (1) {apt}place the IDX files ({files}) in a folder and pass it as "
-            f"{data_dir} or set {ENV_DATA_DIR};"
+        ways.append(
+            f"{apt}place the IDX files ({files}) in a folder and pass it as {data_dir} or "
+            f"set {ENV_DATA_DIR}"
         )
-    else:
-        lines.append(f"  (1) {name} has no IDX distribution; use TFDS (2);")
-    lines.append(
-        "  (2) go online and let TFDS download it: "
+    ways.append(
+        "go online and let TFDS download it: "
         + ("--download" if cli else "load(..., allow_download=True)")
-        + (" (download was not allowed this time);" if not allow_download else ";")
+        + (" (download was not allowed this time)" if not allow_download else "")
     )
     if name.startswith("emnist/"):
-        lines.append(
-            f"  (3) download gzip.zip from {NIST_EMNIST_URL}, unzip it into a folder (it "
-            f"unpacks into gzip/) and pass that folder as {data_dir}."
+        ways.append(
+            f"download gzip.zip from {NIST_EMNIST_URL}, unzip it into a folder (it unpacks "
+            f"into gzip/) and pass that folder as {data_dir}"
         )
-    else:
-        lines.append(
-            f"  (3) for EMNIST: download gzip.zip from {NIST_EMNIST_URL} and unzip it into "
-            "a folder (not applicable to this dataset)."
-        )
+    lines.append("Ways to get it:" if len(ways) > 1 else "The way to get it:")
+    lines += [f"  ({i}) {way}{'.' if i == len(ways) else ';'}" for i, way in enumerate(ways, 1)]
     return "\n".join(lines)

@@ -161,6 +161,9 @@ def build(
     simulation = reuse[key]
     algorithm, problem = simulation.algorithm, simulation.problem
     num_steps, batch_width = plan.shape(data.max_count)
+    stragglers = simulation.participation.stragglers
+    if stragglers is not None and hasattr(stragglers, "check"):
+        stragglers.check(int(num_steps))  # an epochs plan's K: known once the data is
     info = {
         **assembled.info,
         "clients_per_round": clients_per_round,

@@ -200,7 +200,11 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "
         f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s"
-        + (f", checkpoints {info['checkpoint_seconds']:.1f} s" if "checkpoint_seconds" in info else ""),
+        + (
+            f", checkpoints {info['checkpoint_seconds']:.1f} s"
+            if "checkpoint_seconds" in info
+            else ""
+        ),
         f"wrote {folder}/: {', '.join(summary.get('files', []))}",
     ]
     return "\n".join(line for line in lines if line is not None)

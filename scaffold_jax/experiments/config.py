@@ -9,7 +9,6 @@ import difflib
 import json
 import math
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -678,7 +677,7 @@ class RunConfig:
                 return None  # said by the options' checks
         try:
             built = self.build_participation()
-        except (ValueError, FileNotFoundError) as err:
+        except (ValueError, OSError) as err:  # OSError: a trace that is no file
             errors.append(str(err))
             return None
         if built.availability is not None and isinstance(self.num_clients, int):
@@ -686,7 +685,23 @@ class RunConfig:
                 built.availability.check(self.num_clients)
             except ValueError as err:
                 errors.append(str(err))
+        most_steps = self._most_local_steps()
+        if hasattr(built.stragglers, "check") and most_steps is not None:
+            try:
+                built.stragglers.check(most_steps)
+            except ValueError as err:
+                errors.append(str(err))
         return built
+
+    def _most_local_steps(self) -> int | None:
+        """The most local steps the plan gives a client; None when that depends on the
+        data (an epochs plan: checked once it is loaded) or the plan is invalid (said by
+        its own checks)."""
+        try:
+            plan = self.resolved_plan()
+        except (ValueError, TypeError, KeyError, OverflowError):
+            return None
+        return None if plan.steps_vary else int(plan.shape(1)[0])
 
     def _validate_privacy(self, errors: list[str], how: participation.Participation | None) -> None:
         """What the private algorithm refuses for this config (an algorithm that does not
@@ -885,10 +900,12 @@ class RunConfig:
                 "Z) or a target dp_epsilon (--dp-epsilon E, calibrated for the planned rounds)."
             )
         plan = self.privacy_sampling()
-        for warning in accounting.check_privacy_parameters(
-            delta=options.get("dp_delta"), num_clients=plan.num_clients
-        ):
-            warnings.warn(warning, UserWarning, stacklevel=2)
+        try:  # validate() says it too (the private algorithm's check)
+            accounting.check_privacy_parameters(
+                delta=options.get("dp_delta"), num_clients=plan.num_clients
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if target is not None:
             delta = options.get("dp_delta") or accounting.default_delta(plan.num_clients)
             try:

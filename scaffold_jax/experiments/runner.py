@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import math
 import shutil
@@ -287,10 +288,11 @@ class _Runner:
                 if source not in self.loaded:
                     self.loaded[source] = load_dataset(config)
                 built = build(config, dataset=self.loaded[source], reuse=self.reuse)
+                _preflight(built, cell)
             except ConfigError:
                 raise
-            except ValueError as err:  # what the data or a builder refuses: the config's
-                raise ConfigError(str(err)) from err
+            except ValueError as err:  # what the data, a builder or a check refuses: the
+                raise ConfigError(str(err)) from err  # config's (exit 2 on the command line)
         info = built.info
         line = (
             f"{built_summary(built)}; {info['clients_per_round']} clients a round, up to "
@@ -586,6 +588,26 @@ class _Runner:
 TIMING = ("compile_seconds", "run_seconds", "round_seconds", "eval_seconds",
           "checkpoint_seconds", "seconds_per_round", "rounds_per_second",
           "resumed_from")  # fmt: skip
+
+
+def _preflight(built: Built, cell: Cell) -> None:
+    """What the run itself would refuse as it starts, refused while the cell is built
+    (before its folder is touched, as the config's error): the simulation's checks of the
+    data (an algorithm's needs such as Scaffnew's S = N, a sampler's bound, memory...) and
+    the algorithm's report at round 0 for every config of the cell (a private run's noise
+    settings). The run repeats neither (``Simulation.check`` remembers the data it passed).
+
+    Raises:
+      ValueError: what the run would raise at its start.
+    """
+    built.simulation.check(built.data)
+    if built.algorithm.report is None:
+        return
+    values = {k: [float(v)] for k, v in built.hparams.items()}
+    values.update({k: [float(x) for x in v] for k, v in cell.axes.items()})
+    for combination in itertools.product(*values.values()):
+        hparams = dict(zip(values, combination, strict=True))
+        built.simulation.report(hparams, 0, built.data.num_clients)
 
 
 def _has_checkpoint(directory: Path) -> bool:

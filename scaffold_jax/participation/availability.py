@@ -5,7 +5,9 @@ time zone, in on/off spells. An availability model gives, every round, a bool ``
 of the clients that are available; the sampler draws only among them
 (:mod:`scaffold_jax.sampling`: S of the available uniformly, or each available client with
 probability S/N), and a round with fewer available clients than S runs with those it has
-(its record's ``available`` and ``participants`` say how many).
+(its record's ``available`` and ``participants`` say how many; a round with none
+aggregates nothing, as one whose every sampled client drops). A model that makes no
+client available in any round is refused (``check``).
 
 A model is a frozen value with
 
@@ -220,6 +222,16 @@ class Trace:
                 f"but the run has N = {num_clients}: give a trace with a row for every client, "
                 "or fewer clients."
             )
+        # Rounds in which no client is available are a trace's nights (they run with 0
+        # participants, as a round whose every client drops); no available round at all
+        # is a run that never trains.
+        if not self._bits[:num_clients].any():
+            raise ValueError(
+                f"the availability trace {self.path} makes no client available in any round "
+                f"(every bit of its first {num_clients} rows, the run's N clients, is 0): "
+                "every round would have 0 participants and the model would never train. Mark "
+                "each client's available rounds with 1 (rounds with none available are fine)."
+            )
 
     def init(self, num_clients: int):
         del num_clients
@@ -248,20 +260,36 @@ def load_trace(path: str | Path) -> np.ndarray:
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: the file is not such an array (the message says where).
+      IsADirectoryError: a directory.
+      ValueError: the file is not such an array (the message names the file, what is
+        wrong, and the formats).
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"availability_trace = {str(path)!r} is a directory, not a file. Give the path "
+            f"of a trace ({FORMATS})."
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"availability_trace = {str(path)!r}: no such file. Give the path of a trace "
-            "(.npy [clients, rounds] of 0/1, or text: one line of 0/1 per client)."
+            f"({FORMATS})."
         )
+    where = f"{path}"
     if path.suffix == ".npy":
-        array = np.load(path, allow_pickle=False)
-        where = f"{path}"
+        array = _load_npy(path)
     else:
-        rows, where = [], f"{path}"
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"the availability trace {path} is not text (its byte {err.start} is not "
+                "UTF-8: a binary file?) and its name does not end in .npy. Give a text file "
+                "of one line of 0/1 per client, or a [clients, rounds] array of 0/1 saved "
+                "with numpy.save as NAME.npy."
+            ) from None
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
@@ -274,6 +302,12 @@ def load_trace(path: str | Path) -> np.ndarray:
                     f"than 0/1: {line[:40]!r}. Write one line per client of 0/1 per round."
                 )
             rows.append([t == "1" for t in tokens])
+        if not rows:
+            raise ValueError(
+                f"the availability trace {path} holds no clients: it is empty, or only blank "
+                "lines and # comments. Write one line per client of its rounds' 0/1 (0110, "
+                "or 0 1 1 0), or save a [clients, rounds] array of 0/1 as NAME.npy."
+            )
         if len({len(r) for r in rows}) > 1:
             lengths = sorted({len(r) for r in rows})
             raise ValueError(
@@ -290,6 +324,31 @@ def load_trace(path: str | Path) -> np.ndarray:
         raise ValueError(f"the availability trace {where} holds values other than 0/1.")
     return array.astype(bool)
 
+
+def _load_npy(path: Path) -> np.ndarray:
+    """The array of a .npy trace; ValueError naming the file and what numpy could not read."""
+    fix = (
+        "Save a [clients, rounds] array of 0/1 with numpy.save, or give a text trace (one "
+        "line of 0/1 per client) under a name that does not end in .npy."
+    )
+    with path.open("rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        raise ValueError(
+            f"the availability trace {path} is not a .npy file (it does not start with "
+            f"numpy's magic string \\x93NUMPY). {fix}"
+        )
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as err:
+        raise ValueError(
+            f"the availability trace {path} is a damaged .npy file: numpy cannot read its "
+            f"header or data ({str(err).rstrip('.')}). {fix}"
+        ) from None
+
+
+#: A trace file's formats, in words (:func:`load_trace`), for messages.
+FORMATS = ".npy [clients, rounds] of 0/1, or text: one line of 0/1 per client"
 
 GROUPINGS = ("contiguous", "interleaved")
 

@@ -29,10 +29,17 @@ each sampled client drops independently with probability ``dropout_rate``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 from scaffold_jax.participation.base import ModelSpec, per_client_uniform
 from scaffold_jax.registry import Option, Registry
+
+#: What a dropout rate may be: at 1 no update ever reaches the server.
+RATE = (
+    "a probability in [0, 1): at 1 every sampled client drops, so no update ever reaches "
+    "the server and the model never trains"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,10 @@ class Bernoulli:
 
     rate: float = 0.2
     name: ClassVar[str] = "bernoulli"
+
+    def __post_init__(self):
+        if not 0.0 <= self.rate < 1.0:
+            raise ValueError(f"dropout_rate = {self.rate!r} is invalid: it must be {RATE}.")
 
     def dropped(self, key, ids):
         return per_client_uniform(key, ids) < self.rate
@@ -55,7 +66,7 @@ DROPOUTS.register(
         {
             "dropout_rate": Option(
                 0.2, "bernoulli dropouts: the probability a sampled client's update is lost",
-                "float", low=0.0, high=1.0, strict=False, argument="rate",
+                "float", low=0.0, high=math.nextafter(1.0, 0.0), argument="rate", what=RATE,
             ),
         },
     ),

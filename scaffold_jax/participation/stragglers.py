@@ -15,7 +15,9 @@ A model is a frozen value with ``steps(key, seed_key, ids, planned) -> int32 [S]
 plan), ``key`` the round's straggler key, ``seed_key`` a key of the run that does not
 change with the round (for what is fixed per client, such as its speed). Every draw is
 made from ``fold_in(key, client_id)``: a client's K_i never depends on its position in
-the sampled set, and the configs of one seed in a sweep see the same K_i.
+the sampled set, and the configs of one seed in a sweep see the same K_i. A model may
+also have ``check(most_steps)``, which raises ValueError when its options cannot mean
+anything for a plan whose clients take at most ``most_steps`` local steps.
 
 Registered (:data:`STRAGGLERS`; ``--stragglers``):
 
@@ -46,6 +48,17 @@ class UniformSteps:
 
     min_steps: int = 1
     name: ClassVar[str] = "uniform"
+
+    def check(self, most_steps: int) -> None:
+        """Refuses k_min above the plan's most local steps: every client would complete all
+        its steps (k_min is capped at K), and nothing would straggle."""
+        if self.min_steps > most_steps:
+            raise ValueError(
+                f"straggler_min_steps = {self.min_steps} exceeds K = {most_steps}, the most "
+                "local steps the plan gives a client: every client would complete all its "
+                f"steps (k_min is capped at K), so none would straggle. Use "
+                f"straggler_min_steps <= {most_steps}, or a plan of more local steps."
+            )
 
     def steps(self, key, seed_key, ids, planned):
         del seed_key

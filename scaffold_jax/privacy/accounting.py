@@ -32,6 +32,8 @@ import functools
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
+
 SAMPLINGS = ("poisson", "fixed_size")
 ACCOUNTANTS = ("pld", "rdp")
 #: :func:`calibrate` searches noise multipliers in [MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER].
@@ -228,12 +230,15 @@ def calibrate(
 
     Searches z on :func:`epsilon` itself, so that the z returned reports
     ``epsilon(...) <= target_epsilon`` (at most 0.1% below it) with the same accountant: z
-    errs on the larger, safer side.
+    errs on the larger, safer side. It is a float32 (rounded up): the value a run holds
+    and accounts, as its hyper-parameters are float32.
 
     Raises:
       ValueError: for bad parameters; when no z <= :data:`MAX_NOISE_MULTIPLIER` reaches the
-        target (saying roughly the z it would need and what to change); or when the target
-        is so large that z = :data:`MIN_NOISE_MULTIPLIER` already meets it.
+        target (saying roughly the z it would need and what to change); when the target
+        is so large that z = :data:`MIN_NOISE_MULTIPLIER` already meets it; or when it is so
+        small that the z found has an epsilon of 0 (delta alone bounds the privacy loss
+        there, and any smaller target would give the same z).
     """
     sampling = Sampling(*sampling)
     check_privacy_parameters(epsilon=target_epsilon, delta=delta)
@@ -278,7 +283,36 @@ def calibrate(
             hi = mid
         else:
             lo = mid
-    return hi
+    # A run holds z as a float32 and accounts that value: rounded down, it could report an
+    # epsilon above the target (far above a target of 1e-300); rounded up, it meets it.
+    z = _float32_at_least(hi)
+    if eps(z) == 0.0:
+        # The accountant's epsilon reaches 0 at a finite z (there delta alone bounds the
+        # loss): a target below what double precision resolves of its approach is met
+        # only by that z, whatever the target. A z 0.01% lower is clearly resolved.
+        works = _rounded_up(eps(z * (1 - 1e-4)))
+        raise ValueError(
+            f"dp_epsilon = {target_epsilon} at delta = {delta:.3g} after {rounds} rounds "
+            f"(sampling rate {sampling.rate:.3g}) is below what the accountant resolves: its "
+            f"epsilon is already 0 at a noise multiplier of {z:.6g} (delta alone bounds the "
+            "privacy loss there), so such a target does not set the noise. Use dp_epsilon >= "
+            f"{works:.0e}, or a smaller delta."
+        )
+    return z
+
+
+def _float32_at_least(value: float) -> float:
+    """The smallest float32 >= ``value``."""
+    single = np.float32(value)
+    if float(single) < value:
+        single = np.nextafter(single, np.float32(np.inf))
+    return float(single)
+
+
+def _rounded_up(value: float) -> float:
+    """``value`` rounded up to one significant digit (2.3e-06 -> 3e-06)."""
+    scale = 10.0 ** math.floor(math.log10(value))
+    return math.ceil(value / scale * (1 - 1e-12)) * scale
 
 
 def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> float:
@@ -313,15 +347,12 @@ def check_privacy_parameters(
     delta: float | None = None,
     noise_multiplier: float | None = None,
     num_clients: int | None = None,
-) -> list[str]:
+) -> None:
     """Checks the privacy parameters given (None: not given).
-
-    Returns:
-      Warnings: one when δ >= 1/N (needs ``num_clients``).
 
     Raises:
       ValueError: naming the value and the fix, for ε not finite and > 0, δ outside (0, 1),
-        or z not finite and >= 0.
+        δ >= 1/N (with ``num_clients``: no privacy), or z not finite and >= 0.
     """
     usual = ""
     if num_clients is not None:
@@ -339,11 +370,10 @@ def check_privacy_parameters(
             f"dp_noise_multiplier = {noise_multiplier} is invalid: it must be finite and >= 0 "
             "(0 adds no noise: no privacy)."
         )
-    warnings = []
     if delta is not None and num_clients is not None and delta >= 1 / num_clients:
-        warnings.append(
-            f"dp_delta = {delta} >= 1/N = {1 / num_clients:.1e}: delta >= 1/N lets a mechanism "
-            "publish one client's data outright; use delta < 1/N, e.g. N**-1.1 = "
-            f"{default_delta(num_clients):.1e}."
+        raise ValueError(
+            f"dp_delta = {delta} >= 1/N = {1 / num_clients:.1e} (N = {num_clients} clients) is "
+            "no privacy: a delta of 1/N or more lets a mechanism publish one client's data "
+            f"outright. Use delta < 1/N, e.g. N^-1.1 = {default_delta(num_clients):.1e} (the "
+            "default)."
         )
-    return warnings

@@ -286,6 +286,8 @@ def private(
         )
 
     def check(num_clients, clients_per_round, weighting, sampling=None, participation=None):
+        if delta is not None:  # a delta of 1/N or more is no privacy
+            accounting.check_privacy_parameters(delta=delta, num_clients=num_clients)
         if inner.check is not None:
             extra = {"participation": participation} if takes(inner.check, "participation") else {}
             inner.check(num_clients, clients_per_round, weighting, **extra)
@@ -326,9 +328,18 @@ def private(
         # Checked here, at the first record (round 0, before any round has run): the
         # update's share of the noise needs 2σ_b > z when the count is released too.
         if hparams["dp_clip_lr"] > 0:
-            accounting.update_noise_multiplier(
-                hparams["dp_noise_multiplier"], count_noise * clients_per_round
-            )
+            z, sigma_b = hparams["dp_noise_multiplier"], count_noise * clients_per_round
+            if not 2 * sigma_b > z:  # said in the settings' names (the accountant's says z)
+                raise ValueError(
+                    f"dp_count_noise = {count_noise:g} is too small for dp_noise_multiplier = "
+                    f"{z:g} with adaptive clipping (dp_clip_lr = {hparams['dp_clip_lr']:g}): "
+                    f"the count of unclipped clients gets noise sigma_b = dp_count_noise x S "
+                    f"= {sigma_b:g} (S = {clients_per_round}), and adaptive clipping needs "
+                    f"2 sigma_b > dp_noise_multiplier. Use dp_count_noise > "
+                    f"{z / (2 * clients_per_round):.3g}, a lower dp_noise_multiplier, or "
+                    "dp_clip_lr = 0 (a fixed clip norm)."
+                )
+            accounting.update_noise_multiplier(z, sigma_b)
         plan = accounting.Sampling(sampling, num_clients, clients_per_round)
         run_delta = accounting.default_delta(num_clients) if delta is None else delta
         return {

@@ -704,16 +704,18 @@ def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bo
     if dry_run:
         return
     names = set(_OWN_FILES) | set((summary or {}).get("files", []))
-    for name in names:
-        path = folder / name
-        # Only plain files directly inside the folder: a crafted summary cannot make us
-        # delete anything elsewhere.
-        if path.parent == folder and path.is_file():
-            path.unlink()
-    _remove_temporaries(folder)
-    checkpoints = folder / "checkpoints"  # scaffold_jax.experiments.CHECKPOINTS
-    if checkpoints.is_dir() and not checkpoints.is_symlink():
-        shutil.rmtree(checkpoints)
+    # A folder that cannot be cleared (read-only, not ours) says so in one line.
+    with _writing(folder):
+        for name in names:
+            path = folder / name
+            # Only plain files directly inside the folder: a crafted summary cannot make
+            # us delete anything elsewhere.
+            if path.parent == folder and path.is_file():
+                path.unlink()
+        _remove_temporaries(folder)
+        checkpoints = folder / "checkpoints"  # scaffold_jax.experiments.CHECKPOINTS
+        if checkpoints.is_dir() and not checkpoints.is_symlink():
+            shutil.rmtree(checkpoints)
 
 
 # ----------------------------------------------------------------------------- the lock
@@ -742,13 +744,36 @@ class _writing:
             and issubclass(exc_type, OSError)
             and not issubclass(exc_type, RunFolderError)
         ):
-            reason = exc.strerror or str(exc)
-            raise RunFolderError(
-                exc.errno,
-                f"cannot write {self.path}: {reason}. Every record finished before is in "
-                f"{METRICS_FILE}; free space or choose a writable --out, then --resume.",
-            ) from exc
+            raise RunFolderError(exc.errno, _cannot_write(self.path, exc)) from exc
         return False
+
+
+#: The errors of a folder that may not be written (a read-only file system, permissions).
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+#: The errors of a disk without room (no space, a quota, a file size limit).
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _cannot_write(path: Path, exc: OSError) -> str:
+    """One line: what could not be written, the actual problem and its fix (a folder that
+    may not be written is another --out; a full disk is space freed, then --resume)."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EROFS:
+        return f"cannot write {path}: it is on a read-only file system. Choose a writable --out."
+    if exc.errno in _NOT_WRITABLE:
+        return (
+            f"cannot write {path}: permission denied. Choose a writable --out, or make this "
+            "folder writable."
+        )
+    if exc.errno in _NO_ROOM:
+        return (
+            f"cannot write {path}: {reason}. Every record finished before is in "
+            f"{METRICS_FILE}; free space, then --resume."
+        )
+    return (
+        f"cannot write {path}: {reason}. Every record finished before is in {METRICS_FILE}; "
+        "fix that, or choose another --out, then --resume."
+    )
 
 
 def read_parts(folder: str | os.PathLike) -> dict[str, Any]:

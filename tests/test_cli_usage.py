@@ -185,8 +185,16 @@ def test_a_ctrl_c_while_a_plugin_imports_still_interrupts(tmp_path):
     plugin = tmp_path / "slow.py"
     plugin.write_text("import os, signal, time\n\nos.kill(os.getpid(), signal.SIGINT)\n"
                       "time.sleep(30)\n")  # fmt: skip
+    # A shell that started the tests in the background (`make test &`, nohup) ignores
+    # SIGINT in them, and Python keeps an inherited SIG_IGN: the command gets Python's own
+    # SIGINT handler first, as when started from a terminal.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['scaffold_jax.cli', *sys.argv[1:]]; "
+        "runpy.run_module('scaffold_jax.cli', run_name='__main__')"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "scaffold_jax.cli", "--plugin", str(plugin), "run", *QUAD,
+        [sys.executable, "-c", start, "--plugin", str(plugin), "run", *QUAD,
          "--out", str(tmp_path / "o")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -253,6 +253,11 @@ CASES = [
     Case("B-below-1", "batch size B < 1", "BatchPlan.fixed", ValueError,
          "batch_size = 0 is invalid: it must be >= 1.",
          lambda ctx: sj.BatchPlan.fixed(batch_size=0, num_steps=2)),
+    Case("B-beyond-int32", "batch size B = 2^31 (found by the fuzz test: an OverflowError "
+         "in the data check)", "BatchPlan.fixed", ValueError,
+         "batch_size = 2147483648 is invalid: at most 1073741824 examples a batch are allowed "
+         "(a client's positions are int32); use a smaller batch.",
+         lambda ctx: sj.BatchPlan.fixed(batch_size=2**31, num_steps=2)),
     Case("epochs-below-1", "epochs < 1", "BatchPlan.epochs", ValueError,
          "num_epochs = 0 is invalid: it must be >= 1.",
          lambda ctx: sj.BatchPlan.epochs(batch_size=2, num_epochs=0)),

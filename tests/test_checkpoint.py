@@ -66,7 +66,10 @@ RUN_ARGS = {"num_rounds": NUM_ROUNDS, "eval_every": 1, "seed": SEED, "checkpoint
 # can kill it between rounds) and saves the final state's leaves with np.savez.
 SCRIPT = textwrap.dedent(
     """
-    import json, sys, time
+    import json, signal, sys, time
+    # Python's own SIGINT handler, as from a terminal: a shell that started the tests in
+    # the background (nohup, `make test &`) passes SIGINT on as ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {tests_dir!r})
     import jax, numpy as np
     from test_checkpoint import RUN_ARGS, make_run

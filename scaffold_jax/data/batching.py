@@ -38,6 +38,8 @@ _KINDS = ("fixed", "epochs", "fraction", "full")
 #: ``[S, K, B, ...]`` and its per-step metrics are built in memory, and its K steps run as
 #: one scan: 10**9 steps would fail deep inside XLA (out of memory) instead of here.
 MAX_LOCAL_STEPS = 100_000
+#: The largest batch (a client's example positions are int32; no client holds more).
+MAX_BATCH_SIZE = 2**30
 _TOO_MANY = f"at most {MAX_LOCAL_STEPS} local steps per round are allowed (a round's batches "
 _TOO_MANY += "[S, K, B, ...] are built in memory)"
 
@@ -59,6 +61,12 @@ class BatchPlan:
             raise ValueError(f"num_local_steps (K) = {self.num_steps} is invalid: it must be >= 1.")
         if self.kind in ("fixed", "epochs") and self.batch_size < 1:
             raise ValueError(f"batch_size = {self.batch_size} is invalid: it must be >= 1.")
+        if self.kind in ("fixed", "epochs") and self.batch_size > MAX_BATCH_SIZE:
+            # Positions in a client's data are int32 (count + batch must not overflow).
+            raise ValueError(
+                f"batch_size = {self.batch_size} is invalid: at most {MAX_BATCH_SIZE} examples "
+                "a batch are allowed (a client's positions are int32); use a smaller batch."
+            )
         if self.kind in ("epochs", "fraction") and self.num_epochs < 1:
             raise ValueError(f"num_epochs = {self.num_epochs} is invalid: it must be >= 1.")
         if self.kind == "fraction" and not 0.0 < self.fraction <= 1.0:

@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) -m scaffold_jax.demo
 
 # One pytest worker per core (pytest-xdist), each test file on one worker so that its
-# module-scoped fixtures are built once: 7.5-7.7 min instead of 9.9 on 2 cores.
+# module-scoped fixtures are built once. Its time: README.md, "Tests" (measured there).
 TEST_WORKERS ?= auto
 
 test: $(STAMP)

@@ -277,8 +277,11 @@ def calibrate(
     # inside the bracket's middle so that it shrinks even where the power law is off.
     aim = math.log(target_epsilon * (1 - _CALIBRATION_RTOL / 2))
     while eps(hi) < target_epsilon * (1 - _CALIBRATION_RTOL) and hi / lo > 1 + 1e-9:
-        above, below = math.log(eps(lo)) - aim, math.log(max(eps(hi), 1e-300)) - aim
-        mid = lo * (hi / lo) ** min(max(above / (above - below), 0.1), 0.9)
+        if eps(hi) == 0.0:  # no power law to follow where epsilon is 0: halve the bracket
+            mid = math.sqrt(lo * hi)  # (the interpolation's 0.1 steps took ~3x as many)
+        else:
+            above, below = math.log(eps(lo)) - aim, math.log(eps(hi)) - aim
+            mid = lo * (hi / lo) ** min(max(above / (above - below), 0.1), 0.9)
         if eps(mid) <= target_epsilon:
             hi = mid
         else:

@@ -748,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sweep": _sweep_command,
             "diagnose": _diagnose_command,
         }
-        from scaffold_jax.loop import accept_new_versions
+        from scaffold_jax.versions import accept_new_versions
 
         with sigterm_exits(), accept_new_versions(getattr(args, "accept_new_versions", False)):
             return commands[args.command](args)

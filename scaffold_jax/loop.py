@@ -37,7 +37,6 @@ of them stops all of them after the same block.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import json
 import os
@@ -57,6 +56,11 @@ from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY, chec
 from scaffold_jax.registry import ConfigError
 from scaffold_jax.sampling import uniform
 from scaffold_jax.types import HParams, PyTree, SimState, format_hparams
+from scaffold_jax.versions import (  # noqa: F401  (accept_new_versions: the loop's API too)
+    accept_new_versions,
+    check_versions,
+    library_versions,
+)
 
 Record = dict[str, Any]
 
@@ -620,55 +624,6 @@ def check_same_run(saved: dict[str, Any] | None, current: Mapping[str, Any], whe
             "seed, or start a new run in another checkpoint directory."
         )
     check_versions(saved, where)
-
-
-# ----------------------------------------------------------------------------- versions
-_ACCEPT_NEW_VERSIONS = contextvars.ContextVar("accept_new_versions", default=False)
-
-
-def library_versions() -> dict[str, str]:
-    """The versions of the libraries a run's numbers depend on (a run's identity holds
-    them): a resume under others may differ from an uninterrupted run in the last bits."""
-    import jaxlib
-
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__}
-
-
-@contextlib.contextmanager
-def accept_new_versions(accept: bool = True):
-    """Within it, a resume whose checkpoint was written under other library versions
-    (:func:`library_versions`) goes on instead of being refused (``--accept-new-versions``).
-
-    Example:
-      >>> with accept_new_versions():  # doctest: +SKIP
-      ...     sim.run(data, hp, 100, checkpoint_dir="ckpt", resume=True)
-    """
-    token = _ACCEPT_NEW_VERSIONS.set(bool(accept))
-    try:
-        yield
-    finally:
-        _ACCEPT_NEW_VERSIONS.reset(token)
-
-
-def check_versions(saved: Mapping[str, Any], where: str) -> None:
-    """Refuses to resume ``saved`` (a run identity) under other library versions than it
-    was written with, naming both, unless within :func:`accept_new_versions`. An identity
-    written before versions were recorded is not checked."""
-    then = saved.get("versions")
-    if not isinstance(then, Mapping):
-        return
-    now = library_versions()
-    changed = [k for k in now if then.get(k) != now[k]]
-    if not changed or _ACCEPT_NEW_VERSIONS.get():
-        return
-    was = ", ".join(f"{k} {then.get(k)}" for k in changed)
-    is_ = ", ".join(f"{k} {now[k]}" for k in changed)
-    raise ConfigError(
-        f"cannot resume from {where}: it was written with {was}, and this is {is_}; a resume "
-        "across versions continues correctly but may differ from an uninterrupted run in "
-        "the last bits. Pass --accept-new-versions (Python: within "
-        "scaffold_jax.loop.accept_new_versions()) to resume anyway, or start a new run."
-    )
 
 
 # ----------------------------------------------------------------------------- single runs

@@ -118,7 +118,7 @@ def test_a_resume_under_other_library_versions_names_both_and_the_flag(tmp_path,
     """The identity records jax, jaxlib and numpy's versions (not a hash of their files):
     a resume after an upgrade is refused naming both versions and --accept-new-versions,
     and goes on within accept_new_versions()."""
-    from scaffold_jax import loop
+    from scaffold_jax import loop, versions
 
     directory = tmp_path / "ckpt"
     _sim().run(_data(), HP, 4, eval_every=2, checkpoint_dir=directory)
@@ -126,7 +126,7 @@ def test_a_resume_under_other_library_versions_names_both_and_the_flag(tmp_path,
     assert saved["versions"] == loop.library_versions()
     assert "plugin_code" not in json.dumps(saved) and "sha256" not in json.dumps(saved)
     newer = {**loop.library_versions(), "jax": "99.0.0"}
-    monkeypatch.setattr(loop, "library_versions", lambda: newer)
+    monkeypatch.setattr(versions, "library_versions", lambda: newer)
     with pytest.raises(ConfigError) as refused:
         _sim().run(_data(), HP, 6, eval_every=2, checkpoint_dir=directory, resume=True)
     message = str(refused.value)
@@ -138,12 +138,12 @@ def test_a_resume_under_other_library_versions_names_both_and_the_flag(tmp_path,
 
 
 def test_the_command_line_refuses_other_versions_unless_accepted(tmp_path, monkeypatch, capsys):
-    from scaffold_jax import loop
+    from scaffold_jax import loop, versions
 
     out = str(tmp_path / "run")
     assert main([*RUN, "--out", out]) == 0
     newer = {**loop.library_versions(), "numpy": "9.9.9"}
-    monkeypatch.setattr(loop, "library_versions", lambda: newer)
+    monkeypatch.setattr(versions, "library_versions", lambda: newer)
     capsys.readouterr()
     assert main([*RUN, "--rounds", "8", "--out", out, "--resume"]) == 2
     err = capsys.readouterr().err.strip()

@@ -19,9 +19,9 @@ from scaffold_jax.experiments.config import (
     declared_hparams,
     declared_options,
 )
-from scaffold_jax.loop import library_versions
 from scaffold_jax.registry import ConfigError, code_of
 from scaffold_jax.types import STEP_SIZES
+from scaffold_jax.versions import library_versions
 
 CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
 #: Fields a resumed run may change: they do not change what the rounds compute or what a

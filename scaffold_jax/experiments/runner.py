@@ -43,10 +43,11 @@ from scaffold_jax.experiments.identity import (
     data_fingerprint,
     run_identity,
 )
-from scaffold_jax.loop import DivergenceError, check_versions
+from scaffold_jax.loop import DivergenceError
 from scaffold_jax.loop import run as run_loop
 from scaffold_jax.progress import Progress, format_seconds
 from scaffold_jax.registry import ConfigError
+from scaffold_jax.versions import check_versions
 
 
 @dataclasses.dataclass(frozen=True)

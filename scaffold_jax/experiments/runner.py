@@ -412,8 +412,7 @@ class _Runner:
     # ------------------------------------------------------------------ one cell
     def execute(self, cell: Cell, built: Built) -> CellResult:
         config = cell.config
-        values = {k: [float(v)] for k, v in built.hparams.items()}
-        values.update({k: [float(x) for x in v] for k, v in cell.axes.items()})
+        values = _grid_values(built, cell)
         seeds = list(cell.seeds) or [config.seed]
         hp, seed_array, configs = sweeps.grid(
             values.pop("client_lr"), values.pop("server_lr", 1.0), seeds, **values
@@ -591,6 +590,13 @@ TIMING = ("compile_seconds", "run_seconds", "round_seconds", "eval_seconds",
           "resumed_from")  # fmt: skip
 
 
+def _grid_values(built: Built, cell: Cell) -> dict[str, list[float]]:
+    """The cell's hyper-parameter values: the built run's, each axis's over its values."""
+    values = {k: [float(v)] for k, v in built.hparams.items()}
+    values.update({k: [float(x) for x in v] for k, v in cell.axes.items()})
+    return values
+
+
 def _preflight(built: Built, cell: Cell) -> None:
     """What the run itself would refuse as it starts, refused while the cell is built
     (before its folder is touched, as the config's error): the simulation's checks of the
@@ -604,8 +610,7 @@ def _preflight(built: Built, cell: Cell) -> None:
     built.simulation.check(built.data)
     if built.algorithm.report is None:
         return
-    values = {k: [float(v)] for k, v in built.hparams.items()}
-    values.update({k: [float(x) for x in v] for k, v in cell.axes.items()})
+    values = _grid_values(built, cell)
     for combination in itertools.product(*values.values()):
         hparams = dict(zip(values, combination, strict=True))
         built.simulation.report(hparams, 0, built.data.num_clients)

@@ -141,13 +141,14 @@ MORE_KILL_POINTS = [(0, 1.0), (0, 2.0), (1, 0.0), (3, 0.001), (4, 0.05), (6, 0.0
 
 def _assert_csv_is_the_records(out) -> None:
     """metrics.csv, written row by row as metrics.jsonl, holds the records so far: all of
-    them, or all but the last when the kill fell between the two files' writes."""
+    them, or all but the last when the kill fell between the two files' writes (so after a
+    kill at the second record, the CSV may hold only the first)."""
     import csv
 
     records = results.read_records(out)
     with open(Path(out) / results.CSV_FILE, newline="") as f:
         rows = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-    assert len(records) - len(rows) in (0, 1) and len(rows) >= 2
+    assert len(records) - len(rows) in (0, 1) and len(rows) >= 1
     assert rows == [{k: str(v) for k, v in r.items()} for r in records[: len(rows)]]
 
 

@@ -6,15 +6,51 @@ float32 arithmetic, fails loudly instead of producing wrong numbers.
 """
 
 import os
+import shutil
+import tempfile
 
-# The command line keeps compiled programs in ~/.cache; tests (and the CLI processes they
-# start) must not write there. tests/test_compilation_cache.py points it at a tmp folder.
-os.environ["SCAFFOLD_JAX_COMPILE_CACHE"] = "off"
+# JAX's persistent compilation cache for the test session, in a temporary folder (never the
+# user's ~/.cache): a program compiled twice (the same small simulation in two tests, the
+# same command-line run in two subprocesses) is compiled once. Most of the suite's programs
+# differ, so it saves ~5% of a fresh run (benchmarks/README.md, "The test suite"); a folder
+# kept between runs saves more: SCAFFOLD_JAX_TEST_XLA_CACHE set beforehand names a folder
+# to reuse (kept), or "off". The pytest-xdist workers and the command-line processes the
+# tests start inherit the folder through the environment; the process that made it
+# removes it at the end.
+_CACHE_ENV = "SCAFFOLD_JAX_TEST_XLA_CACHE"
+_OWN_CACHE = None
+if _CACHE_ENV not in os.environ:
+    _OWN_CACHE = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="scaffold_jax_test_xla_")
+_CACHE = os.environ[_CACHE_ENV]
+if _CACHE.strip().lower() in ("", "0", "off", "false", "no"):
+    _CACHE = None
+
+# The tests' programs compile 3-4x faster with LLVM's optimisation off and XLA's older CPU
+# fusion emitters (1.2 s -> 0.3 s for a small round program, which runs in milliseconds
+# here): `make test`'s quick loop. The last bits of a result can differ from the programs
+# users get (no fused multiply-adds), so `make test-slow` and `make test-release` (both in
+# CI) compile as users do: SCAFFOLD_JAX_TEST_COMPILE=release. The flags reach the
+# command-line processes the tests start through the environment.
+QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if os.environ.setdefault("SCAFFOLD_JAX_TEST_COMPILE", "quick") == "quick":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()
+elif os.environ["SCAFFOLD_JAX_TEST_COMPILE"] != "release":
+    raise ValueError("SCAFFOLD_JAX_TEST_COMPILE must be 'quick' (the default) or 'release'")
+
+# The command line turns the same cache on by itself (scaffold_jax.compilation_cache); in
+# the tests it points at the session's folder. tests/test_compilation_cache.py uses its own.
+os.environ["SCAFFOLD_JAX_COMPILE_CACHE"] = _CACHE or "off"
+# No size limit: with one, JAX takes a file lock and scans the whole folder at every write
+# (the suite's time nearly doubled). Without the lock a process can read an entry that
+# another is still writing; JAX then fails to decompress it, warns and compiles instead.
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+if _CACHE:
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -22,6 +58,11 @@ import pytest  # noqa: E402
 
 import scaffold_jax as sj  # noqa: E402
 from scaffold_jax import registry  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 # Registries are process-global: what a test (or a module's fixtures) registers, plugins'
@@ -127,3 +168,39 @@ def run_folder_final_state(out, rounds: int) -> list:
     restored = checkpoint.restore_latest(Path(out) / experiments.CHECKPOINTS, like)
     assert restored.round == rounds
     return [np.asarray(a) for a in jax.tree.leaves(restored.state)]
+
+
+# `SCAFFOLD_JAX_TEST_COMPILE_LOG=path pytest ...`: one JSON line per test (setup, call and
+# teardown together) with its XLA compilations and the seconds spent tracing, lowering and
+# compiling in this process (subprocesses not counted), into path.<worker>: where a slow
+# test's time goes. benchmarks/test_durations.py reads it.
+_COMPILE_LOG = os.environ.get("SCAFFOLD_JAX_TEST_COMPILE_LOG")
+if _COMPILE_LOG:
+    import json
+    import time
+
+    _COMPILE_EVENTS = {
+        "/jax/core/compile/backend_compile_duration": "compile",
+        "/jax/core/compile/jaxpr_trace_duration": "trace",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    }
+    _spent: dict = {}
+
+    def _on_duration(event, seconds, **_):
+        kind = _COMPILE_EVENTS.get(event)
+        if kind:
+            _spent[kind] = _spent.get(kind, 0.0) + seconds
+            if kind == "compile":
+                _spent["compiles"] = _spent.get("compiles", 0) + 1
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _spent.clear()
+        start = time.perf_counter()
+        yield
+        line = {"test": item.nodeid, "seconds": time.perf_counter() - start, **_spent}
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_COMPILE_LOG}.{worker}", "a") as f:
+            f.write(json.dumps(line) + "\n")

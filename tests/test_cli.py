@@ -232,6 +232,7 @@ def test_reproduce_fig3_quick_shows_the_papers_findings(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- table3
+@pytest.mark.slow  # the real table in ~70 s; test_experiments runs tables in memory
 @needs_fashion
 def test_reproduce_table3_quick_on_fashion_mnist(tmp_path, capsys):
     out = tmp_path / "table3"

@@ -134,7 +134,12 @@ def _kill_after(root, environment, out, records: int, delay: float, sig=signal.S
     return proc.returncode, err
 
 
-KILL_POINTS = [(0, 0.3), (2, 0.0), (5, 0.02)]  # (records written, then seconds)
+# (records written, then seconds): mid-run in the quick tier, while compiling and right after
+# a record with the slow tests.
+KILL_POINTS = [(0, 0.3), (2, 0.0), (5, 0.02)]
+QUICK_KILL_POINTS = [
+    p if p == (5, 0.02) else pytest.param(*p, marks=pytest.mark.slow) for p in KILL_POINTS
+]
 MORE_KILL_POINTS = [(0, 1.0), (0, 2.0), (1, 0.0), (3, 0.001), (4, 0.05), (6, 0.0), (7, 0.01),
                     (8, 0.1), (10, 0.0), (11, 0.003), (12, 0.0), (13, 0.0)]  # fmt: skip
 
@@ -152,7 +157,7 @@ def _assert_csv_is_the_records(out) -> None:
     assert rows == [{k: str(v) for k, v in r.items()} for r in records[: len(rows)]]
 
 
-@pytest.mark.parametrize(("records", "delay"), KILL_POINTS)
+@pytest.mark.parametrize(("records", "delay"), QUICK_KILL_POINTS)
 def test_sigkill_then_resume_is_the_uninterrupted_run(env, reference, records, delay, tmp_path):
     root, environment = env
     code, _ = _kill_after(root, environment, tmp_path / "run", records, delay)
@@ -172,7 +177,10 @@ def test_sigkill_at_many_points_then_resume(env, reference, records, delay, tmp_
     assert _resume_matches(root, environment, tmp_path / "run", reference)
 
 
-@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(
+    ("sig", "status"),  # SIGTERM's line and status are also tested in process (test_cli)
+    [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)],
+)
 def test_sigint_and_sigterm_stop_cleanly_and_resume(env, reference, sig, status, tmp_path):
     root, environment = env
     out = tmp_path / "run"
@@ -374,8 +382,9 @@ def _without_timing(value):
 
 @pytest.mark.parametrize(
     "records",
-    [10, *(pytest.param(n, marks=pytest.mark.slow) for n in (0, 4 * 7 + 4, 2 * 4 * 7 - 1))],
-)  # mid first grid; while compiling, mid second grid, its last record (slow)
+    [pytest.param(n, marks=pytest.mark.slow) for n in (10, 0, 4 * 7 + 4, 2 * 4 * 7 - 1)],
+)  # mid first grid, while compiling, mid second grid, its last record; a sweep's resume is
+# tested in process in the quick tier (test_lab_plugin, test_participation)
 def test_a_killed_sweep_resumes_keeping_the_finished_grids(env, tmp_path, records):
     """Two algorithms: killed mid-grid, --resume keeps a finished grid and continues the
     unfinished one from its checkpoint; the records (each once), sweep.json and

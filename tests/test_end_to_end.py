@@ -27,6 +27,7 @@ def fmnist_skewed():
     return sj.from_partition(ds.train, parts, test=ds.test)
 
 
+@pytest.mark.slow  # 100 real clients for ~25 s; the paper's findings: test_cli's fig3 --quick
 def test_scaffold_fedavg_and_sgd_learn_fashion_mnist_and_scaffold_is_fastest(fmnist_skewed):
     problem = sj.models.logistic_regression((28, 28), 10)
     local = sj.BatchPlan.fraction_of_data(0.2, num_epochs=1)

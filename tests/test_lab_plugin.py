@@ -165,6 +165,7 @@ def test_natural_datasets_are_unaffected_by_the_plugin(lab):
         config.replace(size_sigma=2.0).validate()
 
 
+@pytest.mark.slow  # a real table (~16 s); plugins from the command line: test_plugins
 @pytest.mark.skipif(not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist")
 def test_reproduce_takes_plugins_for_its_extra_methods(tmp_path):
     out = tmp_path / "table3"

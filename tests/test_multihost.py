@@ -248,7 +248,8 @@ def test_two_processes_match_one(tmp_path):
     port = free_port()
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "  # compiled as this process is
+        f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
         JAX_PLATFORMS="cpu",
     )
     procs = [

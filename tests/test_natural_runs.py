@@ -151,6 +151,7 @@ def test_invalid_natural_configs_name_the_problem(fields, message):
         RunConfig(**fields).validate()
 
 
+@pytest.mark.slow  # ~22 s; the char LSTM on the texts' windows: test_shakespeare, test_models
 @needs_texts
 def test_shakespeare_with_the_char_lstm_runs_and_resumes_from_the_command_line(tmp_path):
     out = tmp_path / "shakespeare"

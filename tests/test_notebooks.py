@@ -161,13 +161,10 @@ def _execute(nb, tmp_path, monkeypatch, timeout):
 
 @pytest.mark.parametrize(
     "name",
-    # 04 (Shakespeare: two LSTM programs, 17 s) and 03 (a vmapped sweep over many clients,
-    # 15-20 s) run with `pytest -m slow`; the char LSTM on Shakespeare runs in the default
-    # suite through the command line (test_natural_runs), sweeps through test_sweep.
-    [
-        pytest.param(n, marks=pytest.mark.slow) if n.startswith(("03", "04")) else n
-        for n in sorted(SMALL)
-    ],
+    # End-to-end runs of the notebooks (5-25 s each): `pytest -m slow`. What they call is
+    # tested in the quick tier (test_simulate, test_sweep, test_privacy, test_models), and
+    # test_notebook_is_valid_clean_and_colab_ready checks each notebook's cells.
+    [pytest.param(n, marks=pytest.mark.slow) for n in sorted(SMALL)],
 )
 def test_notebook_runs_at_small_sizes(name, tmp_path, monkeypatch):
     _skip_without_requirements(name)

@@ -348,6 +348,7 @@ def test_a_sigterm_summary_says_where_it_stopped(tmp_path):
     assert error == "RunTerminated: SIGTERM received: stopped after round 3 (checkpoint ...)."
 
 
+@pytest.mark.slow  # two real tables (~15 s)
 def test_a_table_resumed_with_dataset_auto_keeps_the_dataset_it_resolved(tmp_path, monkeypatch):
     """`reproduce table3 --dataset auto`, resumed after EMNIST became available, goes on
     with the dataset its folder holds: one table, one dataset."""

@@ -233,7 +233,9 @@ def worker(out_dir: Path) -> None:
 
 def start_worker(out_dir: Path, num_devices: int = NUM_DEVICES) -> subprocess.Popen:
     """This file as a script, on ``num_devices`` forced CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+    # Appended: the worker compiles as this process does (tests/conftest.py's flags).
+    flags = f"--xla_force_host_platform_device_count={num_devices}"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.Popen(
         [sys.executable, __file__, str(out_dir)],

@@ -508,6 +508,22 @@ def test_every_diagnose_flag_means_something(capsys):
     assert "--set prox_mu, rounds: diagnose does not use them" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [("--gd-steps", "2147483648", "--gd-steps = 2147483648 is too many: use at most 10000"),
+     ("--gd-steps", "10001", "--gd-steps = 10001 is too many"),
+     ("--num-iters", "2147483648", "--num-iters = 2147483648 is invalid: use 1 to 10000"),
+     ("--num-iters", "0", "--num-iters = 0 is invalid: use 1 to 10000")],
+)  # fmt: skip
+def test_diagnose_refuses_counts_that_would_run_for_hours(flag, value, says, tmp_path, capsys):
+    """2**31 gradient-descent steps ran for hours (found by the slow fuzz test); refused
+    before anything is loaded, like the other usage errors."""
+    argv = ["diagnose", "--dataset", "synthetic", "--num-clients", "4", "--quiet"]
+    assert main([*argv, flag, value, "--out", str(tmp_path / "out")]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- resume
 def test_a_killed_protocol_resumes_keeping_its_finished_cells(tmp_path):
     """fig3 (small): killed after two finished cells, --resume keeps them and runs the

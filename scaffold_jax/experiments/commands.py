@@ -526,6 +526,12 @@ def strict_json(value: Any) -> Any:
 # =====================================================================================
 # scaffold-jax diagnose
 # =====================================================================================
+#: The most full-gradient steps and power iterations `diagnose` takes: each is a pass over
+#: all the data (a larger count runs for hours and keeps every point in memory).
+MAX_GD_STEPS = 10_000
+MAX_POWER_ITERS = 10_000
+
+
 def diagnose(
     config: RunConfig,
     out: str | os.PathLike | None = None,
@@ -558,6 +564,16 @@ def diagnose(
 
     if gd_steps < 0:
         raise ConfigError(f"--gd-steps = {gd_steps} is invalid: it must be >= 0.")
+    if gd_steps > MAX_GD_STEPS:  # 2**31 ran for hours (found by tests/test_fuzz.py)
+        raise ConfigError(
+            f"--gd-steps = {gd_steps} is too many: use at most {MAX_GD_STEPS} (each step is a "
+            "pass over all the data, and each point is kept for the fit; a few dozen suffice)."
+        )
+    if not 1 <= num_iters <= MAX_POWER_ITERS:
+        raise ConfigError(
+            f"--num-iters = {num_iters} is invalid: use 1 to {MAX_POWER_ITERS} (each power "
+            "iteration is a Hessian-vector product over all the data; the default is 30)."
+        )
     config.validate()
     saved = {
         **{name: getattr(config, name) for name in DIAGNOSE_FIELDS},

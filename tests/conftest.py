@@ -12,8 +12,8 @@ import tempfile
 # JAX's persistent compilation cache for the test session, in a temporary folder (never the
 # user's ~/.cache): a program compiled twice (the same small simulation in two tests, the
 # same command-line run in two subprocesses) is compiled once. Most of the suite's programs
-# differ, so it saves ~5% of a fresh run (benchmarks/README.md, "The test suite"); a folder
-# kept between runs saves more: SCAFFOLD_JAX_TEST_XLA_CACHE set beforehand names a folder
+# differ, so it saves 5-10% of a fresh run (benchmarks/README.md, "The test suite"); a
+# folder kept between runs saves more: SCAFFOLD_JAX_TEST_XLA_CACHE set beforehand names a folder
 # to reuse (kept), or "off". The pytest-xdist workers and the command-line processes the
 # tests start inherit the folder through the environment; the process that made it
 # removes it at the end.
@@ -28,14 +28,19 @@ if _CACHE.strip().lower() in ("", "0", "off", "false", "no"):
 # The tests' programs compile 3-4x faster with LLVM's optimisation off and XLA's older CPU
 # fusion emitters (1.2 s -> 0.3 s for a small round program, which runs in milliseconds
 # here): `make test`'s quick loop. The last bits of a result can differ from the programs
-# users get (no fused multiply-adds), so `make test-slow` and `make test-release` (both in
-# CI) compile as users do: SCAFFOLD_JAX_TEST_COMPILE=release. The flags reach the
-# command-line processes the tests start through the environment.
+# users get (other machine code), so `make test-slow` and `make test-release` (both in CI)
+# compile as users do: SCAFFOLD_JAX_TEST_COMPILE=release. The flags reach the command-line
+# processes the tests start through the environment. XLA aborts on a flag it does not know,
+# so a jaxlib older than the one they were measured with (0.10) compiles as users do.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-if os.environ.setdefault("SCAFFOLD_JAX_TEST_COMPILE", "quick") == "quick":
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()
-elif os.environ["SCAFFOLD_JAX_TEST_COMPILE"] != "release":
+_MODE = os.environ.setdefault("SCAFFOLD_JAX_TEST_COMPILE", "quick")
+if _MODE not in ("quick", "release"):
     raise ValueError("SCAFFOLD_JAX_TEST_COMPILE must be 'quick' (the default) or 'release'")
+if _MODE == "quick":
+    from importlib.metadata import version
+
+    if tuple(int(p) for p in version("jaxlib").split(".")[:2] if p.isdigit()) >= (0, 10):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()
 
 # The command line turns the same cache on by itself (scaffold_jax.compilation_cache); in
 # the tests it points at the session's folder. tests/test_compilation_cache.py uses its own.

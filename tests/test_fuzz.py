@@ -3,7 +3,10 @@ never end in a traceback or a hang, only in 0, a one-line error with exit 1 (a r
 could not start or finish) or 2 (invalid arguments), or argparse's usage error.
 
 Slow (``pytest -m slow``): it runs for ``SCAFFOLD_JAX_FUZZ_SECONDS`` (600 by default) and
-prints how many argument lists it tried. Every list starts from a small valid run (a
+prints how many argument lists it tried. The fuzzing runs in a child process under an 8 GiB
+address-space limit: an input that kills the process (an XLA abort, the kernel's OOM killer)
+then fails one test naming that input, instead of taking down a pytest-xdist worker and, in
+CI, the make that waited on it. Every list starts from a small valid run (a
 synthetic dataset, 2 rounds, 4 clients), so a list that is valid runs for seconds, and
 the fuzzed flags override it: their values come from a pool of the values that break
 programs (0, negatives, huge and subnormal numbers, NaN, empty and odd strings, paths that
@@ -26,6 +29,9 @@ from hypothesis import strategies as st
 from scaffold_jax import cli
 
 pytestmark = pytest.mark.slow
+CHILD = os.environ.get("SCAFFOLD_JAX_FUZZ_CHILD") == "1"
+LOG = os.environ.get("SCAFFOLD_JAX_FUZZ_LOG")  # each input, written before it runs
+MEMORY_LIMIT = 8 * 2**30
 BUDGET = float(os.environ.get("SCAFFOLD_JAX_FUZZ_SECONDS", "600"))
 HANG_SECONDS = 180  # far beyond a 2-round synthetic run; a list that takes longer hangs
 BASE = {
@@ -135,6 +141,9 @@ def _check(args, tmp_path, kind):
     out = tmp_path / f"out-{TRIED[kind]}"
     if args[0] != "reproduce" or "--out" not in args:
         args = [*args, "--out", str(out)]
+    if LOG:
+        with open(LOG, "a") as log:
+            log.write(json.dumps(args) + "\n")
     stderr = io.StringIO()
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(HANG_SECONDS)
@@ -165,6 +174,10 @@ def _over_budget(kind: str) -> bool:
     return time.monotonic() - STARTED.setdefault(kind, time.monotonic()) > BUDGET / 2
 
 
+in_child = pytest.mark.skipif(not CHILD, reason="runs inside test_fuzz_in_a_child_process")
+
+
+@in_child
 @settings(max_examples=5_000, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))  # fmt: skip
 @given(data=st.data())
@@ -177,6 +190,7 @@ def test_random_argument_lists_end_cleanly(data, tmp_path_factory):
     _check(args, tmp, "argv")
 
 
+@in_child
 @settings(max_examples=5_000, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))  # fmt: skip
 @given(values=config_file(), suffix=st.sampled_from([".json", ".toml"]))
@@ -194,11 +208,40 @@ def test_random_config_files_end_cleanly(values, suffix, tmp_path_factory):
     _check(["run", "--config", str(path)], tmp, "config")
 
 
-def test_report_how_many_were_tried(request):
-    """Printed with ``-s`` and kept in pytest's cache (``.pytest_cache/v/scaffold_jax/fuzz``,
-    also under xdist): the counts go to the closing note of a change to the CLI."""
+@in_child
+def test_report_how_many_were_tried():
+    """Read by test_fuzz_in_a_child_process, which prints it (``-s``) and keeps it in
+    pytest's cache (``.pytest_cache/v/scaffold_jax/fuzz``, also under xdist): the counts go
+    to the closing note of a change to the CLI."""
     report = f"{TRIED['argv']} argument lists, {TRIED['config']} config files in {BUDGET:.0f} s"
     print(f"\nfuzz: {report}")
-    if hasattr(request.config, "cache"):  # absent under -p no:cacheprovider
-        request.config.cache.set("scaffold_jax/fuzz", report)
     assert TRIED["argv"] > 0 and TRIED["config"] > 0
+
+
+@pytest.mark.skipif(CHILD, reason="the parent of the fuzzing")
+def test_fuzz_in_a_child_process(tmp_path, request):
+    import subprocess
+    import sys
+
+    log = tmp_path / "inputs.jsonl"
+    script = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))\n"
+        "import pytest\n"
+        f"sys.exit(pytest.main(['-q', '-s', '-p', 'no:xdist', '-p', 'no:cacheprovider',"
+        f" '-m', 'slow', {__file__!r}]))\n"
+    )
+    env = {**os.environ, "SCAFFOLD_JAX_FUZZ_CHILD": "1", "SCAFFOLD_JAX_FUZZ_LOG": str(log),
+           "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=BUDGET + 2 * HANG_SECONDS + 300)  # fmt: skip
+    inputs = log.read_text().splitlines() if log.exists() else []
+    last = f"scaffold-jax {' '.join(json.loads(inputs[-1]))}" if inputs else "none yet"
+    assert done.returncode == 0, (
+        f"the fuzzing process ended with {done.returncode} after {len(inputs)} inputs; "
+        f"the last: {last}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    )
+    report = next(line for line in done.stdout.splitlines() if line.startswith("fuzz: "))
+    print(f"\n{report}")
+    if hasattr(request.config, "cache"):  # absent under -p no:cacheprovider
+        request.config.cache.set("scaffold_jax/fuzz", report.removeprefix("fuzz: "))

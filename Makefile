@@ -71,8 +71,8 @@ test-min: $(STAMP_MIN)
 	SCAFFOLD_JAX_TEST_COMPILE=release $(PY_MIN) -m pytest -q $(SMOKE_TESTS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check scaffold_jax tests benchmarks
-	$(VENV)/bin/ruff format --check scaffold_jax tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 # The API reference (pdoc) into docs/api/ (not committed) and docs/config.md (committed;
 # the tests check it is current), from the docstrings and the RunConfig fields.

@@ -107,3 +107,22 @@ def test_the_import_graph_has_no_circles():
     for node in list(edges):
         if node not in state:
             visit(node)
+
+
+def test_a_clone_in_the_working_directory_does_not_shadow_the_package(tmp_path):
+    """With the package under src/, a folder named after it (a clone, the usual
+    ``git clone .../scaffold_jax``) in the directory a script or REPL starts from is a
+    namespace package at most; it used to be imported instead of the installed package
+    (``AttributeError: module 'scaffold_jax' has no attribute 'from_partition'``)."""
+    import subprocess
+    import sys
+
+    clone = tmp_path / "scaffold_jax"
+    (clone / "src").mkdir(parents=True)
+    (clone / "README.md").write_text("a clone\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "import scaffold_jax as sj; print(sj.__file__, sj.from_partition)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(str(PACKAGE / "__init__.py")), done.stdout

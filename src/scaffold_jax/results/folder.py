@@ -72,7 +72,7 @@ def git_revision() -> dict[str, Any]:
     """``{"git_commit": <sha>, "git_dirty": <bool>}`` of the checkout the package is
     imported from (dirty: tracked files changed since that commit); both None when it is
     not in one (an installed wheel), or git is missing or fails."""
-    root = Path(__file__).resolve().parents[2]  # scaffold_jax/results/folder.py
+    root = Path(__file__).resolve().parents[3]  # src/scaffold_jax/results/folder.py
 
     def git(*argv: str) -> str:
         return subprocess.run(

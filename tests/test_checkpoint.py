@@ -290,7 +290,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, co
 def _as_on_several_processes(monkeypatch):
     """Makes every sharding count as spread over processes, so one process saves and
     restores leaves block by block, as each of several processes does with its own."""
-    monkeypatch.setattr(checkpoint, "_spreads", lambda sharding: True)
+    monkeypatch.setattr(checkpoint.checksums, "_spreads", lambda sharding: True)
 
 
 def _unsharded(state):

@@ -63,7 +63,7 @@ def test_an_unresolved_reference_is_a_warning(tmp_path, monkeypatch):
     (tmp_path / "refs_example.py").write_text(
         '"""See :func:`~scaffold_jax.sweep.grid` and :class:`Local`."""\n\n\n'
         "class Local:\n"
-        '    """Its :meth:`run` and :attr:`scaffold_jax.sweep.SweepResult.records`; not\n'
+        '    """Its :meth:`run` and :attr:`scaffold_jax.sweep.SweepCarry.diverged`; not\n'
         '    :func:`scaffold_jax.sweep.no_such_function` nor :mod:`scaffold_jax.simulate`."""\n\n'
         "    def run(self):\n"
         '        """Calls :func:`missing`."""\n'

@@ -1,6 +1,7 @@
 """RunConfig validation and resolution, config files, step-size selection, the η_l grid
 runner (sweep vs loop), and run()/reproduce_table() end to end on an in-memory dataset."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from scaffold_jax import experiments, paper, results
+from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.experiments import CellResult, ConfigError, RunConfig
@@ -146,6 +148,34 @@ def test_scaffold_option_accepts_the_papers_and_numeric_names():
     for option in ("I", "II", 1, 2):
         config = RunConfig.from_dict({"scaffold_option": option}).validate()
         assert config.resolved_options()["scaffold_option"] == ("I" if option in ("I", 1) else "II")
+
+
+def test_a_config_is_resolved_once_into_a_frozen_description():
+    config = RunConfig(algorithm="fedprox", dirichlet_alpha=0.3, local_steps=3, clients_per_round=5)
+    resolved = config.resolve()
+    assert (resolved.dataset, resolved.partition) == ("fashion_mnist", "dirichlet")
+    assert resolved.of("partition") == {"dirichlet_alpha": 0.3} and resolved.of("model") == {}
+    assert resolved.plan == BatchPlan.full(3) and resolved.clients_per_round == 5
+    assert float(resolved.hparams.prox_mu) == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.plan = BatchPlan.full(1)
+    config.num_clients = 7  # the caller's config, changed later, does not reach it
+    assert resolved.config.num_clients == 100
+    with pytest.raises(ConfigError, match="rounds = 0 is invalid"):
+        config.replace(rounds=0).resolve()
+
+
+def test_declared_hyper_parameters_are_read_without_building_the_algorithm(monkeypatch):
+    """An entry that declares its hyper-parameters is not built to read them; one that
+    does not (FedDyn: its server optimizer adds server_lr) is, with the config's options."""
+    spec = ALGORITHMS["fedexp"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fedexp was built to read its hyper-parameters")
+
+    monkeypatch.setitem(ALGORITHMS._entries, "fedexp", spec._replace(factory=refuse))
+    assert list(RunConfig(algorithm="fedexp").resolved_hparams()) == ["client_lr", "fedexp_eps"]
+    assert "server_lr" in RunConfig(algorithm="feddyn", server_optimizer="adam").resolved_hparams()
 
 
 def test_unknown_keys_are_errors_with_a_suggestion():

@@ -51,7 +51,7 @@ def reference_fednova(problem, data, plan, num_sampled, hp, rounds, seed, weight
     """FedNova written out client by client, as the contract states it (no vmap).
 
     Float64 numpy on the host; only a minibatch gradient is jax (float32, one client at a
-    time). The randomness contract is the engine's (tests/test_simulate.py::reference_run):
+    time). The randomness contract is the engine's (tests/test_engine.py::reference_run):
     round key fold_in(root, r) split into (sample key, clients key), client key
     fold_in(clients key, id), the plan's positions. ``decay``: FedAvgM-style momentum on the
     pseudo-gradient (optax.trace: m ← g + decay·m; x ← x − η_g m).

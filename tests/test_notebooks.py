@@ -162,7 +162,7 @@ def _execute(nb, tmp_path, monkeypatch, timeout):
 @pytest.mark.parametrize(
     "name",
     # End-to-end runs of the notebooks (5-25 s each): `pytest -m slow`. What they call is
-    # tested in the quick tier (test_simulate, test_sweep, test_privacy, test_models), and
+    # tested in the quick tier (test_engine, test_sweep, test_privacy, test_models), and
     # test_notebook_is_valid_clean_and_colab_ready checks each notebook's cells.
     [pytest.param(n, marks=pytest.mark.slow) for n in sorted(SMALL)],
 )

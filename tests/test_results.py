@@ -651,7 +651,7 @@ def test_the_environment_names_the_git_commit_and_the_library_versions(monkeypat
         flax.__version__, optax.__version__, np.__version__
     )  # fmt: skip
     assert env["jax"] and env["jaxlib"] and env["python"].count(".") == 2
-    root = Path(results.folder.__file__).resolve().parents[3]
+    root = Path(results.provenance.__file__).resolve().parents[3]
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True)
     in_checkout = head.returncode == 0 and (root / ".git").exists()
     assert env["git_commit"] == (head.stdout.decode().strip() if in_checkout else None)
@@ -661,7 +661,7 @@ def test_the_environment_names_the_git_commit_and_the_library_versions(monkeypat
         raise FileNotFoundError("git")
 
     results.git_revision.cache_clear()
-    monkeypatch.setattr(results.folder.subprocess, "run", no_git)
+    monkeypatch.setattr(results.provenance.subprocess, "run", no_git)
     try:
         assert results.environment()["git_commit"] is None
         assert results.git_revision() == {"git_commit": None, "git_dirty": None}

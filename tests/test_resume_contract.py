@@ -100,9 +100,9 @@ def test_the_default_cadence_saves_at_evaluations_within_its_share_of_the_time(
     """Without checkpoint_every a checkpoint comes at an evaluation once the time since the
     last save is (1 - s) / s times what that save took: every evaluation when s = 1, only
     the start and the end when s is tiny; a resume from the sparse ones is exact."""
-    from scaffold_jax import loop
+    from scaffold_jax.loop import driver
 
-    monkeypatch.setattr(loop, "CHECKPOINT_SHARE", share)
+    monkeypatch.setattr(driver, "CHECKPOINT_SHARE", share)
     directory = tmp_path / "ckpt"
     result = _sim().run(_data(), HP, 8, eval_every=2, checkpoint_dir=directory, keep_checkpoints=10)
     assert checkpoint.Checkpointer(directory).rounds() == saved
@@ -135,6 +135,26 @@ def test_a_resume_under_other_library_versions_names_both_and_the_flag(tmp_path,
     with loop.accept_new_versions():
         result = _sim().run(_data(), HP, 6, eval_every=2, checkpoint_dir=directory, resume=True)
     assert result.resumed_from == 4 and result.records[-1]["round"] == 6
+
+
+@pytest.mark.parametrize(
+    ("other", "named"),
+    [
+        (dict(sampler=sj.sampling.make("poisson")), "sampler"),
+        (dict(participation=sj.participation.make(dropouts="bernoulli")), "participation"),
+    ],
+    ids=["another sampler", "another participation model"],
+)
+def test_a_sweep_refuses_to_resume_under_another_sampler_or_participation(tmp_path, other, named):
+    """A sweep's chunks carry a single run's identity (sweeps used to leave the sampler
+    and the participation models out, and resumed under others)."""
+    hp, seeds, _ = sj.sweep.grid(client_lr=[0.05, 0.1], seeds=[0])
+    directory = tmp_path / "ckpt"
+    args = dict(num_rounds=2, eval_every=2, checkpoint_dir=directory)
+    sj.sweep.sweep(_sim(), _data(), hp, seeds, **args)
+    with pytest.raises(ConfigError, match=f"belongs to a different run .*{named}: "):
+        sj.sweep.sweep(_sim().replace(**other), _data(), hp, seeds, resume=True, **args)
+    assert sj.sweep.sweep(_sim(), _data(), hp, seeds, resume=True, **args).num_chunks == 1
 
 
 def test_the_command_line_refuses_other_versions_unless_accepted(tmp_path, monkeypatch, capsys):
@@ -352,16 +372,16 @@ def test_a_sigterm_summary_says_where_it_stopped(tmp_path):
 def test_a_table_resumed_with_dataset_auto_keeps_the_dataset_it_resolved(tmp_path, monkeypatch):
     """`reproduce table3 --dataset auto`, resumed after EMNIST became available, goes on
     with the dataset its folder holds: one table, one dataset."""
-    from scaffold_jax import paper
+    from scaffold_jax.paper import runs
 
     asked = []
-    original = paper.resolve_dataset
+    original = runs.resolve_dataset
 
     def resolve(name, *args):
         asked.append(name)
         return original("fashion_mnist" if name == "auto" else name, *args)
 
-    monkeypatch.setattr(paper, "resolve_dataset", resolve)
+    monkeypatch.setattr(runs, "resolve_dataset", resolve)  # reproduce_table loads with it
     argv = ["reproduce", "table3", "--quick", "--quiet", "--out", str(tmp_path / "t"),
             "--set", "similarities=[0.0]", "--set", "num_rounds=2", "--lr-grid", "0.1"]  # fmt: skip
     assert main(argv) == 0

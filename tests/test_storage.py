@@ -28,6 +28,7 @@ from conftest import run_folder_final_state
 from scaffold_jax import checkpoint, results
 from scaffold_jax.cli import main
 from scaffold_jax.results import folder as run_folder
+from scaffold_jax.results import lock as folder_lock
 
 ROUNDS = 6
 # A checkpoint every round (not the default cadence): a failure can be injected into any.
@@ -507,7 +508,7 @@ def test_a_fresh_empty_lock_is_being_taken_waited_for_and_never_says_kill_none(
     assert f"in use by a running scaffold-jax (pid {live['pid']}" in str(info.value)
     assert "None" not in str(info.value)
     # One that stays empty is stale once older than the grace period.
-    monkeypatch.setattr(run_folder, "_LOCK_GRACE", 0.5)
+    monkeypatch.setattr(folder_lock, "_LOCK_GRACE", 0.5)
     (out / results.LOCK_FILE).write_text("")
     results.check_lock(out)
     assert not (out / results.LOCK_FILE).exists()

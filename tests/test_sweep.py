@@ -102,7 +102,7 @@ def test_records_index_no_device_array_one_value_at_a_time(setup, base, small_da
     `reproduce fig3` 3.5x slower), and they equal the base sweep's records."""
     from jax._src import array
 
-    from scaffold_jax import sweep as sweeps
+    from scaffold_jax.loop import sweeps
 
     sim, _, _ = setup
     hp, seeds, _, expected, _ = base

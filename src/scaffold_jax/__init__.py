@@ -44,6 +44,10 @@ from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from
 from scaffold_jax.engine import init_state
 from scaffold_jax.layout import ClientMesh, SingleDevice
 from scaffold_jax.loop import DivergenceError, RunResult, RunTerminated, Simulation
+
+# A sweep's host half sits beside the host loop, above the vmapped program it drives
+# (scaffold_jax.sweep, which cannot import it); its names stay where sweeps find them.
+sweep.Sweep, sweep.SweepResult, sweep.sweep = loop.Sweep, loop.SweepResult, loop.sweep
 from scaffold_jax.types import (
     Algorithm,
     ClientOutput,

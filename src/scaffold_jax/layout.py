@@ -46,7 +46,7 @@ and which would leave devices idle; the rows are small next to the local work.
 Why GSPMD and not ``shard_map``: the layout hints are a few ``with_sharding_constraint``
 calls in the generic round (:meth:`ClientMesh.constrain`, a no-op on one device), so every
 algorithm and dataset runs sharded unchanged, and the compiled program does exactly
-steps 3-5 (``tests/test_sharding.py`` checks the collectives in the HLO). A hand-written
+steps 3-5 (``tests/test_layout.py`` checks the collectives in the HLO). A hand-written
 ``shard_map`` could turn the all-reduce of step 3 into a reduce-scatter (half the bytes)
 at the cost of per-device code for every table access and every dataset; at O(S·P) per
 round that is not worth it.
@@ -146,8 +146,9 @@ def _check_rows(what: str, size: int, mesh: Mesh) -> None:
 
 
 def state_shardings(state: SimState, mesh: Mesh) -> SimState:
-    """The shardings of a :class:`SimState`: table rows split; server, round and the
-    availability state (``[N]`` bytes at most) replicated.
+    """The shardings of a :class:`SimState`: the tables' rows (the clients', the message
+    transforms') split; server, round and the availability state (``[N]`` bytes at most)
+    replicated.
 
     ``state`` may hold arrays or ``jax.ShapeDtypeStruct`` s (only the structure is used).
     """
@@ -158,6 +159,7 @@ def state_shardings(state: SimState, mesh: Mesh) -> SimState:
         round=rep,
         model=_model_tree(state.model, rep, rows),
         participation=jax.tree.map(lambda _: rep, state.participation),
+        messages=jax.tree.map(lambda _: rows, state.messages),
     )
 
 

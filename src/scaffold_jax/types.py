@@ -362,7 +362,8 @@ class Algorithm(NamedTuple):
         SCAFFOLD's ``c = Σ w_i c_i / Σ w_i`` invariant exact. One with a ``cohort_size``
         parameter also gets the round's expected cohort S (float32), and one with a
         ``key`` parameter the round's server key (:func:`scaffold_jax.engine.server_key`):
-        differential privacy's wrapper takes both.
+        differential privacy's wrapper takes both; one with a ``released`` parameter gets
+        what the message transforms released beside the rows (see ``messages``).
       server_params: ``server_params(server_state) -> params``, the model x to evaluate.
       hparams: the hyper-parameters it reads from ``hparams``, ``{name: HParam}`` (default:
         the step sizes, :data:`STEP_SIZES`). Sweeps, configs, the command line and the
@@ -395,6 +396,11 @@ class Algorithm(NamedTuple):
         rounds, num_clients, clients_per_round, sampling) -> {name: float}`` with plain
         float ``hparams`` (one config's) and ``rounds`` the rounds run so far (a private
         run's ε). None: none.
+      messages: the chain of message transforms the clients' outputs pass through between
+        their local work and ``server_update``
+        (:class:`~scaffold_jax.messages.MessageTransform`, e.g. differential
+        privacy's clipping and noise); ``server_update`` aggregates what it makes. None:
+        the outputs as the clients made them.
     """
 
     name: str
@@ -410,6 +416,7 @@ class Algorithm(NamedTuple):
     options: Mapping[str, Any] = {}
     linear_aggregate: bool = True
     report: Callable[..., Mapping[str, float]] | None = None
+    messages: Any = None
 
 
 class SimState(NamedTuple):
@@ -426,6 +433,9 @@ class SimState(NamedTuple):
       participation: the availability model's state (a Markov chain's ``[N]`` on/off
         states; :mod:`scaffold_jax.participation`), None without one. It depends on the
         root key and the round only: a sweep keeps one per seed.
+      messages: the message transforms' per-client states
+        (:mod:`scaffold_jax.messages`), a table with a leading ``[N, ...]`` client
+        axis like ``clients``; None when no transform keeps any.
     """
 
     server: PyTree
@@ -433,6 +443,7 @@ class SimState(NamedTuple):
     round: Array
     model: PyTree = None
     participation: PyTree = None
+    messages: PyTree = None
 
 
 #: How the running statistics of a model (BatchNorm's) are kept across clients: averaged

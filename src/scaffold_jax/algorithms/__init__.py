@@ -1,13 +1,16 @@
 """The algorithms, one module each, and the algorithm registry.
 
-An entry of :data:`ALGORITHMS` (an :class:`AlgorithmSpec`) says how to build the algorithm
-and what the layers above need to know about it without naming it: its display name, its
-default batch plan, the factory options a config may set, and its declared
-hyper-parameters (given to :func:`register`, or read from a built instance). A new
-algorithm is its own module plus ONE :func:`register` call; one defined outside the
-package registers itself when its module is imported (see :mod:`scaffold_jax.registry`).
-An algorithm built from the registry is named by its registry key, which is the name its
-runs record (a variant registered over :func:`scaffold` is not recorded as "scaffold").
+An entry of :data:`ALGORITHMS` (an :class:`AlgorithmSpec`, see
+:mod:`scaffold_jax.algorithms.registry`) says how to build the algorithm and what the
+layers above need to know about it without naming it: its display name, its default batch
+plan, the factory options a config may set, and its declared hyper-parameters (given to
+:func:`register`, or read from a built instance). A new algorithm is its own module ending
+with ONE :func:`register` call that declares its options, as each built-in module does; a
+built-in one is imported below, in its place in the registry's order, and one defined
+outside the package registers itself when its module is imported (see
+:mod:`scaffold_jax.registry`). An algorithm built from the registry is named by its
+registry key, which is the name its runs record (a variant registered over :func:`scaffold`
+is not recorded as "scaffold").
 
 Examples:
   >>> from scaffold_jax import algorithms
@@ -18,270 +21,41 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from scaffold_jax.algorithms.registry import (
+    ALGORITHMS,
+    LOCAL_OPTIMIZER,
+    SERVER_OPTIMIZER,
+    AlgorithmSpec,
+    make,
+    optimizer_option,
+    register,
+)
+from scaffold_jax.registry import Option
 
-import jax.numpy as jnp
-
-from scaffold_jax import optimizers
-from scaffold_jax.algorithms.fedavg import fedavg
-from scaffold_jax.algorithms.feddyn import feddyn
-from scaffold_jax.algorithms.fedexp import HPARAMS as _FEDEXP_HPARAMS
-from scaffold_jax.algorithms.fedexp import fedexp
-from scaffold_jax.algorithms.fednova import fednova
-from scaffold_jax.algorithms.fedprox import fedprox
-from scaffold_jax.algorithms.mime import DEFAULT_BASE, mime, mimelite
-from scaffold_jax.algorithms.scaffnew import HPARAMS as _SCAFFNEW_HPARAMS
-from scaffold_jax.algorithms.scaffnew import NO_SERVER_OPTIMIZER, scaffnew
+# Importing a module registers its algorithms, so the order of these imports is the order
+# of ALGORITHMS, which the command line's help and the docs show.
+# isort: off
 from scaffold_jax.algorithms.scaffold import (
     ScaffoldClientState,
     ScaffoldServerState,
     client_controls,
-    option_name,
     scaffold,
 )
+from scaffold_jax.algorithms.fedavg import fedavg
+from scaffold_jax.algorithms.feddyn import feddyn
+from scaffold_jax.algorithms.fednova import fednova
+from scaffold_jax.algorithms.fedprox import fedprox
+from scaffold_jax.algorithms.mime import mime, mimelite
 from scaffold_jax.algorithms.sgd import sgd
-from scaffold_jax.registry import ConfigError, Option, Registry, factory_kwargs
-from scaffold_jax.types import Algorithm, HParam
-
-
-class AlgorithmSpec(NamedTuple):
-    """A registry entry: how to build an algorithm and what the layers above read.
-
-    Attributes:
-      factory: ``factory(loss_fn, **options) -> Algorithm``.
-      display_name: how tables and plots name it ("SCAFFOLD").
-      default_plan: the batch-plan kind a config uses when it sets none: ``"fraction"``
-        (the paper's batches of 0.2 of the client's data) or ``"full"`` (one full-batch
-        gradient, large-batch SGD).
-      options: ``{name: Option}``, the factory options it declares
-        (:class:`~scaffold_jax.registry.Option`, passed as the keyword
-        :attr:`~scaffold_jax.registry.Option.argument`, else the name).
-      refuses: ``{config field: why}`` for options of other algorithms this one does not
-        take for a reason worth telling (SCAFFOLD and a local optimizer); a config that
-        sets one gets the reason.
-      name: the registry key; an algorithm built here is given it as its ``name`` ("":
-        the factory's own name is kept).
-      declared_hparams: the hyper-parameters every algorithm the factory builds declares,
-        given without building one; None: read them from a built instance (for a factory
-        whose options change them, as FedDyn's server optimizer adds ``server_lr``).
-    """
-
-    factory: Callable[..., Algorithm]
-    display_name: str
-    default_plan: str = "fraction"
-    options: Mapping[str, Option] = {}
-    refuses: Mapping[str, str] = {}
-    name: str = ""
-    declared_hparams: Mapping[str, HParam] | None = None
-
-    @property
-    def hparams(self) -> Mapping[str, HParam]:
-        """The hyper-parameters the algorithm declares (:attr:`declared_hparams`, or read
-        from an instance built with the default options)."""
-        if self.declared_hparams is not None:
-            return self.declared_hparams
-        return self.build(lambda params, batch: jnp.zeros(())).hparams
-
-    def build(self, loss_fn, **options: Any) -> Algorithm:
-        """The algorithm for ``loss_fn``, named by its registry key; ``options`` are config
-        fields of :attr:`options` (others are ignored, so one config serves every
-        algorithm).
-
-        Raises:
-          ValueError: the built algorithm does not declare the :attr:`declared_hparams`.
-        """
-        return self.named(self.factory(loss_fn, **factory_kwargs(self.options, options)))
-
-    def named(self, algorithm: Algorithm) -> Algorithm:
-        """``algorithm`` (built by :attr:`factory`) with its registry key as its name,
-        checked against :attr:`declared_hparams`."""
-        if not isinstance(algorithm, Algorithm):
-            factory = f"{self.factory.__module__}.{getattr(self.factory, '__qualname__', '?')}"
-            raise ConfigError(
-                f"algorithm {self.name!r}: its factory {factory} returned "
-                f"{type(algorithm).__name__}, not an Algorithm; make it return one."
-            )
-        declared = self.declared_hparams
-        if declared is not None and set(algorithm.hparams) != set(declared):
-            raise ValueError(
-                f"algorithm {self.name or algorithm.name!r} was registered declaring the "
-                f"hyper-parameters {', '.join(declared) or 'none'}, but its factory built one "
-                f"declaring {', '.join(algorithm.hparams) or 'none'}; make register(..., "
-                "hparams=) match what the factory declares, or leave it out."
-            )
-        return algorithm._replace(name=self.name) if self.name else algorithm
-
-
-ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
-
-
-def register(
-    name: str,
-    factory: Callable[..., Algorithm],
-    display_name: str | None = None,
-    default_plan: str = "fraction",
-    options: Mapping[str, Option] | None = None,
-    replace: bool = False,
-    refuses: Mapping[str, str] | None = None,
-    hparams: Mapping[str, HParam] | None = None,
-) -> AlgorithmSpec:
-    """Registers an algorithm factory under ``name`` (see :class:`AlgorithmSpec`).
-
-    ``hparams``: the hyper-parameters the factory's algorithms declare, when they do not
-    depend on its options; the registry then knows them without building one, and checks
-    them against every algorithm it builds.
-    """
-    if default_plan not in ("fraction", "full"):
-        raise ValueError(f"default_plan={default_plan!r} is unknown; use 'fraction' or 'full'.")
-    spec = AlgorithmSpec(
-        factory,
-        display_name or name,
-        default_plan,
-        dict(options or {}),
-        dict(refuses or {}),
-        name,
-        None if hparams is None else dict(hparams),
-    )
-    return ALGORITHMS.register(name, spec, replace=replace)
-
-
-def optimizer_option(argument: str, default: str, what: str) -> Option:
-    """A factory option naming an optimizer of :mod:`scaffold_jax.optimizers` by spec
-    (``"adam:b2=0.99"``), stored in its canonical spelling."""
-    return Option(
-        default,
-        f"{what}: NAME or NAME:PARAM=VALUE,... with NAME one of {optimizers.describe()}",
-        argument=argument,
-        normalize=optimizers.canonical,
-    )
-
-
-#: FedOpt (Reddi et al. 2021): every built-in algorithm takes a server optimizer.
-SERVER_OPTIMIZER = {
-    "server_optimizer": optimizer_option(
-        "server_optimizer", "sgd", "server optimizer on the pseudo-gradient -mean(dy)"
-    )
-}
-#: A local optimizer, state fresh every round (FedAvg and FedProx).
-LOCAL_OPTIMIZER = {
-    "local_optimizer": optimizer_option(
-        "local_optimizer", "sgd", "local (client) optimizer, state fresh every round"
-    )
-}
-
-
-def make(name: str, loss_fn, **kwargs):
-    """Builds a registered algorithm by name (and named by it); ``kwargs`` go to its
-    factory as they are."""
-    spec = ALGORITHMS[name]
-    return spec.named(spec.factory(loss_fn, **kwargs))
-
-
-register(
-    "scaffold",
-    scaffold,
-    "SCAFFOLD",
-    options={
-        **SERVER_OPTIMIZER,
-        "scaffold_option": Option(
-            "II",
-            "SCAFFOLD control update: II (the paper's default) or I",
-            choices=("I", "II"),
-            argument="option",
-            normalize=option_name,
-        ),
-        "control_dtype": Option(
-            "float32",
-            "storage dtype of SCAFFOLD's client controls",
-            choices=("float32", "bfloat16"),
-        ),
-        "warm_controls": Option(
-            False,
-            "SCAFFOLD: start every c_i at its full-batch gradient at x0 (one pass over all "
-            "data) instead of 0",
-            "bool",
-        ),
-    },
-    refuses={
-        "local_optimizer": "SCAFFOLD's correction c - c_i is defined for plain SGD local "
-        "steps; momentum or Adam around the corrected gradient changes what the controls "
-        "estimate (a known cause of failed SCAFFOLD reproductions). Use plain SGD, or "
-        "fedavg / fedprox with a local optimizer",
-    },
-)
-register("fedavg", fedavg, "FedAvg", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})
-register("feddyn", feddyn, "FedDyn", options=SERVER_OPTIMIZER)
-register(
-    "fednova",
-    fednova,
-    "FedNova",
-    options=SERVER_OPTIMIZER,
-    refuses={
-        "local_optimizer": "FedNova's normalisation here is that of vanilla local SGD (the "
-        "paper's a_i = tau_i); with momentum its weights differ"
-    },
-)
-register("fedprox", fedprox, "FedProx", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})
-_BASE = {
-    **SERVER_OPTIMIZER,
-    "base_optimizer": optimizer_option(
-        "base_optimizer", optimizers.canonical(DEFAULT_BASE), "Mime's base optimizer B"
-    ),
-}
-_MIME_REFUSES = {
-    "local_optimizer": "Mime's local steps already apply the base optimizer, frozen; set it "
-    "with base_optimizer"
-}
-register("mime", mime, "Mime", options=_BASE, refuses=_MIME_REFUSES)
-register("mimelite", mimelite, "MimeLite", options=_BASE, refuses=_MIME_REFUSES)
-register("sgd", sgd, "SGD", default_plan="full", options=SERVER_OPTIMIZER)
-register(
-    "scaffnew",
-    scaffnew,
-    "Scaffnew",
-    hparams=_SCAFFNEW_HPARAMS,
-    options={
-        # Every built-in has the option; Scaffnew's takes only its default.
-        "server_optimizer": SERVER_OPTIMIZER["server_optimizer"]._replace(
-            normalize=lambda v: _only_sgd(v, NO_SERVER_OPTIMIZER)
-        )
-    },
-    refuses={
-        "local_optimizer": "Scaffnew's local steps are ProxSkip's plain gradient steps "
-        "corrected by the control h_i",
-    },
-)
-register(
-    "fedexp",
-    fedexp,
-    "FedExP",
-    hparams=_FEDEXP_HPARAMS,
-    options={
-        **SERVER_OPTIMIZER,
-        "average_last_two": Option(
-            False,
-            "FedExP: evaluate the mean of the last two server models (the paper's "
-            "evaluation) instead of the last",
-            "bool",
-        ),
-    },
-    refuses={
-        "local_optimizer": "FedExP's step size rule is derived for FedAvg's plain local SGD",
-    },
-)
-
-
-def _only_sgd(value: Any, why: str) -> str:
-    """An optimizer option that takes only ``"sgd"`` (none): ValueError with ``why``."""
-    value = optimizers.canonical(value)
-    if value != "sgd":
-        raise ValueError(f"{why}; leave it at 'sgd'.")
-    return value
+from scaffold_jax.algorithms.scaffnew import scaffnew
+from scaffold_jax.algorithms.fedexp import fedexp
+# isort: on
 
 
 __all__ = [
     "ALGORITHMS",
+    "LOCAL_OPTIMIZER",
+    "SERVER_OPTIMIZER",
     "AlgorithmSpec",
     "Option",
     "ScaffoldClientState",
@@ -295,6 +69,7 @@ __all__ = [
     "make",
     "mime",
     "mimelite",
+    "optimizer_option",
     "register",
     "scaffnew",
     "scaffold",

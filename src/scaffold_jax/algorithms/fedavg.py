@@ -22,6 +22,7 @@ from scaffold_jax.algorithms.common import (
     stateless_server_update,
     transformation,
 )
+from scaffold_jax.algorithms.registry import LOCAL_OPTIMIZER, SERVER_OPTIMIZER, register
 from scaffold_jax.types import Algorithm, HParams
 
 
@@ -70,3 +71,6 @@ def fedavg(
         server_update=stateless_server_update(server_optimizer),
         server_params=server_params,
     )
+
+
+register("fedavg", fedavg, "FedAvg", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})

@@ -39,6 +39,7 @@ from scaffold_jax.algorithms.common import (
     server_params,
     transformation,
 )
+from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.tree import weighted_mean, weighted_sum
 from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, HParam, HParams, PyTree
 
@@ -129,3 +130,6 @@ def feddyn(
         server_params=server_params,
         hparams=HPARAMS if server_optimizer is None else {**HPARAMS, **STEP_SIZES},
     )
+
+
+register("feddyn", feddyn, "FedDyn", options=SERVER_OPTIMIZER)

@@ -43,6 +43,8 @@ from scaffold_jax.algorithms.common import (
     server_model_step,
     transformation,
 )
+from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
+from scaffold_jax.registry import Option
 from scaffold_jax.tree import sq_norm, weighted_mean
 from scaffold_jax.types import (
     STEP_SIZES,
@@ -147,3 +149,23 @@ def fedexp(
         hparams=HPARAMS,
         linear_aggregate=False,
     )
+
+
+register(
+    "fedexp",
+    fedexp,
+    "FedExP",
+    hparams=HPARAMS,
+    options={
+        **SERVER_OPTIMIZER,
+        "average_last_two": Option(
+            False,
+            "FedExP: evaluate the mean of the last two server models (the paper's "
+            "evaluation) instead of the last",
+            "bool",
+        ),
+    },
+    refuses={
+        "local_optimizer": "FedExP's step size rule is derived for FedAvg's plain local SGD",
+    },
+)

@@ -45,6 +45,7 @@ from scaffold_jax.algorithms.common import (
     stateless_init,
     transformation,
 )
+from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.tree import weighted_sum
 from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, HParams, PyTree
 
@@ -118,3 +119,15 @@ def fednova(
         hparams=STEP_SIZES,
         linear_aggregate=False,
     )
+
+
+register(
+    "fednova",
+    fednova,
+    "FedNova",
+    options=SERVER_OPTIMIZER,
+    refuses={
+        "local_optimizer": "FedNova's normalisation here is that of vanilla local SGD (the "
+        "paper's a_i = tau_i); with momentum its weights differ"
+    },
+)

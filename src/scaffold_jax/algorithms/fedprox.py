@@ -20,6 +20,7 @@ from scaffold_jax.algorithms.common import (
     stateless_server_update,
     transformation,
 )
+from scaffold_jax.algorithms.registry import LOCAL_OPTIMIZER, SERVER_OPTIMIZER, register
 from scaffold_jax.types import STEP_SIZES, Algorithm, HParam, HParams
 
 HPARAMS = {
@@ -75,3 +76,6 @@ def fedprox(
         server_params=server_params,
         hparams=HPARAMS,
     )
+
+
+register("fedprox", fedprox, "FedProx", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})

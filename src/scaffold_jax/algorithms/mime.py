@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from scaffold_jax import optimizers
 from scaffold_jax.algorithms.common import (
     init_server_optimizer,
     local_update,
@@ -48,6 +49,7 @@ from scaffold_jax.algorithms.common import (
     server_params,
     transformation,
 )
+from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, optimizer_option, register
 from scaffold_jax.local import batch_grad
 from scaffold_jax.tree import weighted_mean
 from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParams, PyTree
@@ -178,3 +180,17 @@ def mimelite(
     """MimeLite: local steps along ``B(∇f_i(y; ζ))`` with B's state frozen (no SVRG
     correction, one gradient per step). Arguments as :func:`mime`."""
     return _mime(loss_fn, "mimelite", False, base_optimizer, server_optimizer)
+
+
+_OPTIONS = {
+    **SERVER_OPTIMIZER,
+    "base_optimizer": optimizer_option(
+        "base_optimizer", optimizers.canonical(DEFAULT_BASE), "Mime's base optimizer B"
+    ),
+}
+_REFUSES = {
+    "local_optimizer": "Mime's local steps already apply the base optimizer, frozen; set it "
+    "with base_optimizer"
+}
+register("mime", mime, "Mime", options=_OPTIONS, refuses=_REFUSES)
+register("mimelite", mimelite, "MimeLite", options=_OPTIONS, refuses=_REFUSES)

@@ -51,6 +51,7 @@ from scaffold_jax.algorithms.common import (
     server_params,
     transformation,
 )
+from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.tree import weighted_mean
 from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, HParam, HParams, PyTree
 
@@ -85,11 +86,17 @@ def draw_local_steps(round_key, comm_prob, max_steps: int) -> jax.Array:
     return jnp.minimum(steps, float(max_steps)).astype(jnp.int32)
 
 
-#: Why Scaffnew takes no server optimizer.
-NO_SERVER_OPTIMIZER = (
-    "Scaffnew's server step is ProxSkip's average of the clients' shifted models, which "
-    "keeps the controls summing to 0; another server step breaks that"
-)
+def _sgd_only(server_optimizer) -> str:
+    """``"sgd"`` if ``server_optimizer`` names none (None, ``"sgd"``), else ValueError; the
+    factory checks its argument with it, the registry's option (every built-in has one) a
+    config's value when it is read."""
+    if transformation(server_optimizer) is not None:
+        raise ValueError(
+            "Scaffnew's server step is ProxSkip's average of the clients' shifted models, "
+            "which keeps the controls summing to 0; another server step breaks that; leave "
+            "server_optimizer at 'sgd' (none)."
+        )
+    return "sgd"
 
 
 @records_options
@@ -110,8 +117,7 @@ def scaffnew(loss_fn, server_optimizer: str | None = None) -> Algorithm:
       >>> alg.name, list(alg.hparams)
       ('scaffnew', ['client_lr', 'comm_prob'])
     """
-    if transformation(server_optimizer) is not None:
-        raise ValueError(f"{NO_SERVER_OPTIMIZER}; leave server_optimizer at 'sgd' (none).")
+    _sgd_only(server_optimizer)
 
     def init(params: PyTree):
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
@@ -194,3 +200,18 @@ def scaffnew(loss_fn, server_optimizer: str | None = None) -> Algorithm:
         client_sync=client_sync,
         check=check,
     )
+
+
+register(
+    "scaffnew",
+    scaffnew,
+    "Scaffnew",
+    hparams=HPARAMS,
+    options={
+        "server_optimizer": SERVER_OPTIMIZER["server_optimizer"]._replace(normalize=_sgd_only)
+    },
+    refuses={
+        "local_optimizer": "Scaffnew's local steps are ProxSkip's plain gradient steps "
+        "corrected by the control h_i",
+    },
+)

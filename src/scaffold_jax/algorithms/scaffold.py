@@ -58,7 +58,9 @@ from scaffold_jax.algorithms.common import (
     server_params,
     transformation,
 )
+from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.local import batch_grad, flatten_steps
+from scaffold_jax.registry import Option
 from scaffold_jax.tree import weighted_mean, weighted_sum
 from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParams, PyTree
 
@@ -245,3 +247,37 @@ def scaffold(
         server_params=server_params,
         warm_start=FullDataPass(warm_client, warm_server) if warm_controls else None,
     )
+
+
+register(
+    "scaffold",
+    scaffold,
+    "SCAFFOLD",
+    options={
+        **SERVER_OPTIMIZER,
+        "scaffold_option": Option(
+            "II",
+            "SCAFFOLD control update: II (the paper's default) or I",
+            choices=("I", "II"),
+            argument="option",
+            normalize=option_name,
+        ),
+        "control_dtype": Option(
+            "float32",
+            "storage dtype of SCAFFOLD's client controls",
+            choices=("float32", "bfloat16"),
+        ),
+        "warm_controls": Option(
+            False,
+            "SCAFFOLD: start every c_i at its full-batch gradient at x0 (one pass over all "
+            "data) instead of 0",
+            "bool",
+        ),
+    },
+    refuses={
+        "local_optimizer": "SCAFFOLD's correction c - c_i is defined for plain SGD local "
+        "steps; momentum or Adam around the corrected gradient changes what the controls "
+        "estimate (a known cause of failed SCAFFOLD reproductions). Use plain SGD, or "
+        "fedavg / fedprox with a local optimizer",
+    },
+)

@@ -22,6 +22,7 @@ from scaffold_jax.algorithms.common import (
     stateless_server_update,
     transformation,
 )
+from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.local import batch_grad, flatten_steps
 from scaffold_jax.types import Algorithm, ClientOutput, HParams
 
@@ -54,3 +55,6 @@ def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = N
         server_update=stateless_server_update(server_optimizer),
         server_params=server_params,
     )
+
+
+register("sgd", sgd, "SGD", default_plan="full", options=SERVER_OPTIMIZER)

@@ -35,110 +35,39 @@ is one line, ``DATASETS.register("name", DatasetSpec(...))``, in any module (a p
 
 from __future__ import annotations
 
-import contextlib
 import gzip
-import logging
 import math
 import os
-import warnings
-import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from scaffold_jax.registry import Option, Registry, factory_kwargs, resolve_options
-
-logger = logging.getLogger(__name__)
+from scaffold_jax.data.sources_registry import (
+    DATASETS,
+    Dataset,
+    DatasetSpec,
+    _check_labels,
+    canonical_name,
+)
+from scaffold_jax.data.sources_tfds import DOWNLOAD_RETRIES as DOWNLOAD_RETRIES
+from scaffold_jax.data.sources_tfds import ENV_CACHE_DIR as ENV_CACHE_DIR
+from scaffold_jax.data.sources_tfds import _download_paths as _download_paths
+from scaffold_jax.data.sources_tfds import _load_cache, cache_path, load_tfds
+from scaffold_jax.data.sources_tfds import _remove_new_paths as _remove_new_paths
+from scaffold_jax.data.sources_tfds import default_cache_dir as default_cache_dir
+from scaffold_jax.registry import factory_kwargs, resolve_options
 
 ENV_DATA_DIR = "SCAFFOLD_JAX_DATA_DIR"
-ENV_CACHE_DIR = "SCAFFOLD_JAX_CACHE_DIR"
 NIST_EMNIST_URL = "https://www.nist.gov/itl/products-and-services/emnist-dataset"
-
-# Bumped whenever the cache layout or the orientation convention changes, so an old cache
-# file is ignored (and rewritten) instead of silently giving differently shaped data.
-_CACHE_FORMAT = 1
 
 # Folders that OS packages install datasets into (tests monkeypatch this).
 SYSTEM_DIRS: dict[str, tuple[str, ...]] = {
     "fashion_mnist": ("/usr/share/datasets/fashion-mnist",),
 }
 
-
-class DatasetSpec(NamedTuple):
-    """A registered dataset: where :func:`load` looks for it and how it reads it.
-
-    Attributes:
-      num_classes: C, as TFDS declares it (every label is in ``[0, C)``).
-      idx_prefix: file-name prefix of its IDX files (``""`` for MNIST's own names); None:
-        it has no IDX distribution (TFDS only).
-      transposed: its images are stored transposed (EMNIST) in IDX files and in TFDS.
-      subdirs: sub-folders of a data dir that may hold it, tried before the dir itself.
-      loader: a dataset with a loader of its own (a plugin's ``.npz`` file, a CSV...):
-        ``loader(data_dir, **options) -> Dataset``, called instead of the IDX/cache/TFDS
-        search. None: the built-in search.
-      options: ``{name: Option}``, the loader's declared options, passed to it as keywords.
-
-    Examples:
-      >>> def from_npz(data_dir, scale=1.0): ...
-      >>> spec = DatasetSpec(10, loader=from_npz)  # then DATASETS.register("mine", spec)
-    """
-
-    num_classes: int
-    idx_prefix: str | None = None
-    transposed: bool = False
-    subdirs: tuple[str, ...] = ()
-    loader: Callable[..., Dataset] | None = None
-    options: Mapping[str, Option] = {}
-
-
-DATASETS: Registry[DatasetSpec] = Registry("dataset")
-DATASETS.register("mnist", DatasetSpec(10, "", False, ("mnist",)))
-DATASETS.register("fashion_mnist", DatasetSpec(10, "", False, ("fashion_mnist", "fashion-mnist")))
-DATASETS.register("cifar10", DatasetSpec(10, None, False, ()))
-DATASETS.register("cifar100", DatasetSpec(100, None, False, ()))
-
-
-def _emnist(config: str, num_classes: int) -> DatasetSpec:
-    """An EMNIST split: NIST's ``emnist-<config>-`` IDX files, images stored transposed."""
-    # NIST's gzip.zip unpacks into gzip/.
-    return DatasetSpec(
-        num_classes, f"emnist-{config}-", True, (f"emnist-{config}", "emnist", "gzip")
-    )
-
-
-DATASETS.register("emnist/balanced", _emnist("balanced", 47))
-DATASETS.register("emnist/byclass", _emnist("byclass", 62))
-DATASETS.register("emnist/bymerge", _emnist("bymerge", 47))
-DATASETS.register("emnist/digits", _emnist("digits", 10))
-DATASETS.register("emnist/letters", _emnist("letters", 37))
-DATASETS.register("emnist/mnist", _emnist("mnist", 10))
-
-
-class Dataset(NamedTuple):
-    """A labelled image dataset in host memory.
-
-    Attributes:
-      name: canonical name, e.g. ``"fashion_mnist"`` or ``"emnist/balanced"``.
-      source: where the arrays came from: a folder of IDX files, ``"tfds:<name>"`` or an
-        ``.npz`` cache path.
-      train: ``{"x": uint8 [n, 28, 28] (cifar10: [n, 32, 32, 3]), "y": int32 [n]}``.
-      test: the same for the held-out split.
-      num_classes: number of classes C; every label is in ``[0, C)``.
-    """
-
-    name: str
-    source: str
-    train: dict
-    test: dict
-    num_classes: int
-
-
-# --------------------------------------------------------------------------------------
-# IDX files
-# --------------------------------------------------------------------------------------
 
 # IDX type codes (third magic byte) -> big-endian numpy dtype.
 _IDX_DTYPES = {
@@ -329,311 +258,6 @@ def load_idx_folder(
     return Dataset(name, str(folder), splits["train"], splits["test"], int(num_classes))
 
 
-def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
-    if not np.issubdtype(y.dtype, np.integer):
-        # Converting them to int32 would silently truncate 1.7 to 1.
-        odd = np.flatnonzero(np.asarray(y, np.float64) != np.round(y)) if y.size else []
-        i = int(odd[0]) if len(odd) else 0
-        example = f" (label {y[i].item()!r} at index {i})" if y.size else ""
-        raise ValueError(
-            f"{where}: labels must be integer class indices, got {y.dtype} values{example}; "
-            "store them as integers (IDX type code 0x08, unsigned bytes)."
-        )
-    if y.size == 0:
-        return
-    bad = (y < 0) | (y >= num_classes)
-    if np.any(bad):
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"{where}: label {y[i]} at index {i} is outside [0, {num_classes}) "
-            f"({int(bad.sum())} labels out of range)."
-        )
-
-
-# --------------------------------------------------------------------------------------
-# TFDS and the npz cache
-# --------------------------------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    """``$SCAFFOLD_JAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/scaffold_jax``, else
-    ``~/.cache/scaffold_jax``."""
-    if os.environ.get(ENV_CACHE_DIR):
-        return Path(os.environ[ENV_CACHE_DIR]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "scaffold_jax"
-
-
-def cache_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the ``.npz`` cache of dataset ``name`` lives."""
-    name = canonical_name(name)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return root / f"{name.replace('/', '-')}.npz"
-
-
-def _load_cache(path: Path, name: str) -> Dataset | None:
-    """The cached dataset, or None when the file is absent, stale (older format) or
-    unreadable (corrupt or truncated: a warning names it, and the caller rebuilds it)."""
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if int(z["format"]) != _CACHE_FORMAT or str(z["name"]) != name:
-                logger.warning("ignoring stale cache %s (format or name mismatch)", path)
-                return None
-            train = {"x": z["train_x"], "y": z["train_y"]}
-            test = {"x": z["test_x"], "y": z["test_y"]}
-            origin, num_classes = str(z["origin"]), int(z["num_classes"])
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, zlib.error) as err:
-        warnings.warn(
-            f"ignoring the unreadable dataset cache {path} ({type(err).__name__}: {err}); it "
-            "is rebuilt from the source.",
-            stacklevel=2,
-        )
-        return None
-    return Dataset(name, f"{path} (cache of {origin})", train, test, num_classes)
-
-
-def _write_cache(path: Path, ds: Dataset) -> None:
-    """Writes atomically (temporary file + rename): concurrent runs never read half a file.
-
-    Uncompressed: loading is then a plain read (the arrays take their full size in memory
-    either way, and decompressing would cost time on every load).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                format=np.int64(_CACHE_FORMAT),
-                name=np.str_(ds.name),
-                origin=np.str_(ds.source),
-                num_classes=np.int64(ds.num_classes),
-                train_x=ds.train["x"],
-                train_y=ds.train["y"],
-                test_x=ds.test["x"],
-                test_y=ds.test["y"],
-            )
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _read_source(source: Sequence[Any], chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:
-    """Reads a whole TFDS data source into ``(images, labels)`` arrays.
-
-    Records are fetched ``chunk`` at a time with ``__getitems__`` (ArrayRecord reads them
-    in parallel) and written into preallocated arrays; only TFDS's own per-record image
-    decoding remains per example (the files store each image as a PNG).
-    """
-    n = len(source)
-    get_many = getattr(source, "__getitems__", None)
-    x = y = None
-    for start in range(0, n, chunk):
-        keys = list(range(start, min(n, start + chunk)))
-        records = get_many(keys) if get_many is not None else [source[k] for k in keys]
-        if x is None:
-            first = np.asarray(records[0]["image"])
-            x = np.empty((n, *first.shape), dtype=np.uint8)
-            y = np.empty((n,), dtype=np.int32)
-        x[start : start + len(keys)] = np.stack([np.asarray(r["image"]) for r in records])
-        y[start : start + len(keys)] = [int(r["label"]) for r in records]
-    if x is None:
-        raise ValueError(f"the TFDS data source {source!r} is empty.")
-    return x, y
-
-
-def load_tfds(
-    name: str,
-    data_dir: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    download: bool = False,
-) -> Dataset:
-    """Loads a dataset through ``tfds.data_source`` (no TensorFlow needed), with a cache.
-
-    The first call reads both splits into numpy and writes them to
-    ``<cache_dir>/<name>.npz``; later calls read that file and never touch TFDS.
-
-    Args:
-      name: one of :data:`DATASETS`, e.g. ``"emnist/balanced"`` or ``"cifar10"``.
-      data_dir: the TFDS data dir (default: TFDS's, ``~/tensorflow_datasets``).
-      cache_dir: the ``.npz`` cache folder (default :func:`default_cache_dir`).
-      download: let TFDS download and prepare the dataset when it is not prepared yet
-        (needs internet). When False, only an already prepared dataset is read. Offline,
-        the download fails within seconds (:data:`DOWNLOAD_RETRIES`) and what it created
-        in the TFDS data dir is removed, apart from completed download files.
-
-    Returns:
-      The :class:`Dataset`: grayscale images squeezed to ``[n, 28, 28]``, EMNIST images
-      transposed upright, labels int32.
-
-    Raises:
-      FileNotFoundError: not cached, not prepared in ``data_dir``, and ``download`` False;
-        or the download failed (offline).
-      ImportError: tensorflow-datasets is not installed.
-    """
-    name = canonical_name(name)
-    spec = DATASETS[name]
-    path = cache_path(name, cache_dir)
-    cached = _load_cache(path, name)
-    if cached is not None:
-        return cached
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as err:
-        raise ImportError(
-            "reading TFDS datasets needs tensorflow-datasets: pip install 'scaffold-jax[data]'"
-        ) from err
-    data_dir = None if data_dir is None else os.fspath(Path(data_dir).expanduser())
-    with _absl_quiet():  # TFDS warns about a missing dataset_info.json: it is missing
-        builder = tfds.builder(name, data_dir=data_dir)
-        prepared = builder.is_prepared()
-    if not download and not prepared:
-        raise FileNotFoundError(
-            f"TFDS dataset {name} is not prepared in {builder.data_dir} and download=False."
-        )
-    # What a failed download leaves behind is removed: TFDS's empty dataset folder would
-    # make every later load warn that its dataset_info.json is missing.
-    root = Path(builder.data_dir_root)
-    before = _download_paths(root, builder.name) if download and not prepared else None
-    # Pass the splits explicitly: with split=None TFDS needs the split metadata up front,
-    # which `tfds.testing.mock_data` does not provide.
-    try:
-        with _few_download_retries():
-            train_src, test_src = tfds.data_source(
-                name, split=["train", "test"], data_dir=data_dir, download=download
-            )
-    except Exception as err:
-        if before is not None:
-            _remove_new_paths(root, builder.name, before)
-        if not download or isinstance(err, FileNotFoundError):
-            raise
-        if isinstance(err, ImportError):
-            # A dependency TFDS needs only to download: tensorflow-datasets declares
-            # importlib_resources for Python < 3.9 only, yet imports it on every Python.
-            module = getattr(err, "name", None) or str(err)
-            raise FileNotFoundError(
-                f"TFDS could not download {name}: it needs the module {module}, which is not "
-                f"installed ({err}); pip install {module} (the 'data' extra of scaffold-jax "
-                "includes importlib_resources)."
-            ) from err
-        # Offline, TFDS fails in many ways (DNS errors, connection resets); the caller
-        # gets "not found" with what went wrong.
-        raise FileNotFoundError(
-            f"TFDS could not download {name} ({type(err).__name__}: {err}); check the "
-            "internet connection, or get the files another way (see scaffold_jax.data.sources)."
-        ) from err
-    splits = {}
-    for split, src in (("train", train_src), ("test", test_src)):
-        x, y = _read_source(src)
-        if x.ndim == 4 and x.shape[-1] == 1:
-            x = x[..., 0]  # grayscale: [n, 28, 28, 1] -> [n, 28, 28]
-        if spec.transposed:
-            x = np.ascontiguousarray(x.transpose(0, 2, 1))
-        _check_labels(y, spec.num_classes, f"tfds:{name} {split}")
-        splits[split] = {"x": x, "y": y}
-    ds = Dataset(name, f"tfds:{name}", splits["train"], splits["test"], spec.num_classes)
-    try:
-        _write_cache(path, ds)
-    except OSError as err:  # a read-only home must not make the data unusable
-        logger.warning("could not write the cache %s: %s", path, err)
-    return ds
-
-
-#: Retries of a failed download request. TFDS's own 10, with its exponential backoff
-#: (0.2 s doubling), wait 204 s before an offline download fails; 2 (0.4 s of waiting)
-#: still ride out a transient error.
-DOWNLOAD_RETRIES = 2
-
-
-@contextlib.contextmanager
-def _few_download_retries():
-    """TFDS's download retries capped at :data:`DOWNLOAD_RETRIES`, then restored.
-
-    TFDS reads its module constant ``MAX_RETRIES`` for every request; a TFDS without it is
-    left as it is."""
-    from tensorflow_datasets.core.download import downloader
-
-    saved = getattr(downloader, "MAX_RETRIES", None)
-    if saved is not None:
-        downloader.MAX_RETRIES = min(saved, DOWNLOAD_RETRIES)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            downloader.MAX_RETRIES = saved
-
-
-def _download_paths(root: Path, name: str) -> set[Path]:
-    """The paths a TFDS download of dataset ``name`` writes in the data dir ``root``: the
-    folder itself, and everything in its dataset folder and its ``downloads`` folder."""
-    trees = [tree for tree in (root / name, root / "downloads") if tree.exists()]
-    return {p for p in (root, *trees) if p.exists()} | {p for t in trees for p in t.rglob("*")}
-
-
-def _remove_new_paths(root: Path, name: str, before: set[Path]) -> None:
-    """Removes what a failed TFDS download of ``name`` created (paths not in ``before``).
-
-    A completed download file is kept (a retry need not fetch it again), and so are the
-    folders that hold one; TFDS's partial downloads (``*.tmp.*``) and every folder left
-    empty go, and the dataset's ``.config`` metadata with them. A path that cannot be
-    removed is left, with a warning: the download's own error matters more."""
-    downloads = root / "downloads"
-    for path in sorted(_download_paths(root, name) - before, key=lambda p: -len(p.parts)):
-        inside = path.relative_to(downloads).parts if path.is_relative_to(downloads) else None
-        finished = inside is not None and not any(".tmp." in part for part in inside)
-        try:
-            if path.is_dir() and not path.is_symlink():
-                if not any(path.iterdir()):
-                    path.rmdir()
-            elif not finished:
-                path.unlink()
-        except OSError as err:
-            logger.warning("could not remove %s after the failed download: %s", path, err)
-
-
-@contextlib.contextmanager
-def _absl_quiet():
-    """absl's warnings (TFDS logs through it) held back to errors, then restored."""
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl.setLevel(level)
-
-
-# --------------------------------------------------------------------------------------
-# The one entry point
-# --------------------------------------------------------------------------------------
-
-
-def canonical_name(name: str) -> str:
-    """``"Fashion-MNIST"`` -> ``"fashion_mnist"``, ``"emnist-balanced"`` -> ``"emnist/balanced"``.
-
-    A name registered as it is (a plugin's dataset) is kept unchanged.
-
-    Raises:
-      ValueError: an unknown dataset.
-    """
-    if isinstance(name, str) and name in DATASETS:
-        return name
-    key = (
-        name.strip()
-        .lower()
-        .replace("fashion-mnist", "fashion_mnist")
-        .replace("cifar-10", "cifar10")
-    )
-    if key.startswith("emnist-") or key.startswith("emnist_"):
-        key = "emnist/" + key[len("emnist-") :]
-    if key not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}.")
-    return key
-
-
 def _idx_folders(root: Path, spec: DatasetSpec) -> Iterable[Path]:
     """A data dir's dataset-named sub-folders first (a root that holds several datasets
     must not serve MNIST files for Fashion-MNIST), then the folder itself."""
@@ -691,40 +315,31 @@ def load(
     if spec.loader is not None:
         values = resolve_options(spec.options, options or {})
         return spec.loader(data_dir, **factory_kwargs(spec.options, values))
-    looked: list[str] = []
     if data_dir is not None:
         # Given explicitly, it is used or refused: a folder without the files (a typo, a
         # half-copied download) must not silently load another copy from elsewhere.
         return _load_data_dir(name, spec, Path(data_dir).expanduser())
 
-    env_dir = os.environ.get(ENV_DATA_DIR) or None
-    folders: list[tuple[str, Path | None]] = []  # in search order; None: not configured
-    for label, root, unset in (
-        ("data_dir", data_dir, "not given"),
-        (f"${ENV_DATA_DIR}", env_dir, "not set"),
-    ):
-        if root is None:
-            folders.append((f"{label} ({unset})", None))
-        else:
-            folders += [(label, f) for f in _idx_folders(Path(root).expanduser(), spec)]
-    folders += [("system folder", Path(d)) for d in SYSTEM_DIRS.get(name, ())]
-    if spec.idx_prefix is not None:
-        for label, folder in folders:
-            if folder is None:
-                looked.append(label)
-                continue
-            files, missing = _find_idx_files(folder, spec.idx_prefix)
-            if files is None:
-                why = "does not exist" if not folder.is_dir() else f"no {missing[0]}"
-                looked.append(f"{label} {folder} ({why})")
-                continue
-            # Malformed files raise here on purpose: better than silently using other data.
-            return load_idx_folder(
-                folder, name, spec.num_classes, spec.transposed, prefix=spec.idx_prefix
-            )
+    env_dir = os.environ.get(ENV_DATA_DIR)
+    folders: list[tuple[str, Path | None]] = [("data_dir (not given)", None)]  # None: unset
+    if env_dir:
+        folders += [(f"${ENV_DATA_DIR}", f) for f in _idx_folders(Path(env_dir).expanduser(), spec)]
     else:
-        looked.extend(
-            f"{label} {f} (no IDX distribution for {name})" if f else label for label, f in folders
+        folders.append((f"${ENV_DATA_DIR} (not set)", None))
+    folders += [("system folder", Path(d)) for d in SYSTEM_DIRS.get(name, ())]
+    looked: list[str] = []
+    for label, folder in folders:
+        if folder is None or spec.idx_prefix is None:
+            looked.append(f"{label} {folder} (no IDX distribution for {name})" if folder else label)
+            continue
+        files, missing = _find_idx_files(folder, spec.idx_prefix)
+        if files is None:
+            why = "does not exist" if not folder.is_dir() else f"no {missing[0]}"
+            looked.append(f"{label} {folder} ({why})")
+            continue
+        # Malformed files raise here on purpose: better than silently using other data.
+        return load_idx_folder(
+            folder, name, spec.num_classes, spec.transposed, prefix=spec.idx_prefix
         )
 
     path = cache_path(name, cache_dir)

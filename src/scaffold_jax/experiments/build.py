@@ -16,13 +16,10 @@ from scaffold_jax.data import assembly, natural, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData
 from scaffold_jax.experiments.config import RunConfig
+from scaffold_jax.experiments.resolve import make_algorithm
 from scaffold_jax.loop import Simulation
 from scaffold_jax.tree import tree_digest
-from scaffold_jax.types import (
-    Algorithm,
-    HParams,
-    Problem,
-)
+from scaffold_jax.types import Algorithm, HParams, Problem
 
 
 class Built(NamedTuple):
@@ -75,7 +72,7 @@ def load_dataset(config: RunConfig) -> sources.Dataset | natural.ClientDataset |
     Raises:
       FileNotFoundError: the dataset is nowhere to be found.
     """
-    if config.is_synthetic:
+    if assembly.kind_of(config.dataset) == "synthetic":
         return None
     return assembly.load(config.dataset, config.data_dir, config.resolved("dataset"),
                          config.download)  # fmt: skip
@@ -86,7 +83,8 @@ def build(
     dataset: sources.Dataset | natural.ClientDataset | None = None,
     reuse: dict[tuple, Any] | None = None,
 ) -> Built:
-    """Validates ``config`` and builds its data, model, algorithm and simulation.
+    """Validates ``config``, resolves it (:meth:`RunConfig.resolve`) and builds its data,
+    model, algorithm and simulation from what it resolved to.
 
     Args:
       config: the run's configuration.
@@ -102,13 +100,14 @@ def build(
       FileNotFoundError: the dataset is nowhere to be found (the message says where it
         looked and how to get it).
     """
-    config.validate()
+    resolved = config.resolve()
+    config = resolved.config
     reuse = {} if reuse is None else reuse
     arguments = dict(
         num_clients=config.num_clients,
-        seed=config.resolved_partition_seed(),
-        options={**config.resolved("dataset"), **config.resolved("partition")},
-        partitioner=config.resolved_partition_kind() if config.chose("partition") else None,
+        seed=resolved.partition_seed,
+        options={**resolved.of("dataset"), **resolved.of("partition")},
+        partitioner=resolved.partition,
         data_dir=config.data_dir,
         download=config.download,
         max_train_examples=config.max_train_examples,
@@ -117,7 +116,7 @@ def build(
     )
     # The last data assembled is kept: the cells of a grid that share it come one after
     # the other (a table's rows of a column, a sweep's algorithms of a setting).
-    key = (config.canonical_dataset(), _text(arguments), id(dataset))
+    key = (resolved.dataset, _text(arguments), id(dataset))
     if reuse.get("data", (None,))[0] != key:
         reuse["data"] = (key, assembly.assemble(key[0], **arguments, loaded=dataset))
     assembled = reuse["data"][1]
@@ -125,38 +124,36 @@ def build(
     problem = assembled.problem
     if problem is None:
         key = ("model", config.model, tuple(assembled.example_shape), assembled.num_classes,
-               _text(config.resolved("model")), config.seed)  # fmt: skip
+               _text(resolved.of("model")), config.seed)  # fmt: skip
         if key not in reuse:
             reuse[key] = make_problem(
                 config.model, assembled.example_shape, assembled.num_classes,
-                config.resolved("model"), config.seed,
+                resolved.of("model"), config.seed,
             )  # fmt: skip
         problem = reuse[key]
-    plan = config.resolved_plan()
-    clients_per_round = config.resolved_clients_per_round()
+    plan = resolved.plan
     # A problem brought by the data (a quadratic family's) is new at every build: it is the
     # same when its functions are and its initial params equal.
-    key = ("simulation", config.algorithm, _text(config.resolved_options()), repr(plan),
-           clients_per_round, config.weighting, _text(config.resolved("weighting")),
-           config.train_eval_examples, config.sampler, config.privacy,
-           _text(config.resolved("privacy")),
-           _text(config.resolved("sampler")), config.availability, config.stragglers,
-           config.dropouts, *(_text(config.resolved(kind)) for kind in participation.KINDS),
-           problem.loss_fn, problem.accuracy_fn,
+    kinds = ("algorithm", "weighting", "privacy", "sampler", *participation.KINDS)
+    key = ("simulation", config.algorithm, repr(plan), resolved.clients_per_round,
+           config.weighting, config.train_eval_examples, config.sampler, config.privacy,
+           config.availability, config.stragglers, config.dropouts,
+           *(_text(resolved.of(kind)) for kind in kinds), problem.loss_fn, problem.accuracy_fn,
            problem.update_state, problem.num_classes, problem.state_policy,
            tree_digest((problem.params, problem.model_state)))  # fmt: skip
     if key not in reuse:
-        algorithm = config.build_algorithm(problem.loss_fn)
         reuse[key] = Simulation(
-            algorithm,
+            make_algorithm(config, problem.loss_fn),
             problem,
             plan,
-            clients_per_round,
+            resolved.clients_per_round,
             config.weighting,
-            weighting_options=config.resolved("weighting"),
+            weighting_options=resolved.of("weighting"),
             train_eval_examples=config.train_eval_examples or None,
-            sampler=sampling.make(config.sampler, config.resolved("sampler")),
-            participation=config.build_participation(),
+            sampler=sampling.make(config.sampler, resolved.of("sampler")),
+            participation=participation.make(
+                config.availability, config.stragglers, config.dropouts, config.options
+            ),
         )
     simulation = reuse[key]
     algorithm, problem = simulation.algorithm, simulation.problem
@@ -166,13 +163,14 @@ def build(
         stragglers.check(int(num_steps))  # an epochs plan's K: known once the data is
     info = {
         **assembled.info,
-        "clients_per_round": clients_per_round,
+        "clients_per_round": resolved.clients_per_round,
         "batch_plan": dataclasses.asdict(plan),
         "max_local_steps": int(num_steps),
         "max_batch_size": int(batch_width),
     }
-    hparams = config.resolved_hparams()
-    return Built(assembled.dataset, data, problem, algorithm, plan, simulation, hparams, info)
+    return Built(
+        assembled.dataset, data, problem, algorithm, plan, simulation, resolved.hparams, info
+    )
 
 
 def built_summary(built: Built) -> str:

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scaffold_jax import results
-from scaffold_jax.data.federated import data_fingerprint
+from scaffold_jax import loop, results
+from scaffold_jax.data.federated import data_fingerprint  # noqa: F401  (re-exported)
 from scaffold_jax.experiments.build import Built
 from scaffold_jax.experiments.config import (
     OPTION_OWNERS,
@@ -21,7 +21,6 @@ from scaffold_jax.experiments.config import (
 )
 from scaffold_jax.registry import ConfigError, code_of
 from scaffold_jax.types import STEP_SIZES
-from scaffold_jax.versions import library_versions
 
 CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
 #: Fields a resumed run may change: they do not change what the rounds compute or what a
@@ -34,29 +33,29 @@ RESUMABLE_CHANGES = (
 )  # fmt: skip
 
 
-def run_identity(config: RunConfig, built: Built, fingerprint: str | None = None) -> dict:
-    """What, beyond the engine's own identity (:func:`scaffold_jax.loop.run_identity`),
-    fixes a command-line run's result: the data (name, subset sizes, partition, N and a
-    fingerprint of the arrays: ``fingerprint`` if the caller has it; not the folder it
-    was read from), the model, the algorithm's options and the code of every chosen
-    entry defined outside scaffold_jax (a plugin file's content hash); in the form it has
-    after a JSON round trip."""
-    identity = {
-        "versions": library_versions(),
+def config_identity(config: RunConfig, built: Built, fingerprint: str | None = None) -> dict:
+    """What fixes a command-line run's result: the simulation's identity
+    (:func:`scaffold_jax.loop.run_identity`, without a run's hyper-parameters and seed,
+    which a cell's configs vary; the data's ``fingerprint`` if the caller has it) and, on
+    top, what only the config says: the data (name, subset sizes, partition; not the
+    folder it was read from), the model, the algorithm's options by their config keys and
+    the code of every chosen entry defined outside scaffold_jax (a plugin file's content
+    hash)."""
+    facts = {
         "dataset": built.info["dataset"],
         "max_train_examples": config.max_train_examples,
         "max_test_examples": config.max_test_examples,
         "partition": built.info["partition"],
-        "num_clients": built.info["num_clients"],
-        "data_fingerprint": fingerprint or data_fingerprint(built.data),
         "model": config.model,
         "model_options": config.resolved("model"),
         "algorithm_options": config.resolved_options(),
     }
+    if fingerprint:
+        facts["data_fingerprint"] = fingerprint
     code = plugin_code(config)
     if code:  # only then: the identities of runs made of built-in entries stay as they were
-        identity["plugin_code"] = code
-    return json.loads(json.dumps(identity, default=str))
+        facts["plugin_code"] = code
+    return loop.run_identity(built.simulation, built.data, more=facts)
 
 
 def plugin_code(config: RunConfig) -> dict[str, dict[str, str]]:

@@ -11,7 +11,7 @@ its identity, the data's fingerprint included, is the current cell's).
 
 A cell is ONE program: a single config runs in the host loop (:func:`scaffold_jax.loop.run`,
 which stops on divergence: a single run that diverged is a mistake to be seen), anything
-more as one vmapped sweep (:func:`scaffold_jax.sweep.sweep`; a diverged config freezes
+more as one vmapped sweep (:func:`scaffold_jax.loop.sweep`; a diverged config freezes
 while the others go on). What a command writes besides the records (a sweep's tables, a
 protocol's table) is its ``report``, called with every cell's :class:`CellResult`.
 """
@@ -34,17 +34,14 @@ import numpy as np
 
 from scaffold_jax import results
 from scaffold_jax import sweep as sweeps
+from scaffold_jax.data.federated import data_fingerprint
 from scaffold_jax.experiments.build import Built, build, built_summary, load_dataset
 from scaffold_jax.experiments.config import RunConfig
 from scaffold_jax.experiments.cost import CostModel, cell_work
-from scaffold_jax.experiments.identity import (
-    CHECKPOINTS,
-    check_resumable,
-    data_fingerprint,
-    run_identity,
-)
-from scaffold_jax.loop import DivergenceError
+from scaffold_jax.experiments.identity import CHECKPOINTS, check_resumable, config_identity
+from scaffold_jax.loop import DivergenceError, differences
 from scaffold_jax.loop import run as run_loop
+from scaffold_jax.loop import sweep as sweep_loop
 from scaffold_jax.progress import Progress, format_seconds
 from scaffold_jax.registry import ConfigError
 from scaffold_jax.versions import check_versions
@@ -95,7 +92,8 @@ class CellResult:
       records: per config, its evaluation records (as written, with the cell's labels).
       diverged_round: per config, the round that produced a NaN/Inf, −1 if none.
       info: the built run's facts (dataset, N, S, partition, plan).
-      identity: what fixes the cell's results (see :func:`run_identity`), data included.
+      identity: what fixes the cell's results (see
+        :func:`~scaffold_jax.experiments.identity.config_identity`), data included.
       compile_seconds, run_seconds, eval_seconds: the cell's timing (every config).
       checkpoint_seconds: the time spent writing its checkpoints (outside run_seconds).
       resumed_from: the round of the checkpoint a single run resumed from, else None.
@@ -368,12 +366,13 @@ class _Runner:
         self.writer.files.append(results.TENSORBOARD_DIR)
 
     def identity(self, cell: Cell, built: Built) -> dict[str, Any]:
-        """The cell's :func:`run_identity`; the data's fingerprint is taken once per
-        dataset the cells share (a table's rows share their column's)."""
+        """The cell's :func:`~scaffold_jax.experiments.identity.config_identity`; the data's
+        fingerprint is taken once per dataset the cells share (a table's rows share their
+        column's)."""
         data = built.data
         if data is not self._fingerprinted[0]:
             self._fingerprinted = (data, data_fingerprint(data))
-        return run_identity(cell.config, built, self._fingerprinted[1])
+        return config_identity(cell.config, built, self._fingerprinted[1])
 
     def kept_cells(self) -> dict[str, CellResult]:
         """The finished cells of the folder a resume keeps: those of this grid run with
@@ -391,6 +390,10 @@ class _Runner:
                 continue
             result = CellResult.from_part(part["payload"], part["entries"])
             identity = self.identity(cell, self.build(cell))
+            if "algorithm" not in result.identity:
+                # A part from before parts held the simulation's identity: compared on what
+                # it holds (config.json, compared already, fixes the rest).
+                identity = {k: v for k, v in identity.items() if k in result.identity}
             _check_same(result.identity, identity, self.folder, f"a finished cell {cell.key!r}")
             kept[cell.key] = result
         return kept
@@ -530,7 +533,7 @@ class _Runner:
                 f"{cell.key} [{index + 1}/{len(self.grid.cells)}]",
             )
 
-        swept = sweeps.sweep(
+        swept = sweep_loop(
             built.simulation,
             built.data,
             hp,
@@ -625,11 +628,7 @@ def _has_checkpoint(directory: Path) -> bool:
 
 def _check_same(saved: Mapping[str, Any], identity: Mapping[str, Any], folder: Path,
                 what: str) -> None:  # fmt: skip
-    diffs = [
-        f"{k}: {saved.get(k)!r} then, {v!r} now"
-        for k, v in identity.items()
-        if k != "versions" and saved.get(k) != v
-    ]
+    diffs = [f"{k}: {then!r} then, {v!r} now" for k, then, v in differences(saved, identity)]
     if diffs:
         raise ConfigError(
             f"--resume: {folder} holds {what} of another run ({'; '.join(diffs)}). Resume "

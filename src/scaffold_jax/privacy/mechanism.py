@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import jax.random as jr
 
 from scaffold_jax.local import takes
+from scaffold_jax.messages import MessageContext, MessageTransform
 from scaffold_jax.privacy import accounting
 from scaffold_jax.tree import sq_norm, weighted_mean
 from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParam, ServerOutput
@@ -220,9 +221,16 @@ def private(
             hparams, server_state.inner, client_state, batches, mask, key, **extra
         )
 
-    def server_update(hparams, state, outputs: ClientOutput, total_weight, cohort_size, key):
-        clip = clip_norm(hparams, state)
-        update_key, count_key, _ = _keys(key)
+    def clip_and_noise(outputs: ClientOutput, states, context: MessageContext):
+        # The message transform (the engine applies it between the clients' work and
+        # server_update): every client's message clipped, the noise of the released sum.
+        released = {}
+        if inner.messages is not None:
+            inner_context = context._replace(server=context.server.inner)
+            outputs, states, released = inner.messages.apply(outputs, states, inner_context)
+        hparams, cohort_size = context.hparams, context.cohort_size
+        clip = clip_norm(hparams, context.server)
+        update_key, _, _ = _keys(context.key)
         message = (outputs.delta_params, outputs.message)
         (delta, sent), weights, norms = noised_rows(
             message,
@@ -232,11 +240,21 @@ def private(
             cohort_size,
             update_key,
         )
-        released = outputs._replace(delta_params=delta, message=sent, weight=weights)
-        result = inner.server_update(hparams, state.inner, released, total_weight)
+        # Each client's norm before clipping and whether it reported, from which the
+        # server side counts the clients at or under C (adaptive clipping's noised count).
+        released = {**released, "dp_norms": norms, "dp_reported": outputs.weight > 0}
+        return outputs._replace(delta_params=delta, message=sent, weight=weights), states, released
+
+    def server_update(hparams, state, outputs, total_weight, cohort_size, key, released):
+        # `outputs` are the clipped, noised rows of clip_and_noise; what is left here is
+        # the server-side part: the algorithm's own update, and the clip norm's step.
+        _, count_key, _ = _keys(key)
+        extra = {"released": released} if takes(inner.server_update, "released") else {}
+        result = inner.server_update(hparams, state.inner, outputs, total_weight, **extra)
         new_inner, metrics = result if isinstance(result, ServerOutput) else (result, {})
         # The noised fraction of clients at or under C, and C's geometric step towards γ.
-        present = outputs.weight > 0
+        clip = clip_norm(hparams, state)
+        present, norms = released["dp_reported"], released["dp_norms"]
         taking_part = jnp.sum(present.astype(jnp.float32))
         below = jnp.sum((present & (norms <= clip)).astype(jnp.float32))
         noisy_below = below + count_noise * cohort_size * jr.normal(count_key, (), jnp.float32)
@@ -369,4 +387,8 @@ def private(
         },
         linear_aggregate=True,
         report=report,
+        messages=MessageTransform(
+            (lambda params: None) if inner.messages is None else inner.messages.init,
+            clip_and_noise,
+        ),
     )

@@ -40,32 +40,33 @@ One module per concern; every public name is re-exported here (``results.RunWrit
   :func:`value_table`);
 * :mod:`scaffold_jax.results.plots`: every plot (matplotlib, imported by the plotting
   functions only: it is the optional ``plots`` extra);
-* :mod:`scaffold_jax.results.folder`: the run folder: :class:`RunWriter`, its lock,
-  :func:`check_folder`, the environment a summary records (:func:`environment`);
+* :mod:`scaffold_jax.results.folder`: the run folder: :class:`RunWriter`;
+* :mod:`scaffold_jax.results.files`: its files' names, the run's statuses, writing them
+  atomically, :class:`RunFolderError`, :func:`read_parts`;
+* :mod:`scaffold_jax.results.lock`: its lock (:func:`check_lock`) and :func:`check_folder`;
+* :mod:`scaffold_jax.results.provenance`: the environment a summary records
+  (:func:`environment`, :func:`git_revision`);
 * :mod:`scaffold_jax.results.tensorboard`: :class:`TensorBoardSink`.
 
-``records`` and ``tables`` are at the bottom, ``plots`` imports ``records``, ``folder``
-imports ``plots`` and ``records``; ``tensorboard`` stands alone.
+``records`` and ``tables`` are at the bottom, ``plots`` imports ``records``, ``files``
+``records``, ``lock`` ``files``; ``folder`` imports them all; ``provenance`` and
+``tensorboard`` stand alone.
 """
 
 from scaffold_jax.results import folder, plots, records, tables, tensorboard
-from scaffold_jax.results.folder import (
+from scaffold_jax.results.files import (
     CONFIG_FILE,
     CSV_FILE,
     FAILED,
     FINISHED,
     INTERRUPTED,
-    LOCK_FILE,
     PARTS_FILE,
     RUNNING,
     RunFolderError,
-    RunWriter,
-    check_folder,
-    check_lock,
-    environment,
-    git_revision,
     read_parts,
 )
+from scaffold_jax.results.folder import RunWriter
+from scaffold_jax.results.lock import LOCK_FILE, check_folder, check_lock
 from scaffold_jax.results.plots import (
     DEFAULT_PLOTS,
     LEGEND_WIDTH,
@@ -81,6 +82,7 @@ from scaffold_jax.results.plots import (
     save_figure,
     style_axes,
 )
+from scaffold_jax.results.provenance import environment, git_revision
 from scaffold_jax.results.records import (
     METRICS_FILE,
     PLACE_KEYS,

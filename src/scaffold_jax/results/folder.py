@@ -1,21 +1,7 @@
-"""The run folder: :class:`RunWriter` writes it as the run goes, :func:`check_folder`
-refuses (or clears, with ``overwrite``) one that holds a run, and a lock file keeps two
-processes out of one folder (:func:`check_lock`). The summary records the software and
-hardware of the run (:func:`environment`).
-
-Every run (``scaffold-jax run`` or one ``scaffold-jax reproduce`` protocol) owns one output
-folder:
-
-* ``config.json``: the full configuration, as given and resolved;
-* ``metrics.jsonl``: one JSON object per evaluation, appended and flushed as it is made,
-  so a run killed at any point keeps every record it finished;
-* ``summary.json``: written at the start (``"status": "running"``) and rewritten at the
-  end: status (``finished``, ``failed`` or ``interrupted``), rounds to each target, best
-  accuracy, compile and steady-state time, the jax version and devices;
-* ``metrics.csv``: the same records as a table;
-* ``accuracy.png`` / ``loss.png`` (or the plots an experiment asks for): one line per
-  series (algorithm, or algorithm and setting).
-"""
+"""The run folder: :class:`RunWriter` writes it as the run goes (its files are listed in
+:mod:`scaffold_jax.results`), holding the folder's lock (:mod:`scaffold_jax.results.lock`)
+and recording the software and hardware of the run in the summary
+(:mod:`scaffold_jax.results.provenance`)."""
 
 from __future__ import annotations
 
@@ -23,23 +9,43 @@ import contextlib
 import csv
 import datetime
 import errno
-import functools
-import importlib.metadata
 import json
 import os
-import platform
-import re
-import secrets
-import shutil
-import subprocess
 import sys
 import time
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from scaffold_jax.results.files import (
+    CONFIG_FILE,
+    CSV_FILE,
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
+    PARTS_FILE,
+    RUNNING,
+    RunFolderError,
+    _json_default,
+    _now,
+    _replacing,
+    _write_json,
+    _writing,
+    read_parts,
+)
+from scaffold_jax.results.lock import (
+    _DIR_FLAGS,
+    _OPEN_WRITERS,
+    LOCK_FILE,
+    _identity,
+    _release_lock,
+    _remove_temporaries,
+    _take_lock,
+    check_folder,
+    check_lock,
+)
 from scaffold_jax.results.plots import DEFAULT_PLOTS, PlotSpec, plot_curves
+from scaffold_jax.results.provenance import environment
 from scaffold_jax.results.records import (
     METRICS_FILE,
     SUMMARY_FILE,
@@ -50,151 +56,7 @@ from scaffold_jax.results.records import (
     series_summary,
 )
 
-try:  # POSIX: the lock is checked and taken under an flock of the folder (see _guard)
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None
 
-CONFIG_FILE = "config.json"
-CSV_FILE = "metrics.csv"
-PARTS_FILE = "parts.jsonl"
-
-RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"
-
-# Files a writer may have made; --overwrite removes only these (and those a previous
-# summary lists), never the whole folder: `--out .` must not wipe a working directory.
-_OWN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CSV_FILE, "accuracy.png", "loss.png")
-
-
-# ----------------------------------------------------------------------------- environment
-@functools.cache
-def git_revision() -> dict[str, Any]:
-    """``{"git_commit": <sha>, "git_dirty": <bool>}`` of the checkout the package is
-    imported from (dirty: tracked files changed since that commit); both None when it is
-    not in one (an installed wheel), or git is missing or fails."""
-    root = Path(__file__).resolve().parents[3]  # src/scaffold_jax/results/folder.py
-
-    def git(*argv: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(root), *argv], capture_output=True, text=True, check=True,
-            timeout=10,
-        ).stdout.strip()  # fmt: skip
-
-    try:
-        # The checkout must be the package's own: a wheel installed into a virtualenv
-        # that happens to sit inside some other repository is not in a checkout.
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
-            return {"git_commit": None, "git_dirty": None}
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-    return {"git_commit": commit or None, "git_dirty": dirty if commit else None}
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment() -> dict[str, Any]:
-    """The software and hardware a run used: the package's version and git commit (see
-    :func:`git_revision`), the versions of python, jax, jaxlib, flax, optax and numpy
-    (None for one not installed), and the devices."""
-    import jax
-    import jaxlib
-
-    devices = jax.devices()
-    return {
-        "scaffold_jax": _version("scaffold-jax"),
-        **git_revision(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": _version("flax"),
-        "optax": _version("optax"),
-        "numpy": _version("numpy"),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in devices],
-        "device_kind": devices[0].device_kind if devices else None,
-        "num_devices": len(devices),
-    }
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _json_default(value: Any) -> Any:
-    """numpy and jax scalars/arrays in configs and records become plain JSON."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-def _temporary_name(path: Path) -> Path:
-    """A name next to ``path`` that no other process picks: two processes rewriting the
-    same file (two resumes started together) never share a temporary file."""
-    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-
-
-@contextlib.contextmanager
-def _replacing(path: Path, newline: str | None = None, dir_fd: int | None = None):
-    """A new text file that replaces ``path`` when the block ends (written under a
-    temporary name, then renamed: atomic); removed if the block raises. With ``dir_fd``:
-    ``path.name`` in that open folder, wherever it is now."""
-    tmp = _temporary_name(path)
-    src, dst = (tmp.name, path.name) if dir_fd is not None else (tmp, path)
-    fd = os.open(src, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
-    try:
-        with open(fd, "w", encoding="utf-8", newline=newline) as f:
-            yield f
-        os.replace(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(src, dir_fd=dir_fd)
-        raise
-
-
-_TEMPORARY = re.compile(r"^(?P<name>.+?)\.(?:(?P<pid>\d+)-[0-9a-f]{8}\.)?tmp$")
-
-
-def _remove_temporaries(folder: Path) -> None:
-    """Removes the temporary files of the run's own files that a process killed while
-    rewriting one left behind (its pid gone; named ``<file>.tmp`` by older versions)."""
-    for path in _entries(folder):
-        found = _TEMPORARY.match(path.name)
-        if not found or found["name"] not in (*_OWN_FILES, PARTS_FILE, LOCK_FILE):
-            continue
-        pid = found["pid"]
-        if pid is not None and (int(pid) == os.getpid() or _alive(int(pid))):
-            continue  # being written (a stale lock's summary, by another process)
-        if path.is_file() and not path.is_symlink():
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
-def _entries(folder: Path) -> list[Path]:
-    try:
-        return list(folder.iterdir())
-    except OSError:
-        return []
-
-
-def _write_json(path: Path, obj: Any, dir_fd: int | None = None) -> None:
-    # Written to a temporary name and renamed: a crash mid-write never leaves a truncated
-    # summary or config behind.
-    text = json.dumps(obj, indent=1, default=_json_default, allow_nan=True) + "\n"
-    with _replacing(path, dir_fd=dir_fd) as f:
-        f.write(text)
-
-
-# ----------------------------------------------------------------------------- writer
 class RunWriter:
     """Writes one run's folder as the run goes.
 
@@ -290,7 +152,7 @@ class RunWriter:
         elif self.status == RUNNING:
             interrupted = issubclass(exc_type, (KeyboardInterrupt, SystemExit))
             try:
-                self._close(
+                self.close(
                     INTERRUPTED if interrupted else FAILED,
                     # RunTerminated's str() is its exit code; its message says where it stopped.
                     error=f"{exc_type.__name__}: {getattr(exc, 'message', None) or exc}",
@@ -574,14 +436,11 @@ class RunWriter:
                 break
             except OSError as err:
                 self._left_out(spec.filename, err)
-        return self._close(FINISHED)
+        return self.close(FINISHED)
 
     def close(self, status: str, error: str | None = None) -> dict[str, Any]:
         """Ends the run with ``status`` (e.g. ``"diverged"``) and an error message, without
         the CSV and plots; returns the summary."""
-        return self._close(status, error)
-
-    def _close(self, status: str, error: str | None = None) -> dict[str, Any]:
         for name in ("_metrics", "_csv"):
             if getattr(self, name) is not None:
                 try:
@@ -667,350 +526,3 @@ class RunWriter:
             self._csv_writer = csv.DictWriter(self._csv, fieldnames=columns)
         if CSV_FILE not in self.files:
             self.files.append(CSV_FILE)
-
-
-def check_folder(folder: str | os.PathLike, overwrite: bool = False, dry_run: bool = False) -> None:
-    """Refuses a folder that holds a run unless ``overwrite``; with it, removes the run's
-    files (only those a writer makes, never anything else in the folder).
-
-    Args:
-      folder: the output folder.
-      overwrite: replace a run found there.
-      dry_run: only check (an early check before loading data must not delete the old
-        run: the new one might still fail to start).
-
-    Raises:
-      FileExistsError: naming the folder, the run's status and what to do.
-    """
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"output folder {folder} exists and is not a folder.")
-    check_lock(folder)
-    if not any((folder / name).exists() for name in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)):
-        return
-    summary = read_summary(folder)
-    status = (summary or {}).get("status", "unknown")
-    if not overwrite:
-        if status == FINISHED:
-            what = "a finished run"
-        else:
-            num = len(read_records(folder))
-            what = f"an unfinished run (status {status!r}, {num} records kept)"
-        resume = "" if status == FINISHED else " --resume to continue it,"
-        raise FileExistsError(
-            f"output folder {folder} already holds {what}; pass{resume} --overwrite "
-            "(overwrite=True) to replace it, or choose another output folder."
-        )
-    if dry_run:
-        return
-    names = set(_OWN_FILES) | set((summary or {}).get("files", []))
-    # A folder that cannot be cleared (read-only, not ours) says so in one line.
-    with _writing(folder):
-        for name in names:
-            path = folder / name
-            # Only plain files directly inside the folder: a crafted summary cannot make
-            # us delete anything elsewhere.
-            if path.parent == folder and path.is_file():
-                path.unlink()
-        _remove_temporaries(folder)
-        checkpoints = folder / "checkpoints"  # scaffold_jax.experiments.CHECKPOINTS
-        if checkpoints.is_dir() and not checkpoints.is_symlink():
-            shutil.rmtree(checkpoints)
-
-
-# ----------------------------------------------------------------------------- the lock
-LOCK_FILE = ".lock"
-
-
-class RunFolderError(OSError):
-    """A run folder could not be written (a full disk, a read-only folder, ...)."""
-
-    def __str__(self) -> str:  # the message alone: it names the file and the fix
-        return self.strerror or super().__str__()
-
-
-class _writing:
-    """Turns an OSError while writing ``path`` into a one-line :class:`RunFolderError`."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if (
-            exc_type is not None
-            and issubclass(exc_type, OSError)
-            and not issubclass(exc_type, RunFolderError)
-        ):
-            raise RunFolderError(exc.errno, _cannot_write(self.path, exc)) from exc
-        return False
-
-
-#: The errors of a folder that may not be written (a read-only file system, permissions).
-_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-#: The errors of a disk without room (no space, a quota, a file size limit).
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def _cannot_write(path: Path, exc: OSError) -> str:
-    """One line: what could not be written, the actual problem and its fix (a folder that
-    may not be written is another --out; a full disk is space freed, then --resume)."""
-    reason = exc.strerror or str(exc)
-    if exc.errno == errno.EROFS:
-        return f"cannot write {path}: it is on a read-only file system. Choose a writable --out."
-    if exc.errno in _NOT_WRITABLE:
-        return (
-            f"cannot write {path}: permission denied. Choose a writable --out, or make this "
-            "folder writable."
-        )
-    if exc.errno in _NO_ROOM:
-        return (
-            f"cannot write {path}: {reason}. Every record finished before is in "
-            f"{METRICS_FILE}; free space, then --resume."
-        )
-    return (
-        f"cannot write {path}: {reason}. Every record finished before is in {METRICS_FILE}; "
-        "fix that, or choose another --out, then --resume."
-    )
-
-
-def read_parts(folder: str | os.PathLike) -> dict[str, Any]:
-    """The finished parts a folder holds: ``{key: {"payload", "entries"}}`` (a line cut
-    short by a kill, and what follows it, is left out: that part runs again)."""
-    folder = Path(folder)
-    parts = {}
-    try:
-        lines = (folder / PARTS_FILE).read_text().splitlines()
-    except FileNotFoundError:
-        return parts
-    for line in lines:
-        try:
-            part = json.loads(line)
-        except ValueError:
-            break  # a line cut short by a kill: that part runs again
-        parts[part["key"]] = {"payload": part["payload"], "entries": part["entries"]}
-    return parts
-
-
-# How long a lock file that is empty or cut short may be "being written": a process
-# killed between creating and writing it (by a version that did not write it whole) left
-# it so; younger, it may be a live process taking the folder, older it is stale.
-_LOCK_GRACE = 5.0
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-_TAKING, _OWN = "taking", "own"
-# The writers open in this process: a second one on the same folder is refused.
-_OPEN_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return (st.st_dev, st.st_ino)
-
-
-@contextlib.contextmanager
-def _guard(folder: Path):
-    """Serialises checking, clearing and taking the lock among processes: an exclusive
-    ``flock`` on the folder itself, held for the few system calls they take. Without it
-    two processes that both find a stale lock could each clear it and take the folder
-    (the second clearing the first one's new lock). A folder that cannot be opened
-    (missing) or locked (a filesystem without flock), or a holder stuck for 10 s, leaves
-    the lock unguarded: as before, never worse."""
-    fd = None
-    if fcntl is not None:
-        with contextlib.suppress(OSError):
-            fd = os.open(folder, _DIR_FLAGS)
-            deadline = time.monotonic() + 10.0
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.005)
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the flock
-
-
-def _read_lock(folder: Path) -> tuple[dict[str, Any] | None, float, tuple[int, int] | None]:
-    """The lock's content (None: no lock; ``{}``: empty or cut short), its age in seconds
-    and its identity (device, inode)."""
-    try:
-        with open(folder / LOCK_FILE, "rb") as f:
-            st = os.fstat(f.fileno())
-            raw = f.read()
-    except FileNotFoundError:
-        return None, 0.0, None
-    try:
-        info = json.loads(raw)
-    except ValueError:
-        info = {}
-    return (info if isinstance(info, dict) else {}), time.time() - st.st_mtime, _identity(st)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def check_lock(folder: str | os.PathLike) -> None:
-    """Refuses a folder held by a live run; clears a stale lock (its process is gone),
-    marking the summary it left at ``"running"`` as ``"interrupted"``.
-
-    A lock file that is empty or cut short (a process killed between creating and writing
-    it) is waited for while it is younger than a few seconds (a process may be taking the
-    folder), and is stale after that.
-
-    Raises:
-      FileExistsError: another live process (or one on another host, which cannot be
-        checked) holds the folder.
-    """
-    folder = Path(folder)
-    deadline = time.monotonic() + _LOCK_GRACE + 1.0
-    while True:
-        with _guard(folder):
-            if _check_lock(folder) != _TAKING:
-                return
-        if time.monotonic() > deadline:
-            raise FileExistsError(_taking_message(folder))
-        time.sleep(0.1)
-
-
-def _check_lock(folder: Path) -> str | None:
-    """:func:`check_lock` once, under :func:`_guard`: None (no lock, or a stale one
-    cleared), ``_OWN`` (this process's) or ``_TAKING`` (unreadable, young)."""
-    info, age, identity = _read_lock(folder)
-    if info is None:
-        return None
-    pid, host = info.get("pid"), info.get("host")
-    if not isinstance(pid, int) or not isinstance(host, str):
-        if age < _LOCK_GRACE:
-            return _TAKING
-        _clear_stale(
-            folder,
-            identity,
-            f"a process stopped while taking the folder (it left {LOCK_FILE} empty or cut "
-            "short), e.g. killed with SIGKILL; resume it with --resume",
-        )
-        return None
-    here = host == platform.node()
-    if here and pid == os.getpid():
-        return _OWN  # an earlier writer of this process
-    if here and not _alive(pid):
-        _clear_stale(
-            folder,
-            identity,
-            f"the process (pid {pid} on {host}) stopped without closing the run, e.g. "
-            "killed with SIGKILL; resume it with --resume",
-        )
-        return None
-    raise FileExistsError(
-        f"output folder {folder} is in use by a running scaffold-jax (pid {pid} on host "
-        f"{host}, since {info.get('started')}); wait for it to finish or stop it (kill -INT "
-        f"{pid}), or choose another output folder. If that process is gone (another host), "
-        f"delete {folder / LOCK_FILE}."
-    )
-
-
-def _clear_stale(folder: Path, identity: tuple[int, int] | None, why: str) -> None:
-    summary = read_summary(folder)
-    if summary is not None and summary.get("status") == RUNNING:
-        summary["status"] = INTERRUPTED
-        summary["error"] = why
-        _write_json(folder / SUMMARY_FILE, summary)
-    path = folder / LOCK_FILE
-    with contextlib.suppress(FileNotFoundError):
-        if _identity(os.stat(path)) == identity:  # the very file judged stale
-            path.unlink()
-
-
-def _taking_message(folder: Path) -> str:
-    return (
-        f"output folder {folder} is being taken by another process: its lock file "
-        f"{folder / LOCK_FILE} is still unreadable after {_LOCK_GRACE:g} s. Try again; if "
-        "no process uses that folder, delete that file."
-    )
-
-
-def _take_lock(folder: Path) -> tuple[int, int]:
-    """Takes the folder's lock; returns the lock file's identity (device, inode).
-
-    The lock file never exists half-written: it is written under a temporary name, then
-    hard-linked as ``.lock`` (``link(2)`` fails if that exists), all under
-    :func:`_guard`, so that of two processes taking the folder together exactly one does
-    and the other is refused as "in use"."""
-    path = folder / LOCK_FILE
-    text = json.dumps({"pid": os.getpid(), "host": platform.node(), "started": _now()})
-    tmp = _temporary_name(path)
-    with _writing(path):
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-    try:
-        deadline = time.monotonic() + _LOCK_GRACE + 1.0
-        while True:
-            with _guard(folder):
-                state = _check_lock(folder)  # a live holder raises; a stale lock is cleared
-                if state == _OWN and any(w._abs == Path(os.path.abspath(folder))
-                                         for w in _OPEN_WRITERS):  # fmt: skip
-                    raise FileExistsError(
-                        f"output folder {folder} is in use by another writer of this process."
-                    )
-                if state == _OWN:  # left by a writer of this process that is gone
-                    path.unlink(missing_ok=True)
-                if state != _TAKING:
-                    try:
-                        with _writing(path):
-                            _link(tmp, path)
-                        return _identity(os.stat(path))
-                    except FileExistsError:
-                        pass  # taken since (a process not using the guard): check it again
-            if time.monotonic() > deadline:
-                raise FileExistsError(_taking_message(folder))
-            time.sleep(0.1)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def _link(tmp: Path, path: Path) -> None:
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        raise
-    except OSError:  # a filesystem without hard links: an exclusive create, then the text
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(tmp.read_text())
-
-
-def _release_lock(
-    path: Path, identity: tuple[int, int] | None = None, dir_fd: int | None = None
-) -> None:
-    """Removes the lock file if it is still this writer's (``identity``); through the
-    folder held open (``dir_fd``) when given, wherever that folder is now."""
-    with _guard(path.parent):
-        try:
-            if dir_fd is not None:
-                if (
-                    identity is not None
-                    and _identity(os.stat(LOCK_FILE, dir_fd=dir_fd)) == identity
-                ):
-                    os.unlink(LOCK_FILE, dir_fd=dir_fd)
-            elif identity is not None:
-                if _identity(os.stat(path)) == identity:
-                    path.unlink()
-            else:
-                info, _, _ = _read_lock(path.parent)
-                if info and info.get("pid") == os.getpid():
-                    path.unlink(missing_ok=True)
-        except OSError:
-            pass  # gone already (or the folder with it)

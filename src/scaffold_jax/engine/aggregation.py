@@ -1,0 +1,202 @@
+"""The server side of a round, for one config (a sweep vmaps it over its configs): the
+model's statistics, the message pipeline, the algorithm's aggregation, the clients' sync
+step, the round's metrics, a diverged config's freeze, and the scatter of the new rows."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scaffold_jax.engine.axes import over_clients
+from scaffold_jax.engine.phases import Cohort, Draw, keep_absent
+from scaffold_jax.local import takes
+from scaffold_jax.messages import MessageContext
+from scaffold_jax.tree import all_finite, masked_mean, set_rows, sq_norm, weighted_mean
+from scaffold_jax.types import ClientOutput, ModelState, ServerOutput, SimState
+
+
+class Round(NamedTuple):
+    """What the server side reads of the round's shared phases (the same for every config
+    of a sweep's group): the sample, the cohort, the server's keywords (``cohort_size``,
+    ``key``), the client chunk, and whether the state keeps model statistics."""
+
+    draw: Draw
+    cohort: Cohort
+    aggregation: dict[str, jax.Array]
+    chunk: int | None
+    stateful_model: bool
+
+
+def model_statistics(sim, rnd: Round, outputs: ClientOutput, model, stats):
+    """The running statistics after the round: averaged into the server's with the round's
+    weights, or each reporting client's own row (``Problem.state_policy``)."""
+    if not rnd.stateful_model:
+        return outputs, None
+    if not isinstance(outputs.model_state, ModelState):
+        raise ValueError(
+            f"{sim.algorithm.name}'s client_update took model_state but returned no "
+            "ClientOutput.model_state: pass it to local_update / local_sgd (which "
+            "return it advanced) and put that in the output."
+        )
+    present = rnd.cohort.present
+    stats_out = sim.layout.constrain(
+        keep_absent(present, outputs.model_state.value, stats), "replicated"
+    )
+    if "server" in model:
+        new_model = {"server": weighted_mean(stats_out, outputs.weight)}
+    else:
+        new_model = {"clients": stats_out}
+    return outputs._replace(model_state=None), new_model
+
+
+def client_messages(sim, hparams, server_in, outputs, states, rnd: Round):
+    """The clients' messages through the algorithm's message transforms
+    (:mod:`scaffold_jax.messages`): what the server aggregates, the transforms'
+    new states and what they release to the server."""
+    transform = sim.algorithm.messages
+    if transform is None:
+        return outputs, states, {}
+    context = MessageContext(
+        hparams, server_in, rnd.aggregation["cohort_size"], rnd.aggregation["key"]
+    )
+    return transform.apply(outputs, states, context)
+
+
+def aggregate(sim, hparams, server_in, outputs, rnd: Round, released):
+    """The algorithm's ``server_update``: the new server state and its metrics. A server
+    update may also take the round's expected cohort S, its own key and what the message
+    transforms released."""
+    update = sim.algorithm.server_update
+    extra = {k: v for k, v in rnd.aggregation.items() if takes(update, k)}
+    if takes(update, "released"):
+        extra["released"] = released
+    server = update(hparams, server_in, outputs, rnd.cohort.total_weight, **extra)
+    if isinstance(server, ServerOutput):
+        return server
+    return server, {}
+
+
+def client_sync(sim, hparams, server_in, server, new_rows, outputs, rnd: Round):
+    """The sampled clients' step after aggregation (Scaffnew), where their rows still are
+    (split over devices like their local work) and before they are written back."""
+    sync = sim.algorithm.client_sync
+    if sync is not None:
+
+        def one(row, output):
+            return sync(hparams, server_in, server, row, output)
+
+        synced = (new_rows, sim.layout.constrain(outputs, "sampled"))
+        new_rows = over_clients(one, synced, rnd.chunk)
+    # A masked row's new values are dropped by the scatter (set_rows' `write`).
+    return sim.layout.constrain(new_rows, "replicated")
+
+
+def round_metrics(sim, outputs, server, server_metrics, rnd: Round):
+    """The round's metrics: the clients' own (averaged over those who report), who took
+    part, client drift, the update's norm, whether the new server state is finite, and
+    the server update's."""
+    present, part = rnd.cohort.present, sim.participation
+    if present is None:
+        mean = jnp.mean
+    else:
+        taking_part = present.astype(jnp.float32)
+
+        def mean(values):
+            return masked_mean(values.astype(jnp.float32), taking_part)
+
+    weights = rnd.cohort.weights
+    metrics = {k: mean(v) for k, v in outputs.metrics.items()}
+    # The ids of the clients sampled (−1 only for a varying cohort's empty slots), and with
+    # dropouts which of them reported: a user sees who dropped.
+    ids, sampled = rnd.draw.ids, rnd.draw.sampled
+    metrics["client_ids"] = ids if sampled is None else jnp.where(sampled, ids, -1)
+    if part.dropouts is not None:
+        metrics["reported"] = present
+    if present is not None:
+        metrics["participants"] = jnp.sum(taking_part)
+    if part.stragglers is not None:
+        metrics["steps_taken"] = mean(rnd.cohort.planned.astype(jnp.float32))
+    metrics.update(rnd.cohort.metrics)
+    # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
+    metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
+    metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
+    # Whether this round's new server state is finite: the single run's divergence check
+    # reports the first round where it is not (the update norm squares the update, so it
+    # overflows rounds before the state does).
+    metrics["server_finite"] = all_finite(server)
+    taken = sorted(set(server_metrics) & {*metrics, "finite"})
+    if taken:
+        raise ValueError(
+            f"{sim.algorithm.name}'s server_update reports the metric(s) {', '.join(taken)}, "
+            "which the clients or the engine already report: rename them."
+        )
+    metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
+    return metrics
+
+
+def freeze(metrics, diverged, before: tuple, after: tuple, present):
+    """For a sweep's freeze policy: a round whose new server state or written-back rows
+    hold a NaN/Inf is not applied (nor any round once the config has ``diverged``): the
+    ``after`` trees (server, rows, statistics, message states) fall back to ``before``,
+    and the metrics gain ``finite``."""
+    server, new_rows, new_model, new_messages = after
+    rows, messages = before[1], before[3]
+    # Only the rows written back count (a masked row's values are discarded).
+    finite = metrics["server_finite"] & all_finite(
+        (
+            keep_absent(present, new_rows, rows),
+            new_model,
+            keep_absent(present, new_messages, messages),
+        )
+    )
+    keep = finite & ~diverged
+    metrics["finite"] = finite
+    return tuple(
+        new if new is None else optax.tree.where(keep, new, old)
+        for new, old in zip(after, before, strict=True)
+    )
+
+
+def scatter(sim, rnd: Round, round, tables: tuple, new: tuple) -> SimState:
+    """The new state: the reporting clients' rows (and statistics and message states)
+    written back to their tables, the round counter advanced."""
+    clients, model, messages = tables
+    server, new_rows, new_model, new_messages = new
+    ids, present = rnd.draw.ids, rnd.cohort.present
+    clients = set_rows(clients, ids, new_rows, present)
+    if new_model is not None and "clients" in new_model:
+        new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"])}
+    if new_messages is not None:
+        messages = set_rows(messages, ids, new_messages, present)
+    new_state = SimState(
+        server=server,
+        clients=clients,
+        round=round + 1,
+        model=new_model,
+        participation=rnd.draw.participation,
+        messages=messages,
+    )
+    return sim.layout.constrain(new_state, "state")
+
+
+def server_side(sim, rnd: Round, round, hparams, server_in, server_before, outputs, new_rows,
+                rows, clients, model, stats, messages, table, diverged):  # fmt: skip
+    """The rest of the round for one config, from the clients' outputs to the new state
+    and the round's metrics: ``rows``, ``stats`` and ``messages`` are the sampled rows of
+    the tables ``clients``, ``model`` and ``table`` (the message transforms' states)."""
+    outputs = outputs._replace(weight=rnd.cohort.weights)
+    outputs, new_model = model_statistics(sim, rnd, outputs, model, stats)
+    sent, new_messages, released = client_messages(sim, hparams, server_in, outputs, messages, rnd)
+    server, server_metrics = aggregate(sim, hparams, server_in, sent, rnd, released)
+    new_rows = client_sync(sim, hparams, server_in, server, new_rows, outputs, rnd)
+    metrics = round_metrics(sim, outputs, server, server_metrics, rnd)
+    new = (server, new_rows, new_model, new_messages)
+    if diverged is not None:
+        kept = {"server": model["server"]} if "server" in model else {"clients": stats}
+        before = (server_before, rows, None if new_model is None else kept, messages)
+        new = freeze(metrics, diverged, before, new, rnd.cohort.present)
+    new_state = scatter(sim, rnd, round, (clients, model, table), new)
+    return new_state, sim.layout.constrain(metrics, "replicated")

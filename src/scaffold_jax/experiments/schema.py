@@ -1,0 +1,307 @@
+"""The settings of a run: the fields of :class:`~scaffold_jax.experiments.RunConfig`
+(:class:`ConfigFields`, with what the command line and the key reference read about each),
+the hyper-parameters and options the registries declare (:func:`declared_hparams`,
+:func:`declared_options`), and how a key given by name goes into the ``hparams`` or
+``options`` table."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from scaffold_jax import participation, sampling
+from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.data import natural, sources, synthetic
+from scaffold_jax.data.batching import PLANS
+from scaffold_jax.data.partition import PARTITIONERS
+from scaffold_jax.models import MODELS
+from scaffold_jax.privacy import MECHANISMS
+from scaffold_jax.registry import ConfigError, Registry, RegistryUnion, load_plugins
+from scaffold_jax.types import STEP_SIZES, HParam
+from scaffold_jax.weighting import WEIGHTINGS
+
+#: The privacy mechanism a config that sets any ``dp_*`` value without naming one gets.
+DEFAULT_MECHANISM = "gaussian"
+
+#: The tables of a config; every other key is a top-level field.
+TABLES = ("hparams", "options")
+
+
+def declared_hparams() -> dict[str, HParam]:
+    """Every hyper-parameter beyond the step sizes that a registered algorithm or privacy
+    mechanism declares (the first declaration of a name wins), read at each call: plugins
+    may add some."""
+    out: dict[str, HParam] = {}
+    for _, spec in [*ALGORITHMS.items(), *MECHANISMS.items()]:
+        for name, hparam in spec.hparams.items():
+            if name not in STEP_SIZES:
+                out.setdefault(name, hparam)
+    return out
+
+
+#: Every dataset a config may name: the pooled ones (split over clients by a partitioner)
+#: and the naturally federated ones (their clients come with the data).
+DATASETS = RegistryUnion("dataset", sources.DATASETS, natural.NATURAL_DATASETS, synthetic.FAMILIES)
+
+#: The registries whose entries declare options, by the config key that names the entry.
+OPTION_OWNERS: dict[str, Registry] = {
+    "algorithm": ALGORITHMS, "model": MODELS, "partition": PARTITIONERS, "dataset": DATASETS,
+    "sampler": sampling.SAMPLERS, "batch_plan": PLANS, "weighting": WEIGHTINGS,
+    "privacy": MECHANISMS, **participation.KINDS,
+}  # fmt: skip
+
+
+def declared_options(kinds: Sequence[str] = tuple(OPTION_OWNERS)) -> dict[str, Any]:
+    """Every option (``{config key: Option}``) a registered entry of ``kinds`` declares
+    (the first declaration of a name wins), read at each call: plugins may add some."""
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        for _, entry in OPTION_OWNERS[kind].items():
+            for name, option in entry.options.items():
+                out.setdefault(name, option)
+    return out
+
+
+def option_owners(name: str) -> list[tuple[str, str]]:
+    """``(kind, entry)`` of the entries that declare the option ``name``, e.g.
+    ``[("model", "mlp")]``."""
+    return [
+        (kind, entry)
+        for kind, registry in OPTION_OWNERS.items()
+        for entry, spec in registry.items()
+        if name in spec.options
+    ]
+
+
+def partition_fields() -> dict[str, str]:
+    """Option -> the first registered partitioner that declares it (read at each call:
+    a plugin may have registered partitioners since import)."""
+    owner: dict[str, str] = {}
+    for name, spec in PARTITIONERS.items():
+        for field in spec.options:
+            owner.setdefault(field, name)
+    return owner
+
+
+def _opt(
+    default: Any,
+    help: str,
+    kind: str,
+    choices: Registry | None = None,
+    builds: bool = False,
+):
+    """A config field with CLI metadata: ``kind`` is int, float, str, bool, floats, ints;
+    ``builds``: the field shapes the data or the model (what ``diagnose`` measures).
+
+    The :class:`~scaffold_jax.registry.Registry` of ``choices`` is kept as it is, not
+    copied: whoever reads the choices (the command line, when it builds its parser) sees
+    the entries registered by then, plugins' included.
+    """
+    meta = {"help": help, "kind": kind, "choices": choices, "builds": builds}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass
+class ConfigFields:
+    """The fields of a :class:`~scaffold_jax.experiments.RunConfig` (its docstring says
+    what they hold), its construction from given keys and its declared options read as
+    attributes."""
+
+    # fmt: off
+    algorithm: str = _opt("scaffold", "federated algorithm", "str", ALGORITHMS)
+    plugins: list[str] = _opt(
+        [], "modules or .py files to import first (they register algorithms, models...)", "strs")
+    client_lr: float = _opt(0.1, "client (local) step size eta_l", "float")
+    server_lr: float = _opt(1.0, "server (global) step size eta_g", "float")
+    hparams: dict[str, float] = _opt(
+        {}, "the algorithm's other declared hyper-parameters, e.g. {prox_mu = 1.0}", "table")
+    options: dict[str, Any] = _opt(
+        {}, "the options the chosen algorithm, model, partitioner and dataset declare, e.g. "
+        "{scaffold_option = 'I', hidden_sizes = [32]}", "table")
+    weighting: str = _opt("uniform", "server aggregation weights", "str", WEIGHTINGS)
+    dataset: str = _opt(
+        "fashion_mnist",
+        "dataset: a pooled one split over clients by the partition, a naturally "
+        "federated one (shakespeare, femnist) that brings its clients, or a synthetic "
+        "family generated for N clients (quadratic, synthetic, procedural_synthetic)",
+        "str", DATASETS, builds=True)
+    data_dir: str | None = _opt(
+        None,
+        "where the dataset is: a folder of IDX files; Shakespeare: Gutenberg's raw_data.txt "
+        "(default: the `shakespeare` package's texts); FEMNIST: LEAF JSON or TFF HDF5 files",
+        "str", builds=True)
+    client_holdout: float | None = _opt(
+        None,
+        "hold out this fraction of every client's examples as its own test set, for the "
+        "per-client metrics (natural datasets use each client's own test split)",
+        "float", builds=True)
+    download: bool = _opt(
+        False, "let TFDS download the dataset (needs internet)", "bool", builds=True)
+    max_train_examples: int | None = _opt(
+        None, "use a random subset of this many training examples", "int", builds=True)
+    max_test_examples: int | None = _opt(
+        None, "use a random subset of this many test examples", "int", builds=True)
+    partition: str | None = _opt(
+        None, "how examples are split over clients", "str", PARTITIONERS, builds=True)
+    model: str = _opt("logreg", "model", "str", MODELS, builds=True)
+    num_clients: int = _opt(
+        100,
+        "number of clients N (a natural dataset: N of its clients, drawn with the partition seed)",
+        "int", builds=True)
+    clients_per_round: int | None = _opt(None, "clients sampled per round S", "int")
+    sampler: str = _opt(
+        sampling.DEFAULT_SAMPLER,
+        "which S clients take part in a round (uniform: S of N; poisson: each client with "
+        "probability S/N)",
+        "str", sampling.SAMPLERS)
+    privacy: str | None = _opt(
+        None,
+        "user-level differential privacy: gaussian (each client's whole message clipped to "
+        "dp_clip, Gaussian noise on the sum; any --dp-* setting chooses it)",
+        "str", MECHANISMS)
+    availability: str = _opt(
+        participation.DEFAULTS["availability"],
+        "which clients can be sampled in a round: always, cyclic (G groups in turn, "
+        "Semi-Cyclic SGD), markov (on/off spells), trace (a recorded log)",
+        "str", participation.AVAILABILITY)
+    stragglers: str = _opt(
+        participation.DEFAULTS["stragglers"],
+        "how many of its local steps a client completes: none (all), uniform (K_i uniform "
+        "in [k_min, K]), speed (a fixed device speed times a per-round load)",
+        "str", participation.STRAGGLERS)
+    dropouts: str = _opt(
+        participation.DEFAULTS["dropouts"],
+        "whose updates are lost after training: none, bernoulli (each with dropout_rate)",
+        "str", participation.DROPOUTS)
+    client_fraction: float | None = _opt(
+        None, "fraction of clients sampled per round (default 0.2)", "float")
+    batch_plan: str | None = _opt(
+        None,
+        "local batch plan (default: inferred from the plan options given; fraction, or "
+        "the algorithm's own, e.g. SGD's full)",
+        "str", PLANS)
+    rounds: int = _opt(100, "communication rounds", "int")
+    eval_every: int = _opt(5, "evaluate every this many rounds", "int")
+    train_eval_examples: int = _opt(
+        4096,
+        "training examples train_loss is evaluated on: a fixed uniform subsample, an "
+        "unbiased estimate (0: all of them, the exact objective)",
+        "int")
+    targets: list[float] = _opt([0.5, 0.6, 0.7, 0.8], "target test accuracies", "floats")
+    seed: int = _opt(
+        0,
+        "seed of the model's initial params and of the root key of client sampling and "
+        "minibatches; also of the data (subsets, partition) unless partition_seed is set",
+        "int", builds=True)
+    partition_seed: int | None = _opt(
+        None,
+        "seed of the data alone: the example subsets (max_train/test_examples), the split "
+        "over clients, the held-out client tests and a natural dataset's draw of clients "
+        "(default: seed)",
+        "int", builds=True)
+    out: str | None = _opt(
+        None, "output folder (default results/<algorithm>-<dataset>-<digest of the settings>)",
+        "str")
+    # fmt: on
+
+    def __init__(self, **values: Any):
+        values = route(values, "RunConfig")
+        for field in dataclasses.fields(self):
+            factory = field.default_factory
+            default = field.default if factory is dataclasses.MISSING else factory()
+            setattr(self, field.name, values.get(field.name, default))
+        # Any privacy hyper-parameter or option chooses a mechanism.
+        private = {n for _, spec in MECHANISMS.items() for n in (*spec.hparams, *spec.options)}
+        if self.privacy is None and private & {*self.hparams, *self.options}:
+            self.privacy = DEFAULT_MECHANISM
+
+    def __getattr__(self, name: str) -> Any:
+        # A declared option reads as an attribute: its given value, None when unset.
+        options = self.__dict__.get("options")
+        if not name.startswith("_") and isinstance(options, Mapping) and name in declared_options():
+            return options.get(name)
+        raise AttributeError(f"RunConfig has no field or declared option {name!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def data_fields(cls) -> tuple[str, ...]:
+        """The fields that build the data and the model (the dataset, its subsets and
+        partition, N, the model, the seeds)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["builds"])
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], where: str = "config"):
+        """Builds a config from a mapping; unknown keys are errors (with a suggestion).
+
+        Raises:
+          ConfigError: unknown keys.
+        """
+        return cls(**route(values, where))
+
+    def replace(self, **changes: Any):
+        """A copy with ``changes`` (fields, or declared hyper-parameters and options by
+        name; an option set to None is unset)."""
+        return type(self)(**{**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def route(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with every declared hyper-parameter and option given by name moved into
+    the ``hparams`` / ``options`` tables (an option given as None is unset); plugins
+    named in ``values`` are imported first (they may declare those names).
+
+    Raises:
+      ConfigError: a table that is not a table, or a key that is neither a field nor a
+        declared name (with the closest known one).
+    """
+    values = dict(values)
+    if "plugins" in values and isinstance(values["plugins"], (list, tuple)):
+        import_plugins(values["plugins"])
+    tables = {}
+    for table in TABLES:
+        given = values.pop(table, None)
+        if given is not None and not isinstance(given, Mapping):
+            raise ConfigError(
+                f"{table} = {given!r} is invalid: it must be a table of names and values."
+            )
+        tables[table] = dict(given or {})
+    tables["hparams"].update({n: values.pop(n) for n in declared_hparams() if n in values})
+    options = tables["options"]
+    for name in [n for n in declared_options() if n in values]:
+        options[name] = values.pop(name)
+        if options[name] is None:
+            del options[name]
+    values.update(tables)
+    known = ConfigFields.field_names()
+    unknown = [k for k in values if k not in known]
+    if unknown:
+        names = [*known, *declared_hparams(), *declared_options()]
+        lines = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"unknown {where} key {key!r}{hint}")
+        raise ConfigError(
+            "; ".join(lines) + f". Known keys: {', '.join(known)}, and the hyper-parameters "
+            "and options the registered algorithms, models, partitioners and datasets "
+            "declare (docs/config.md)."
+        )
+    return values
+
+
+def import_plugins(specs: Sequence[str]) -> None:
+    """Imports the plugins ``specs`` names (they register their entries); a ConfigError
+    names one that cannot be imported."""
+    try:
+        load_plugins(specs)
+    except ValueError as err:
+        raise ConfigError(f"plugins = {list(specs)!r} is invalid: {err}") from err

@@ -1,0 +1,96 @@
+"""The message pipeline: what the clients send passes through an ordered chain of message
+transforms between their local work and the server's aggregation.
+
+A :class:`MessageTransform` is a pair of pure functions, as an optax transformation is:
+
+* ``init(params) -> state``: one client's state (a pytree, or None for a transform that
+  keeps none). The engine keeps the chain's states as a table with a leading ``[N]``
+  client axis in :attr:`SimState.messages <scaffold_jax.types.SimState.messages>`, beside
+  the algorithm's client table: gathered for the sampled clients, written back after the
+  round (a client that did not report keeps its row), checkpointed and laid out with it.
+* ``apply(outputs, states, context) -> (outputs, states, released)``: the round's
+  :class:`~scaffold_jax.types.ClientOutput` rows (``[S, ...]``: ``delta_params``,
+  ``message``, and ``weight``, 0 for a client that does not report) and their states in,
+  the rows the server aggregates out, with the new states and ``released``, a dict of
+  values the server may read beside the rows (the algorithm's ``server_update`` gets it
+  as ``released=`` when it has that parameter).
+
+:func:`chain` composes transforms, applied in order. An algorithm names its chain in
+:attr:`Algorithm.messages <scaffold_jax.types.Algorithm.messages>`; differential privacy
+(:func:`scaffold_jax.privacy.private`) adds its clipping and noise there. A new transform
+is a module of its own: nothing in the round changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from scaffold_jax.types import ClientOutput, HParams, PyTree
+
+
+class MessageContext(NamedTuple):
+    """What a transform may read of the round besides the messages.
+
+    Attributes:
+      hparams: the config's hyper-parameters.
+      server: the algorithm's server state the clients started from (after a pre-round
+        pass), e.g. a private algorithm's adaptive clip norm.
+      cohort_size: the round's expected cohort S (float32): differential privacy divides
+        by it, never by the realised count.
+      key: the server's key of the round (:func:`scaffold_jax.engine.server_key`).
+    """
+
+    hparams: HParams
+    server: PyTree
+    cohort_size: jax.Array
+    key: jax.Array
+
+
+class MessageTransform(NamedTuple):
+    """A transform of the clients' messages (see the module docstring)."""
+
+    init: Callable[[PyTree], PyTree]
+    apply: Callable[
+        [ClientOutput, PyTree, MessageContext], tuple[ClientOutput, PyTree, dict[str, Any]]
+    ]
+
+
+def stateless(apply: Callable[[ClientOutput, MessageContext], tuple]) -> MessageTransform:
+    """A transform that keeps no per-client state, from ``apply(outputs, context) ->
+    (outputs, released)``."""
+
+    def apply_with_state(outputs, states, context):
+        outputs, released = apply(outputs, context)
+        return outputs, states, released
+
+    return MessageTransform(lambda params: None, apply_with_state)
+
+
+def chain(*transforms: MessageTransform | None) -> MessageTransform | None:
+    """The transforms applied one after another (None entries skipped; None if none is
+    left). The chain's state is the tuple of its transforms' states, None when no
+    transform keeps any, so that a stateless chain adds nothing to the simulation state."""
+    transforms = tuple(t for t in transforms if t is not None)
+    if not transforms:
+        return None
+    if len(transforms) == 1:
+        return transforms[0]
+
+    def init(params):
+        states = tuple(t.init(params) for t in transforms)
+        return None if all(s is None for s in states) else states
+
+    def apply(outputs, states, context):
+        new_states, released = [], {}
+        for i, transform in enumerate(transforms):
+            outputs, state, out = transform.apply(
+                outputs, None if states is None else states[i], context
+            )
+            new_states.append(state)
+            released.update(out)
+        return outputs, (None if states is None else tuple(new_states)), released
+
+    return MessageTransform(init, apply)

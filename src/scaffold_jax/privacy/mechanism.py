@@ -17,7 +17,10 @@ compiled round:
    count, which would leak it). The algorithm's own ``server_update`` then reads these
    noised means: its rows are rewritten so that every weighted mean it takes is the
    noised mean and every weighted sum is S times it (SCAFFOLD's ``c ← c + Σ Δc_i / N``,
-   FedDyn's h), with its own code unchanged.
+   FedDyn's h), with its own code unchanged. Steps 1 and 2 are a message transform
+   (:mod:`scaffold_jax.messages`, ``Algorithm.messages``) that the engine applies between
+   the clients' work and ``server_update``; Mime's pre-round messages go through the same
+   clipping and noise in its pre-round pass.
 3. Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021), on when
    ``dp_clip_lr`` > 0: the server also releases the noised count of clients whose norm
    was at most C, b̄ = (Σ 1[‖m_i‖ <= C] + N(0, σ_b²)) / S, and moves C geometrically

@@ -23,7 +23,7 @@ from scaffold_jax.algorithms.common import (
     transformation,
 )
 from scaffold_jax.algorithms.registry import LOCAL_OPTIMIZER, SERVER_OPTIMIZER, register
-from scaffold_jax.types import Algorithm, HParams
+from scaffold_jax.types import STEP_SIZES, Algorithm, HParams
 
 
 @records_options
@@ -73,4 +73,6 @@ def fedavg(
     )
 
 
-register("fedavg", fedavg, "FedAvg", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})
+register(
+    "fedavg", fedavg, "FedAvg", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER}, hparams=STEP_SIZES
+)

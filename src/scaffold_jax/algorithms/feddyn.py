@@ -128,8 +128,13 @@ def feddyn(
         client_update=client_update,
         server_update=server_update,
         server_params=server_params,
-        hparams=HPARAMS if server_optimizer is None else {**HPARAMS, **STEP_SIZES},
+        hparams=_hparams(server_optimizer),
     )
 
 
-register("feddyn", feddyn, "FedDyn", options=SERVER_OPTIMIZER)
+def _hparams(server_optimizer=None) -> dict:
+    """FedDyn's hyper-parameters: α, and η_g only with a server optimizer."""
+    return HPARAMS if transformation(server_optimizer) is None else {**HPARAMS, **STEP_SIZES}
+
+
+register("feddyn", feddyn, "FedDyn", options=SERVER_OPTIMIZER, hparams=_hparams)

@@ -130,4 +130,5 @@ register(
         "local_optimizer": "FedNova's normalisation here is that of vanilla local SGD (the "
         "paper's a_i = tau_i); with momentum its weights differ"
     },
+    hparams=STEP_SIZES,
 )

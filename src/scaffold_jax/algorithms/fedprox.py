@@ -78,4 +78,6 @@ def fedprox(
     )
 
 
-register("fedprox", fedprox, "FedProx", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER})
+register(
+    "fedprox", fedprox, "FedProx", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER}, hparams=HPARAMS
+)

@@ -52,7 +52,7 @@ from scaffold_jax.algorithms.common import (
 from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, optimizer_option, register
 from scaffold_jax.local import batch_grad
 from scaffold_jax.tree import weighted_mean
-from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParams, PyTree
+from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, FullDataPass, HParams, PyTree
 
 #: The paper's base optimizer: heavy-ball momentum with β = 0.9.
 DEFAULT_BASE = "momentum:momentum=0.9"
@@ -192,5 +192,5 @@ _REFUSES = {
     "local_optimizer": "Mime's local steps already apply the base optimizer, frozen; set it "
     "with base_optimizer"
 }
-register("mime", mime, "Mime", options=_OPTIONS, refuses=_REFUSES)
-register("mimelite", mimelite, "MimeLite", options=_OPTIONS, refuses=_REFUSES)
+register("mime", mime, "Mime", options=_OPTIONS, refuses=_REFUSES, hparams=STEP_SIZES)
+register("mimelite", mimelite, "MimeLite", options=_OPTIONS, refuses=_REFUSES, hparams=STEP_SIZES)

@@ -34,9 +34,11 @@ class AlgorithmSpec(NamedTuple):
         sets one gets the reason.
       name: the registry key; an algorithm built here is given it as its ``name`` ("":
         the factory's own name is kept).
-      declared_hparams: the hyper-parameters every algorithm the factory builds declares,
-        given without building one; None: read them from a built instance (for a factory
-        whose options change them, as FedDyn's server optimizer adds ``server_lr``).
+      declared_hparams: the hyper-parameters the factory's algorithms declare, known
+        without building one: a mapping, or for a factory whose options change them a
+        function of the factory's keyword options (FedDyn's server optimizer adds
+        ``server_lr``). None (a plugin that declares none): read from an instance built
+        with the default options and a loss that is never called.
     """
 
     factory: Callable[..., Algorithm]
@@ -45,15 +47,22 @@ class AlgorithmSpec(NamedTuple):
     options: Mapping[str, Option] = {}
     refuses: Mapping[str, str] = {}
     name: str = ""
-    declared_hparams: Mapping[str, HParam] | None = None
+    declared_hparams: Mapping[str, HParam] | Callable[..., Mapping[str, HParam]] | None = None
 
     @property
     def hparams(self) -> Mapping[str, HParam]:
-        """The hyper-parameters the algorithm declares (:attr:`declared_hparams`, or read
-        from an instance built with the default options)."""
-        if self.declared_hparams is not None:
-            return self.declared_hparams
-        return self.build(lambda params, batch: jnp.zeros(())).hparams
+        """The hyper-parameters the algorithm declares with its default options."""
+        return self.hparams_for({})
+
+    def hparams_for(self, options: Mapping[str, Any]) -> Mapping[str, HParam]:
+        """The hyper-parameters the algorithm built with ``options`` (config fields of
+        :attr:`options`, the rest at their defaults) declares."""
+        declared = self.declared_hparams
+        if callable(declared):
+            return declared(**factory_kwargs(self.options, options))
+        if declared is not None:
+            return declared
+        return self.build(lambda params, batch: jnp.zeros(()), **options).hparams
 
     def build(self, loss_fn, **options: Any) -> Algorithm:
         """The algorithm for ``loss_fn``, named by its registry key; ``options`` are config
@@ -63,7 +72,10 @@ class AlgorithmSpec(NamedTuple):
         Raises:
           ValueError: the built algorithm does not declare the :attr:`declared_hparams`.
         """
-        return self.named(self.factory(loss_fn, **factory_kwargs(self.options, options)))
+        algorithm = self.named(self.factory(loss_fn, **factory_kwargs(self.options, options)))
+        if callable(self.declared_hparams):
+            self._check_declared(algorithm, self.hparams_for(options))
+        return algorithm
 
     def named(self, algorithm: Algorithm) -> Algorithm:
         """``algorithm`` (built by :attr:`factory`) with its registry key as its name,
@@ -74,7 +86,11 @@ class AlgorithmSpec(NamedTuple):
                 f"algorithm {self.name!r}: its factory {factory} returned "
                 f"{type(algorithm).__name__}, not an Algorithm; make it return one."
             )
-        declared = self.declared_hparams
+        if not callable(self.declared_hparams):
+            self._check_declared(algorithm, self.declared_hparams)
+        return algorithm._replace(name=self.name) if self.name else algorithm
+
+    def _check_declared(self, algorithm: Algorithm, declared) -> None:
         if declared is not None and set(algorithm.hparams) != set(declared):
             raise ValueError(
                 f"algorithm {self.name or algorithm.name!r} was registered declaring the "
@@ -82,7 +98,6 @@ class AlgorithmSpec(NamedTuple):
                 f"declaring {', '.join(algorithm.hparams) or 'none'}; make register(..., "
                 "hparams=) match what the factory declares, or leave it out."
             )
-        return algorithm._replace(name=self.name) if self.name else algorithm
 
 
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
@@ -96,13 +111,13 @@ def register(
     options: Mapping[str, Option] | None = None,
     replace: bool = False,
     refuses: Mapping[str, str] | None = None,
-    hparams: Mapping[str, HParam] | None = None,
+    hparams: Mapping[str, HParam] | Callable[..., Mapping[str, HParam]] | None = None,
 ) -> AlgorithmSpec:
     """Registers an algorithm factory under ``name`` (see :class:`AlgorithmSpec`).
 
-    ``hparams``: the hyper-parameters the factory's algorithms declare, when they do not
-    depend on its options; the registry then knows them without building one, and checks
-    them against every algorithm it builds.
+    ``hparams``: the hyper-parameters the factory's algorithms declare, or a function of
+    the factory's keyword options giving them; the registry then knows them without
+    building an algorithm, and checks them against every algorithm it builds.
     """
     if default_plan not in ("fraction", "full"):
         raise ValueError(f"default_plan={default_plan!r} is unknown; use 'fraction' or 'full'.")
@@ -113,7 +128,7 @@ def register(
         dict(options or {}),
         dict(refuses or {}),
         name,
-        None if hparams is None else dict(hparams),
+        hparams if hparams is None or callable(hparams) else dict(hparams),
     )
     return ALGORITHMS.register(name, spec, replace=replace)
 

@@ -62,7 +62,7 @@ from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.local import batch_grad, flatten_steps
 from scaffold_jax.registry import Option
 from scaffold_jax.tree import weighted_mean, weighted_sum
-from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParams, PyTree
+from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, FullDataPass, HParams, PyTree
 
 
 class ScaffoldServerState(NamedTuple):
@@ -280,4 +280,5 @@ register(
         "estimate (a known cause of failed SCAFFOLD reproductions). Use plain SGD, or "
         "fedavg / fedprox with a local optimizer",
     },
+    hparams=STEP_SIZES,
 )

@@ -24,7 +24,7 @@ from scaffold_jax.algorithms.common import (
 )
 from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.local import batch_grad, flatten_steps
-from scaffold_jax.types import Algorithm, ClientOutput, HParams
+from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, HParams
 
 
 @records_options
@@ -57,4 +57,4 @@ def sgd(loss_fn, server_optimizer: optax.GradientTransformation | str | None = N
     )
 
 
-register("sgd", sgd, "SGD", default_plan="full", options=SERVER_OPTIMIZER)
+register("sgd", sgd, "SGD", default_plan="full", options=SERVER_OPTIMIZER, hparams=STEP_SIZES)

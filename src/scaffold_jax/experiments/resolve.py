@@ -172,8 +172,9 @@ def hparams(config: ConfigFields) -> HParams:
     """The algorithm's declared hyper-parameters: the step sizes, the ``hparams`` table,
     and the declared defaults for the rest (names it does not declare left out); a private
     config's noise and adaptive clipping as its run-level settings fix them. Declared by
-    the registry entries; an algorithm's entry that does not declare them (its options may
-    change them: FedDyn's server optimizer adds ``server_lr``) has the algorithm built.
+    the registry entries (as a function of the entry's options where they change them:
+    FedDyn's server optimizer adds ``server_lr``); only a plugin's entry that declares
+    none has its algorithm built to read them.
 
     Raises:
       ConfigError: a private config's noise given twice or not at all, or a target
@@ -181,12 +182,12 @@ def hparams(config: ConfigFields) -> HParams:
       ValueError: an unknown algorithm, a value out of its declared range.
     """
     spec = ALGORITHMS[config.algorithm]
-    if spec.declared_hparams is None:
+    if spec.declared_hparams is None:  # a plugin that declares none: built to read them
         declared: Any = make_algorithm(config)
     else:
         mechanism = {} if config.privacy is None else MECHANISMS[config.privacy].hparams
         # The spec stands for the algorithm: resolve_hparams reads its name and hparams.
-        table = {**spec.declared_hparams, **mechanism}
+        table = {**spec.hparams_for(entry_options(config, "algorithm")), **mechanism}
         declared = spec._replace(name=spec.name or config.algorithm, declared_hparams=table)
     given = {k: v for k, v in config.hparams.items() if k in declared.hparams}
     steps = {"client_lr": config.client_lr, "server_lr": config.server_lr}

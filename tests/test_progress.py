@@ -74,6 +74,25 @@ def test_plain_lines_come_once_a_tenth_or_every_half_minute(monkeypatch):
     assert rounds == [1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 37, 40, 43, 46, 49]
 
 
+def test_the_last_line_comes_once_even_after_a_rebase_or_a_hair_short(monkeypatch):
+    """A grid's work-weighted units can sum to a hair under the total, and the cell that
+    finishes last may be counted (rebase) before its final block's update: the line at the
+    total still comes, once (under load, reproduce table3 ended its lines at 220/240)."""
+    clock = _Clock(monkeypatch)
+    for moves in ([120.0, ("rebase", 240.0), 240.0], [120.0, 240.0 * (1 - 1e-12)]):
+        stream = io.StringIO()
+        bar = Progress(240, "table3", stream=stream)
+        for i, move in enumerate(moves):
+            clock.now = 100.0 + i  # within PLAIN_LINE_SECONDS: only a tenth or the end prints
+            if isinstance(move, tuple):
+                bar.rebase(move[1])
+            else:
+                bar.update(move)
+        bar.update(bar.done)  # nothing new: no second last line
+        lines = stream.getvalue().splitlines()
+        assert [line.split()[2] for line in lines] == ["120/240", "240/240"], lines
+
+
 def test_a_brief_progress_prints_only_the_phases_that_take_a_while(monkeypatch):
     clock = _Clock(monkeypatch)
     stream = io.StringIO()

@@ -103,6 +103,7 @@ class Progress:
         self._base = (0.0, self._start, 0.0)  # (done, time, phase seconds) the rate counts from
         self._warm = False  # an update since the start or the last rebase: the base is set
         self._printed = (-1.0, -1)  # (time, tenth of the work) of the last plain line
+        self._final = False  # the line at the total was printed
         self.brief = False
 
     @property
@@ -152,7 +153,13 @@ class Progress:
     # -- the bar -------------------------------------------------------------------
     def update(self, done: float, postfix: str | None = None) -> None:
         """Moves to ``done`` units (absolute); ``postfix``: shown after the rate."""
-        if not self.enabled or done == self.done:
+        if not self.enabled:
+            return
+        # The last line always comes, once: also when a grid's work-weighted units sum to
+        # a hair under the total, or a rebase already moved to it (the cell that finished
+        # last is counted before its final block's update arrives).
+        final = self.total > 0 and done >= self.total * (1 - 1e-9) and not self._final
+        if done == self.done and not final:
             return
         self.done = done
         warm = self._warm
@@ -163,8 +170,9 @@ class Progress:
             now = time.perf_counter()
             tenth = int(10 * done / self.total) if self.total else 10
             last_time, last_tenth = self._printed
-            if done >= self.total or tenth > last_tenth or now - last_time >= PLAIN_LINE_SECONDS:
+            if final or tenth > last_tenth or now - last_time >= PLAIN_LINE_SECONDS:
                 self._printed = (now, tenth)
+                self._final = self._final or final
                 self.write(self._line(postfix, rate=warm))
             return
         if self.bar is None:

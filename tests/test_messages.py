@@ -107,3 +107,21 @@ def test_more_rounds_than_their_metrics_fit_in_memory_are_refused_up_front(monke
     ):
         sim.run(data, sj.hparams(client_lr=0.1), num_rounds=fits + 1)
     assert sim.run(data, sj.hparams(client_lr=0.1), num_rounds=2).state.round == 2
+
+
+def test_a_sweep_carries_the_transform_states_per_config():
+    """The transforms' table has the sweep's leading configs axis like the client table:
+    each config of a grid equals its single run (up to the order of float sums)."""
+    from scaffold_jax.sweep import grid, sweep
+
+    data, problem = _setup()
+    algorithm = sj.fedavg(problem.loss_fn)._replace(messages=scale_messages(0.5))
+    sim = sj.Simulation(algorithm, problem, PLAN, clients_per_round=3)
+    hparams, seeds, _ = grid(client_lr=[0.05, 0.2], seeds=[0, 1])
+    result = sweep(sim, data, hparams, seeds, num_rounds=4)
+    for i, (lr, seed) in enumerate(zip(np.asarray(hparams.client_lr), seeds, strict=True)):
+        single = sim.run(data, sj.hparams(client_lr=float(lr)), num_rounds=4, seed=int(seed))
+        for a, b in zip(jax.tree.leaves(single.state.server),
+                        jax.tree.leaves(jax.tree.map(lambda x: x[i], result.server_states)),
+                        strict=True):  # fmt: skip
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)

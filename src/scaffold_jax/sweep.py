@@ -306,7 +306,7 @@ class Sweep:
         # The round counter and the availability state are the seed's (no config moves
         # them), shared by the configs of a seed.
         per_seed = SweepCarry(
-            SimState(server=0, clients=0, round=0, model=0, participation=0), 0, 0
+            SimState(server=0, clients=0, round=0, model=0, participation=0, messages=0), 0, 0
         )
         if sim.configs_one_at_a_time(data):
             step = engine.one_after_another(group)

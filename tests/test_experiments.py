@@ -183,8 +183,7 @@ def test_declared_hyper_parameters_are_read_without_building_the_algorithm(monke
             continue
         monkeypatch.setitem(ALGORITHMS._entries, name, spec._replace(factory=refuse))
         config = RunConfig(algorithm=name, **options)
-        if name == "scaffnew":
-            config = config.replace(clients_per_round=config.num_clients)
+        config = config.replace(clients_per_round=config.num_clients)  # S = N suits all
         assert list(config.resolved_hparams()) == list(built.hparams), name
     assert "server_lr" in RunConfig(algorithm="feddyn", **options).resolved_hparams() or not options
 

@@ -54,8 +54,9 @@ SEED_WHY = " (jax.random.key keeps only the low 32 bits: a larger seed repeats a
 MAX_ROUNDS = 10_000_000
 """The most rounds one run may take. The round counter is int32 (2**31 - 1 at most), and
 well before that a run stops being practical: its metrics and sampled clients are kept for
-every round in memory, ``(20 + 4 S)`` bytes a round, and the host loop plans its blocks of
-rounds before compiling (2e9 rounds hung there, silently)."""
+every round in memory (:func:`check_rounds_fit` refuses fewer rounds than this when they
+do not fit), and the host loop plans its blocks of rounds before compiling (2e9 rounds
+hung there, silently)."""
 
 ROUNDS_WHY = (
     " (every round's metrics and sampled clients are kept in memory, and the blocks of "

@@ -141,9 +141,10 @@ def _check(args, tmp_path, kind):
     out = tmp_path / f"out-{TRIED[kind]}"
     if args[0] != "reproduce" or "--out" not in args:
         args = [*args, "--out", str(out)]
-    if LOG:
+    if LOG:  # a config file's text too: the file is gone when the parent reads the log
+        shown = [*args, "#", open(args[2]).read()] if args[1:2] == ["--config"] else args
         with open(LOG, "a") as log:
-            log.write(json.dumps(args) + "\n")
+            log.write(json.dumps(shown) + "\n")
     stderr = io.StringIO()
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(HANG_SECONDS)

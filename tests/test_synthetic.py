@@ -255,6 +255,29 @@ def test_materialised_equals_procedural_streams(sab, proc):
             np.testing.assert_array_equal(held_out, stream[k][n_train:])
 
 
+def test_a_wide_dim_materialises_in_smaller_calls_with_the_same_numbers(monkeypatch):
+    # dim = 597,137 with the fixed 4,096-example call needed ~300 GB at once and XLA aborted
+    # the process (found by tests/test_fuzz.py); the call now shrinks to fit its budget.
+    from scaffold_jax.data import synthetic_alpha_beta as sab_mod
+
+    for dim, classes in ((60, 10), (1000, 10), (597_137, 10), (10**7, 100)):
+        chunk = sab_mod._chunk_examples(dim, classes)
+        assert chunk >= 1 and chunk & (chunk - 1) == 0 and chunk <= sab_mod._CHUNK
+        assert chunk == 1 or chunk * 4 * 3 * dim * classes <= sab_mod._CHUNK_BYTES
+    assert sab_mod._chunk_examples(60, 10) == sab_mod._CHUNK  # the default is unchanged
+    assert sab_mod._chunk_examples(597_137, 10) == 1
+    kw = dict(num_clients=3, alpha=1.0, beta=1.0, dim=20, sizes=37, seed=4)
+    whole = syn.synthetic_alpha_beta(**kw)
+    monkeypatch.setattr(sab_mod, "_CHUNK_BYTES", 1)  # one example per call
+    assert sab_mod._chunk_examples(20, 10) == 1
+    piecewise = syn.synthetic_alpha_beta(**kw)
+    # The same examples up to float32 round-off (XLA lowers the normal draw a little
+    # differently per call shape: last-bit differences in x), the same labels.
+    for a, b in ((whole.examples, piecewise.examples), (whole.test, piecewise.test)):
+        np.testing.assert_allclose(np.asarray(a["x"]), np.asarray(b["x"]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(a["y"]), np.asarray(b["y"]))
+
+
 def test_generative_process_matches_the_paper():
     # One large client: x ~ N(v, diag(j^-1.2)), y = argmax(x W + b) for the client's model.
     data = syn.procedural_synthetic(

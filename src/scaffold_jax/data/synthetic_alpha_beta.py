@@ -38,6 +38,17 @@ Examples = Any
 _SIZES, _MODEL, _DATA, _IID = 0, 1, 2, 3  # stream tags folded into the root key
 _LOGNORMAL_MEAN, _LOGNORMAL_SIGMA, _MIN_SIZE = 4.0, 2.0, 50  # FedProx / LEAF code
 _CHUNK = 4096  # examples per compiled materialisation call (one compile for any size)
+_CHUNK_BYTES = 64 * 2**20  # working set of one call: each example recomputes its client's W
+
+
+def _chunk_examples(dim: int, num_classes: int) -> int:
+    """Examples per materialisation call: ``_CHUNK``, or fewer (a power of two, >= 1) when
+    the call's working set, ~3 copies of a [d, C] model plus [d] vectors per example,
+    would pass ``_CHUNK_BYTES`` (a wide ``dim`` otherwise needs hundreds of GB at once;
+    the smaller calls' features equal the default's up to float32 round-off)."""
+    per_example = 4 * (3 * dim * num_classes + 4 * dim + 2 * num_classes)
+    fits = max(1, _CHUNK_BYTES // per_example)
+    return min(_CHUNK, 1 << (fits.bit_length() - 1))
 
 
 def _feature_std(dim: int) -> jax.Array:
@@ -144,12 +155,12 @@ def _models(key, alpha, beta, client_ids, *, dim, num_classes, iid):
 
 def _materialise(key, alpha, beta, client_ids, js, *, dim, num_classes, iid) -> dict:
     """Numpy examples for flat ``(client_ids, js)``, generated in fixed-size chunks."""
-    total = len(client_ids)
+    total, chunk = len(client_ids), _chunk_examples(dim, num_classes)
     out = {"x": np.empty((total, dim), np.float32), "y": np.empty(total, np.int32)}
-    for start in range(0, total, _CHUNK):
-        stop = min(start + _CHUNK, total)
-        ids = np.zeros(_CHUNK, np.int32)
-        pos = np.zeros(_CHUNK, np.int32)
+    for start in range(0, total, chunk):
+        stop = min(start + chunk, total)
+        ids = np.zeros(chunk, np.int32)
+        pos = np.zeros(chunk, np.int32)
         ids[: stop - start] = client_ids[start:stop]
         pos[: stop - start] = js[start:stop]
         ex = _materialise_chunk(

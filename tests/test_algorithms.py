@@ -7,8 +7,6 @@ at float tolerance.
 - after every round c = mean_i c_i (uniform) and c = Σ n_i c_i / Σ n_i (num_examples).
 """
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +20,7 @@ from scaffold_jax.algorithms.common import local_update
 from scaffold_jax.local import batch_grad, flatten_steps
 
 # The module (the package's `scaffold` attribute is the factory function).
-scaffold_module = importlib.import_module("scaffold_jax.algorithms.scaffold")
+from scaffold_jax.tree import encode_storage
 
 
 def _run(alg, problem, data, plan, s, hp, rounds=4, seed=0, weighting="uniform"):
@@ -262,9 +260,7 @@ def test_bfloat16_encoding_rounds_to_nearest_even_and_decodes_exactly():
     alg = sj.scaffold(lambda p, b: jnp.zeros(()), control_dtype=jnp.bfloat16)
     _, client = alg.init(params)
     assert client.control["w"].dtype == jnp.uint16 and not np.any(client.control["w"])
-    encoded = np.asarray(
-        scaffold_module._encode({"w": jnp.asarray(values)}, jnp.dtype(jnp.bfloat16))["w"]
-    )
+    encoded = np.asarray(encode_storage({"w": jnp.asarray(values)}, jnp.dtype(jnp.bfloat16))["w"])
     with np.errstate(invalid="ignore"):  # numpy warns casting NaN; the bits are defined
         reference = values.astype(jnp.bfloat16).view(np.uint16)
     np.testing.assert_array_equal(encoded, reference)

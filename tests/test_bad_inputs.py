@@ -1189,6 +1189,66 @@ CASES = [
          "entries: fix that line or leave the plugin out.",
          lambda ctx: load_plugins([str(write(ctx.tmp / "stop.py",
                                              b"x = 1\nraise KeyboardInterrupt\n"))])),
+    # Issue 42: compression of the uplink.
+    Case("compress-bits-one", "--compression qsgd --compress-bits 1", "RunConfig.validate",
+         ConfigError,
+         "invalid config: compress_bits = 1 is invalid: it must be a whole number >= 2 and <= 16.",
+         lambda ctx: RunConfig(**DP_RUN, compression="qsgd", compress_bits=1).validate()),
+    Case("compress-bits-seventeen", "--compression qsgd --compress-bits 17", "RunConfig.validate",
+         ConfigError,
+         "invalid config: compress_bits = 17 is invalid: it must be a whole number >= 2 and <= 16.",
+         lambda ctx: RunConfig(**DP_RUN, compression="qsgd", compress_bits=17).validate()),
+    Case("compress-bits-fractional", "--compression qsgd --compress-bits 4.5",
+         "RunConfig.validate", ConfigError,
+         "invalid config: compress_bits = 4.5 is invalid: it must be a whole number >= 2 and "
+         "<= 16.",
+         lambda ctx: RunConfig(**DP_RUN, compression="qsgd", compress_bits=4.5).validate()),
+    Case("compress-bits-api", "hparams compress_bits=1 for a qsgd algorithm",
+         "Simulation.resolve_hparams", ValueError,
+         "compress_bits=1 is invalid: every value must be a whole number >= 2 and <= 16.",
+         lambda ctx: simulation(ctx, algorithm=sj.compression.compressed(
+             sj.fedavg(ctx.problem.loss_fn), "qsgd")).resolve_hparams(
+             {"client_lr": 0.1, "compress_bits": 1})),
+    Case("compress-fraction-zero", "--compression topk --compress-fraction 0",
+         "RunConfig.validate", ConfigError,
+         "invalid config: compress_fraction = 0.0 is invalid: it must be finite and > 0 and <= 1.",
+         lambda ctx: RunConfig(**DP_RUN, compression="topk", compress_fraction=0.0).validate()),
+    Case("compress-fraction-above-one", "--compression randk --compress-fraction 1.5",
+         "RunConfig.validate", ConfigError,
+         "invalid config: compress_fraction = 1.5 is invalid: it must be finite and > 0 and <= 1.",
+         lambda ctx: RunConfig(**DP_RUN, compression="randk", compress_fraction=1.5).validate()),
+    Case("compress-entry-not-sent", "--algorithm fedavg --compression topk "
+         "--compress-entries delta_control (FedAvg sends no Δc)", "RunConfig.validate",
+         ConfigError,
+         "invalid config: compression = 'topk': compress_entries names delta_control, which "
+         "fedavg's clients do not send: they send delta_params (or use all).",
+         lambda ctx: RunConfig(**DP_RUN, algorithm="fedavg", compression="topk",
+                               compress_entries="delta_control").validate()),
+    Case("compress-entry-unknown", "--compression signef --compress-entries delta_params,deltas",
+         "RunConfig.validate", ConfigError,
+         "invalid config: compression = 'signef': compress_entries names deltas, which "
+         "scaffold's clients do not send: they send delta_params, delta_control (or use all).",
+         lambda ctx: RunConfig(**DP_RUN, compression="signef",
+                               compress_entries="delta_params,deltas").validate()),
+    Case("compress-with-privacy", "--compression qsgd --dp-epsilon 3", "RunConfig.validate",
+         ConfigError,
+         "invalid config: privacy = 'gaussian': compression = 'qsgd' with differential privacy "
+         "is refused: the noise is calibrated to each client's clipped message norm, which "
+         "qsgd and randk can raise (they scale entries up) and topk and signef exceed through "
+         "their residuals (carrying earlier rounds' updates). Use compression = 'none' with "
+         "privacy, or no privacy.",
+         lambda ctx: RunConfig(**DP_RUN, compression="qsgd", dp_epsilon=3.0).validate()),
+    Case("compress-option-of-another", "--compression qsgd --compress-fraction 0.1",
+         "RunConfig.validate", ConfigError,
+         "invalid config: compress_fraction = 0.1 does not apply to compression = 'qsgd': it "
+         "is topk and randk's; remove it or choose that compression.",
+         lambda ctx: RunConfig(**DP_RUN, compression="qsgd", compress_fraction=0.1).validate()),
+    Case("compress-residual-dtype", "--compression signef --compress-residual-dtype float16",
+         "RunConfig.validate", ConfigError,
+         "invalid config: compress_residual_dtype = 'float16' is invalid: it must be one of "
+         "'float32', 'bfloat16'.",
+         lambda ctx: RunConfig(**DP_RUN, compression="signef",
+                               compress_residual_dtype="float16").validate()),
 ]
 # fmt: on
 

@@ -96,7 +96,8 @@ def test_run_end_to_end_writes_every_file(tmp_path, capsys):
     assert main(argv) == 0
     files = {p.name for p in out.iterdir()}
     assert {
-        "config.json", "metrics.jsonl", "summary.json", "metrics.csv", "accuracy.png", "loss.png"
+        "config.json", "metrics.jsonl", "summary.json", "metrics.csv", "accuracy.png", "loss.png",
+        "accuracy_vs_uplink.png",
     } <= files  # fmt: skip
     saved = json.loads((out / "config.json").read_text())
     assert saved["rounds"] == 6 and saved["client_lr"] == 0.1  # the flag beat the file
@@ -304,7 +305,8 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
         records = results.read_records(out)
         assert len(runs) == 8 and set(runs) == {r["series"] for r in records}
         assert "fedavg client_lr=0.1 server_lr=1 seed=1" in runs
-        metrics = ("test_accuracy", "test_loss", "train_loss", "local_loss", "client_drift")
+        metrics = ("test_accuracy", "test_loss", "train_loss", "local_loss", "client_drift",
+                   "bytes_down", "bytes_up", "bytes_down_total", "bytes_up_total")  # fmt: skip
         for series, scalars in runs.items():
             assert set(scalars) == {*metrics, "seconds"}
             for metric in metrics:  # every record's value at its round (round 0 has no

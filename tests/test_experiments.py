@@ -360,6 +360,7 @@ def test_run_writes_its_folder_from_an_in_memory_dataset(tmp_path):
     assert {name: (spec.title, spec.target) for name, spec in drawn.items()} == {
         "accuracy.png": (title, (0.3, 0.99)),
         "loss.png": (title, None),
+        "accuracy_vs_uplink.png": (title, (0.3, 0.99)),
     }
     assert summary["status"] == "finished"
     assert summary["dataset"] == "toy" and summary["clients_per_round"] == 5

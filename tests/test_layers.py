@@ -18,7 +18,7 @@ PACKAGE = Path(scaffold_jax.__file__).parent
 LAYERS = [
     ["types", "tree", "registry", "compilation_cache", "resources", "versions"],
     ["local", "messages", "optimizers", "sampling", "weighting", "layout", "data"],
-    ["algorithms", "models", "privacy", "participation"],
+    ["algorithms", "models", "privacy", "participation", "compression"],
     ["engine"],
     ["checkpoint", "diagnostics", "sweep"],
     ["loop"],

@@ -17,6 +17,7 @@ _requirements.check()
 from scaffold_jax import (
     algorithms,
     checkpoint,
+    compression,
     data,
     diagnostics,
     layout,
@@ -86,6 +87,7 @@ __all__ = [
     "algorithms",
     "check_hparams",
     "checkpoint",
+    "compression",
     "data",
     "diagnostics",
     "fedavg",

@@ -23,12 +23,13 @@ is a module of its own: nothing in the round changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
-from scaffold_jax.types import ClientOutput, HParams, PyTree
+from scaffold_jax.types import Algorithm, ClientOutput, HParams, PyTree
 
 
 class MessageContext(NamedTuple):
@@ -50,12 +51,27 @@ class MessageContext(NamedTuple):
 
 
 class MessageTransform(NamedTuple):
-    """A transform of the clients' messages (see the module docstring)."""
+    """A transform of the clients' messages (see the module docstring).
+
+    ``sizes(like, hparams) -> {entry: bytes}``, optional: the bytes a client sends of each
+    uplink entry after the transform (a compressor's), given the entries' uncompressed
+    structure (``{"delta_params": ..., **message}`` of ``ShapeDtypeStruct`` s) and one
+    config's hyper-parameters as plain numbers. None: the transform sends what it gets
+    (:mod:`scaffold_jax.engine.communication` counts the entries' own bytes)."""
 
     init: Callable[[PyTree], PyTree]
     apply: Callable[
         [ClientOutput, PyTree, MessageContext], tuple[ClientOutput, PyTree, dict[str, Any]]
     ]
+    sizes: Callable[[Mapping[str, PyTree], Mapping[str, float]], Mapping[str, int]] | None = None
+
+
+def uplink_like(algorithm: Algorithm, params: PyTree) -> dict[str, PyTree]:
+    """The structure of what a reporting client sends: ``{"delta_params": ..., **message}``
+    as ``ShapeDtypeStruct`` s (Δy_i is float32, as the local steps compute it)."""
+    like = jax.eval_shape(lambda p: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p), params)
+    message = {} if algorithm.uplink is None else jax.eval_shape(algorithm.uplink, params)
+    return {"delta_params": like, **dict(message)}
 
 
 def stateless(apply: Callable[[ClientOutput, MessageContext], tuple]) -> MessageTransform:
@@ -93,4 +109,7 @@ def chain(*transforms: MessageTransform | None) -> MessageTransform | None:
             released.update(out)
         return outputs, (None if states is None else tuple(new_states)), released
 
-    return MessageTransform(init, apply)
+    # What is sent is the last size-changing transform's (compression, say): the others
+    # (differential privacy's clipping) change values, not sizes.
+    sized = [t.sizes for t in transforms if t.sizes is not None]
+    return MessageTransform(init, apply, sized[-1] if sized else None)

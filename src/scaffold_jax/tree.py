@@ -7,6 +7,7 @@ Every leaf of a client table has a leading ``[N, ...]`` client axis.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,3 +123,33 @@ def tree_digest(tree: PyTree) -> str:
         digest.update(f"{array.dtype}{array.shape}".encode())
         digest.update(array.reshape(-1).view(np.uint8).data)
     return digest.hexdigest()
+
+
+_BITS = jnp.dtype(jnp.uint16)  # the storage of bfloat16 values: their bit patterns
+
+
+def encode_storage(values: PyTree, dtype: Any) -> PyTree:
+    """float32 values → a client table's storage form: float32, or for ``bfloat16`` their
+    ``uint16`` bit patterns (rounded to nearest even). XLA's CPU backend has no bfloat16
+    scatter: it converts a whole bfloat16 ``[N, ...]`` table to float32 and back to write a
+    round's rows, where a ``uint16`` scatter writes them in place (SCAFFOLD's controls,
+    compression's error-feedback residuals)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
+        return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), values)
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f"a client table is stored as float32 or bfloat16, not {dtype}.")
+    return jax.tree.map(
+        lambda a: jax.lax.bitcast_convert_type(jnp.asarray(a).astype(jnp.bfloat16), _BITS), values
+    )
+
+
+def decode_storage(stored: PyTree) -> PyTree:
+    """:func:`encode_storage` 's form → float32 (exact: every bfloat16 is a float32)."""
+
+    def one(a):
+        a = jnp.asarray(a)
+        if a.dtype == _BITS:
+            a = jax.lax.bitcast_convert_type(a, jnp.bfloat16)
+        return a.astype(jnp.float32)
+
+    return jax.tree.map(one, stored)

@@ -30,6 +30,8 @@ class HParam(NamedTuple):
       maximum: the largest value allowed (Scaffnew's probability ``comm_prob`` <= 1), or
         None for no bound.
       allow_inf: whether +inf is allowed (a clip norm of inf: no clipping).
+      minimum: the smallest value allowed (QSGD's ``compress_bits`` >= 2), or None.
+      integer: whether only whole numbers are allowed (a number of bits).
     """
 
     default: float | None
@@ -37,6 +39,8 @@ class HParam(NamedTuple):
     allow_zero: bool = False
     maximum: float | None = None
     allow_inf: bool = False
+    minimum: float | None = None
+    integer: bool = False
 
 
 #: The step sizes every algorithm takes: η_l (no default) and η_g (1.0 in all of the
@@ -188,6 +192,18 @@ def _underflow_message(name: str, shown: str) -> str:
     )
 
 
+def allowed_range(spec: HParam | None, allow_zero: bool) -> str:
+    """What a hyper-parameter's values must be, in words, for error messages."""
+    allowed = "finite and >= 0" if allow_zero else "finite and > 0"
+    if spec is not None and spec.minimum is not None:
+        allowed = f"finite and >= {spec.minimum:g}"
+    if spec is not None and spec.integer:
+        allowed = allowed.replace("finite and", "a whole number")
+    if spec is not None and spec.maximum is not None:
+        allowed += f" and <= {spec.maximum:g}"
+    return allowed
+
+
 def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> None:
     """Raises ValueError for values outside their range (concrete values only).
 
@@ -211,14 +227,17 @@ def check_hparams(hp: HParams, declared: Mapping[str, HParam] | None = None) -> 
         bad = ~finite | (value < 0) | ((value == 0) & (not allow_zero))
         if maximum is not None:
             bad |= value > np.float32(maximum)
+        if spec is not None and spec.minimum is not None:
+            bad |= value < np.float32(spec.minimum)
+        if spec is not None and spec.integer:
+            bad |= np.isfinite(value) & (value != np.round(value))
         # float32 digits (0.1, not 0.10000000149011612).
         shown = ", ".join(f"{v:.7g}" for v in value.ravel().tolist())
         shown = shown if value.ndim == 0 else f"[{shown}]"
         if np.any(bad):
-            allowed = "finite and >= 0" if allow_zero else "finite and > 0"
-            if maximum is not None:
-                allowed += f" and <= {maximum:g}"
-            raise ValueError(f"{name}={shown} is invalid: every value must be {allowed}.")
+            raise ValueError(
+                f"{name}={shown} is invalid: every value must be {allowed_range(spec, allow_zero)}."
+            )
         # A subnormal given as a float32 array (the accelerators flush it to 0).
         if np.any((value != 0) & (np.abs(value) < np.float32(FLOAT32_TINY))):
             raise ValueError(_underflow_message(name, shown))
@@ -332,10 +351,13 @@ class FullDataPass(NamedTuple):
       client: ``client(server_state, client_state, batch, mask) -> (client_state,
         message)`` for ONE client; ``message`` is a pytree of float32 arrays.
       server: ``server(server_state, mean_message) -> server_state``.
+      sends: ``sends(params) -> pytree``, the structure (shapes, dtypes) of the message,
+        for communication accounting; None: a float32 array per parameter (a gradient).
     """
 
     client: Callable[..., tuple[PyTree, PyTree]]
     server: Callable[[PyTree, PyTree], PyTree]
+    sends: Callable[[PyTree], PyTree] | None = None
 
 
 class Algorithm(NamedTuple):
@@ -401,6 +423,15 @@ class Algorithm(NamedTuple):
         (:class:`~scaffold_jax.messages.MessageTransform`, e.g. differential
         privacy's clipping and noise); ``server_update`` aggregates what it makes. None:
         the outputs as the clients made them.
+      downlink: what a participating client receives of the server state to do its
+        work, ``downlink(server_state) -> pytree`` (SCAFFOLD's ``(x, c)``), counted at its
+        stored dtypes (:mod:`scaffold_jax.engine.communication`). None: the model x,
+        ``server_params(server_state)``.
+      uplink: what a client sends besides Δy_i, ``uplink(params) -> {name: pytree}``: the
+        structure (shapes, dtypes; not values) of its ``ClientOutput.message``, e.g.
+        SCAFFOLD's ``{"delta_control": params}``; the round checks the messages made
+        against it. None: no message (``{}``). With ``delta_params`` (and a ``pre_round``
+        pass's message) it is what the accounting counts and compression compresses.
     """
 
     name: str
@@ -417,6 +448,8 @@ class Algorithm(NamedTuple):
     linear_aggregate: bool = True
     report: Callable[..., Mapping[str, float]] | None = None
     messages: Any = None
+    downlink: Callable[[PyTree], PyTree] | None = None
+    uplink: Callable[[PyTree], Mapping[str, PyTree]] | None = None
 
 
 class SimState(NamedTuple):

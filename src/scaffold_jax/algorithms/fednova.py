@@ -33,6 +33,7 @@ cannot give (:mod:`scaffold_jax.privacy`).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -118,6 +119,7 @@ def fednova(
         server_params=server_params,
         hparams=STEP_SIZES,
         linear_aggregate=False,
+        uplink=lambda params: {LOCAL_STEPS: jax.ShapeDtypeStruct((), jnp.float32)},  # τ_i
     )
 
 

@@ -143,6 +143,13 @@ def _mime(loss_fn, name, corrected, base_optimizer, server_optimizer) -> Algorit
         server_update=server_update,
         server_params=server_params,
         pre_round=FullDataPass(client=full_gradient, server=receive),
+        # Down: x and the frozen s (Mime: and c, after the pre-round pass); up: ∇f_i(x)
+        # (the pre-round pass's message) and Δy_i.
+        downlink=(
+            (lambda state: (state.params, state.base_state, state.control))
+            if corrected
+            else (lambda state: (state.params, state.base_state))
+        ),
     )
 
 

@@ -61,7 +61,7 @@ from scaffold_jax.algorithms.common import (
 from scaffold_jax.algorithms.registry import SERVER_OPTIMIZER, register
 from scaffold_jax.local import batch_grad, flatten_steps
 from scaffold_jax.registry import Option
-from scaffold_jax.tree import weighted_mean, weighted_sum
+from scaffold_jax.tree import decode_storage, encode_storage, weighted_mean, weighted_sum
 from scaffold_jax.types import STEP_SIZES, Algorithm, ClientOutput, FullDataPass, HParams, PyTree
 
 
@@ -79,30 +79,6 @@ class ScaffoldClientState(NamedTuple):
     Read it as numbers with :func:`client_controls`."""
 
     control: PyTree
-
-
-_BITS = jnp.dtype(jnp.uint16)  # storage of bfloat16 controls: their bit patterns
-
-
-def _encode(values: PyTree, control_dtype: jnp.dtype) -> PyTree:
-    """float32 controls → their storage form (bfloat16 rounds to nearest even)."""
-    if control_dtype == jnp.dtype(jnp.float32):
-        return optax.tree.cast(values, jnp.float32)
-    return jax.tree.map(
-        lambda a: jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), _BITS), values
-    )
-
-
-def _decode(stored: PyTree) -> PyTree:
-    """Stored controls → float32 (exact: every bfloat16 is a float32)."""
-
-    def one(a):
-        a = jnp.asarray(a)
-        if a.dtype == _BITS:
-            a = jax.lax.bitcast_convert_type(a, jnp.bfloat16)
-        return a.astype(jnp.float32)
-
-    return jax.tree.map(one, stored)
 
 
 def client_controls(client_state: ScaffoldClientState) -> PyTree:
@@ -131,7 +107,7 @@ def client_controls(client_state: ScaffoldClientState) -> PyTree:
       >>> client_controls(state.clients)["linear"]["kernel"].dtype
       dtype('float32')
     """
-    return _decode(client_state.control)
+    return decode_storage(client_state.control)
 
 
 _OPTIONS = {1: 1, 2: 2, "I": 1, "II": 2, "i": 1, "ii": 2}
@@ -191,14 +167,16 @@ def scaffold(
             control=optax.tree.zeros_like(params),
             opt_state=init_server_optimizer(server_optimizer, params),
         )
-        client = ScaffoldClientState(control=_encode(optax.tree.zeros_like(params), control_dtype))
+        client = ScaffoldClientState(
+            control=encode_storage(optax.tree.zeros_like(params), control_dtype)
+        )
         return server, client
 
     def client_update(
         hparams: HParams, server_state, client_state, batches, mask, key, model_state=None
     ):
         x, c = server_state.params, server_state.control
-        c_i = _decode(client_state.control)
+        c_i = decode_storage(client_state.control)
 
         # Every local gradient is corrected by the same c - c_i.
         offset = optax.tree.sub(c, c_i)
@@ -215,17 +193,17 @@ def scaffold(
         else:
             flat, flat_mask = flatten_steps(batches, mask)
             _, c_plus = batch_grad(loss_fn, x, flat, flat_mask)
-        stored = _encode(c_plus, control_dtype)
-        delta_control = optax.tree.sub(_decode(stored), c_i)
+        stored = encode_storage(c_plus, control_dtype)
+        delta_control = optax.tree.sub(decode_storage(stored), c_i)
         output = output._replace(message={"delta_control": delta_control})
         return ScaffoldClientState(control=stored), output
 
     def warm_client(server_state, client_state, batch, mask):
         del client_state
         _, grad = batch_grad(loss_fn, server_state.params, batch, mask)
-        stored = _encode(grad, control_dtype)
+        stored = encode_storage(grad, control_dtype)
         # The server's c is the mean of the STORED (possibly rounded) controls.
-        return ScaffoldClientState(control=stored), _decode(stored)
+        return ScaffoldClientState(control=stored), decode_storage(stored)
 
     def warm_server(server_state, mean_control):
         return server_state._replace(control=mean_control)
@@ -246,6 +224,8 @@ def scaffold(
         server_update=server_update,
         server_params=server_params,
         warm_start=FullDataPass(warm_client, warm_server) if warm_controls else None,
+        downlink=lambda state: (state.params, state.control),  # x and c; up: Δy_i and Δc_i
+        uplink=lambda params: {"delta_control": params},
     )
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from scaffold_jax.engine.axes import over_clients
+from scaffold_jax.engine.communication import check_uplink
 from scaffold_jax.engine.phases import Cohort, Draw, keep_absent
 from scaffold_jax.local import takes
 from scaffold_jax.messages import MessageContext
@@ -56,6 +57,9 @@ def client_messages(sim, hparams, server_in, outputs, states, rnd: Round):
     """The clients' messages through the algorithm's message transforms
     (:mod:`scaffold_jax.messages`): what the server aggregates, the transforms'
     new states and what they release to the server."""
+    # (At trace time, free: the message must be what the algorithm states it sends.)
+    row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), outputs.message)
+    check_uplink(sim.algorithm, sim.problem.params, row)
     transform = sim.algorithm.messages
     if transform is None:
         return outputs, states, {}
@@ -119,6 +123,11 @@ def round_metrics(sim, outputs, server, server_metrics, rnd: Round):
         metrics["participants"] = jnp.sum(taking_part)
     if part.stragglers is not None:
         metrics["steps_taken"] = mean(rnd.cohort.planned.astype(jnp.float32))
+    # For the communication accounting (scaffold_jax.engine.communication): who uploaded
+    # (reported) and who downloaded (took part: a dropped client too).
+    uploads = jnp.float32(ids.shape[0]) if present is None else jnp.sum(taking_part)
+    metrics["uploads"] = uploads
+    metrics["downloads"] = uploads + rnd.cohort.metrics.get("dropped", jnp.float32(0))
     metrics.update(rnd.cohort.metrics)
     # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
     metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))

@@ -161,7 +161,9 @@ def _check_memory(sim, data) -> None:
             sim.algorithm, sim.problem.params, num_clients, sim.problem, sim.participation
         )
     )
-    table = tree_bytes(like.clients)
+    # The message transforms' table (compression's error-feedback residuals) is a second
+    # client table beside the algorithm's.
+    table = tree_bytes((like.clients, like.messages))
     mesh = getattr(sim.layout, "mesh", None)
     devices = list(np.asarray(mesh.devices).flat) if mesh is not None else [jax.devices()[0]]
     local = [d for d in devices if d.process_index == jax.process_index()] or devices

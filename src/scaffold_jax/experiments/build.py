@@ -134,9 +134,10 @@ def build(
     plan = resolved.plan
     # A problem brought by the data (a quadratic family's) is new at every build: it is the
     # same when its functions are and its initial params equal.
-    kinds = ("algorithm", "weighting", "privacy", "sampler", *participation.KINDS)
+    kinds = ("algorithm", "weighting", "privacy", "compression", "sampler", *participation.KINDS)
     key = ("simulation", config.algorithm, repr(plan), resolved.clients_per_round,
            config.weighting, config.train_eval_examples, config.sampler, config.privacy,
+           config.compression,
            config.availability, config.stragglers, config.dropouts,
            *(_text(resolved.of(kind)) for kind in kinds), problem.loss_fn, problem.accuracy_fn,
            problem.update_state, problem.num_classes, problem.state_policy,

@@ -19,6 +19,7 @@ from typing import Any
 
 from scaffold_jax import participation, results
 from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.data import assembly
 from scaffold_jax.experiments.build import build, built_summary
 from scaffold_jax.experiments.config import DEFAULT_MECHANISM, RunConfig, declared_options
@@ -137,10 +138,11 @@ def run(
             f"{config.algorithm} on {info['dataset']}: N = {info['num_clients']}, "
             f"S = {info['clients_per_round']}, η_l = {config.client_lr:g}"
         )
-        accuracy, loss = results.DEFAULT_PLOTS
+        accuracy, loss, uplink = results.DEFAULT_PLOTS
         writer.plots = (
             accuracy._replace(title=title, target=tuple(config.targets)),
             loss._replace(title=title),
+            uplink._replace(title=title, target=tuple(config.targets)),
         )
 
     grid = Grid("run", [cell], saved, config.targets)
@@ -173,6 +175,23 @@ def _participation_line(final: Mapping[str, Any]) -> str | None:
     )
 
 
+def _bytes_line(info: Mapping[str, Any]) -> str | None:
+    """What the rounds cost on the network: uplink and downlink MB in all, and the uplink
+    MB to each target reached (scaffold_jax.engine.communication)."""
+    final = info.get("final", {})
+    if "bytes_up_total" not in final:
+        return None
+    mb = lambda b: f"{b / 1e6:.4g}"  # noqa: E731
+    to_target = ", ".join(
+        f"{t}: {mb(b)}" for t, b in info.get("bytes_up_to_target", {}).items() if b is not None
+    )
+    return (
+        f"communication: uplink {mb(final['bytes_up_total'])} MB, downlink "
+        f"{mb(final['bytes_down_total'])} MB"
+        + (f"; uplink MB to target accuracy: {to_target}" if to_target else "")
+    )
+
+
 def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
     """A few lines for the terminal: dataset, rounds to targets, timing, files."""
     (name, info), *_ = summary["runs"].items()
@@ -197,6 +216,7 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         else None,
         _participation_line(final),
         f"rounds to target accuracy: {reached}" if best is not None else None,
+        _bytes_line(info),
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "
         f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s"
@@ -246,6 +266,7 @@ def split_axes(
     axes: Mapping[str, Sequence[float]],
     algorithms: Sequence[str],
     privacy: str | None = None,
+    compression: str = "none",
 ) -> tuple[dict[str, list[float]], dict[str, list[float | int]]]:
     """``(hyper-parameter axes, setting axes)``: the names the sweep's algorithms declare
     (vmapped in one program per grid) and the data/shape settings (an outer product of
@@ -260,6 +281,8 @@ def split_axes(
     declared = list(dict.fromkeys(h for n in algorithms for h in ALGORITHMS[n].hparams))
     if privacy is not None:
         declared += [*MECHANISMS[privacy].hparams, EPSILON_AXIS]
+    if compression in COMPRESSORS:  # qsgd's bits, topk's fraction: one program's configs
+        declared += list(COMPRESSORS[compression].hparams)
     settings = setting_fields()
     inner, outer = {}, {}
     for name, values in axes.items():
@@ -348,6 +371,8 @@ def sweep_grid(
         # An axis of privacy settings chooses a mechanism, as a --dp-* flag does.
         given = given.replace(privacy=DEFAULT_MECHANISM)
     private = MECHANISMS[given.privacy].hparams if given.privacy in MECHANISMS else {}
+    if given.compression in COMPRESSORS:
+        private = {**private, **COMPRESSORS[given.compression].hparams}
     for table in ("hparams", "options"):
         for key in getattr(given, table):
             if table == "options" and key not in algorithm_options:
@@ -358,7 +383,7 @@ def sweep_grid(
                 raise ConfigError(
                     f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
                 )
-    inner, outer = split_axes(axes, names, given.privacy)
+    inner, outer = split_axes(axes, names, given.privacy, given.compression)
     targets = inner.pop(EPSILON_AXIS, None)
     if targets is not None and "dp_noise_multiplier" in inner:
         raise ConfigError(

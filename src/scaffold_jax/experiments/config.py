@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.experiments import resolve as resolution
 from scaffold_jax.experiments import validation
 
@@ -138,6 +139,7 @@ def config_reference() -> str:
     for name, hparam in declared_hparams().items():
         owners = [f"`{n}`" for n, spec in ALGORITHMS.items() if name in spec.hparams]
         owners += [f"privacy `{n}`" for n, spec in MECHANISMS.items() if name in spec.hparams]
+        owners += [f"compression `{n}`" for n, s in COMPRESSORS.items() if name in s.hparams]
         lines.append(
             f"| `{name}` | `--{name.replace('_', '-')}` | {cell(hparam.default)} | "
             f"{', '.join(owners)} | {text(hparam.help)} |"

@@ -17,6 +17,7 @@ from typing import Any
 
 from scaffold_jax import participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.compression import COMPRESSORS, compressed
 from scaffold_jax.data import assembly, sources, synthetic
 from scaffold_jax.data.batching import PLANS, BatchPlan
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
@@ -53,6 +54,7 @@ def chosen(config: ConfigFields) -> list[tuple[str, str, Mapping[str, Any]]]:
     named = [(kind, getattr(config, kind)) for kind in ("algorithm", "sampler", "weighting")]
     if config.privacy is not None:
         named.append(("privacy", config.privacy))
+    named.append(("compression", config.compression))
     named += [(kind, getattr(config, kind)) for kind in participation.KINDS]
     if config.batch_plan is None or config.batch_plan in PLANS:
         named.append(("batch_plan", plan_kind(config)))
@@ -160,12 +162,14 @@ def make_algorithm(config: ConfigFields, loss_fn: Callable = _inspect_only) -> A
     its privacy mechanism when it chooses one; without ``loss_fn`` (before there is a
     problem), built to be inspected, not run."""
     algorithm = ALGORITHMS[config.algorithm].build(loss_fn, **entry_options(config, "algorithm"))
-    if config.privacy is None:
-        return algorithm
-    spec = MECHANISMS[config.privacy]
-    options = {k: v for k, v in entry_options(config, "privacy").items()
-               if spec.options[k].argument != "-"}  # fmt: skip
-    return spec.wrap(algorithm, **factory_kwargs(spec.options, options))
+    if config.privacy is not None:
+        spec = MECHANISMS[config.privacy]
+        options = {k: v for k, v in entry_options(config, "privacy").items()
+                   if spec.options[k].argument != "-"}  # fmt: skip
+        algorithm = spec.wrap(algorithm, **factory_kwargs(spec.options, options))
+    spec = COMPRESSORS[config.compression]
+    options = factory_kwargs(spec.options, entry_options(config, "compression"))
+    return compressed(algorithm, config.compression, **options)
 
 
 def hparams(config: ConfigFields) -> HParams:
@@ -186,8 +190,9 @@ def hparams(config: ConfigFields) -> HParams:
         declared: Any = make_algorithm(config)
     else:
         mechanism = {} if config.privacy is None else MECHANISMS[config.privacy].hparams
+        compressor = COMPRESSORS[config.compression].hparams
         # The spec stands for the algorithm: resolve_hparams reads its name and hparams.
-        table = {**spec.hparams_for(entry_options(config, "algorithm")), **mechanism}
+        table = {**spec.hparams_for(entry_options(config, "algorithm")), **mechanism, **compressor}
         declared = spec._replace(name=spec.name or config.algorithm, declared_hparams=table)
     given = {k: v for k, v in config.hparams.items() if k in declared.hparams}
     steps = {"client_lr": config.client_lr, "server_lr": config.server_lr}

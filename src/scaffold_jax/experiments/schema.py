@@ -13,6 +13,7 @@ from typing import Any
 
 from scaffold_jax import participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.data import natural, sources, synthetic
 from scaffold_jax.data.batching import PLANS
 from scaffold_jax.data.partition import PARTITIONERS
@@ -34,7 +35,7 @@ def declared_hparams() -> dict[str, HParam]:
     mechanism declares (the first declaration of a name wins), read at each call: plugins
     may add some."""
     out: dict[str, HParam] = {}
-    for _, spec in [*ALGORITHMS.items(), *MECHANISMS.items()]:
+    for _, spec in [*ALGORITHMS.items(), *MECHANISMS.items(), *COMPRESSORS.items()]:
         for name, hparam in spec.hparams.items():
             if name not in STEP_SIZES:
                 out.setdefault(name, hparam)
@@ -49,7 +50,7 @@ DATASETS = RegistryUnion("dataset", sources.DATASETS, natural.NATURAL_DATASETS, 
 OPTION_OWNERS: dict[str, Registry] = {
     "algorithm": ALGORITHMS, "model": MODELS, "partition": PARTITIONERS, "dataset": DATASETS,
     "sampler": sampling.SAMPLERS, "batch_plan": PLANS, "weighting": WEIGHTINGS,
-    "privacy": MECHANISMS, **participation.KINDS,
+    "privacy": MECHANISMS, "compression": COMPRESSORS, **participation.KINDS,
 }  # fmt: skip
 
 
@@ -163,6 +164,11 @@ class ConfigFields:
         "user-level differential privacy: gaussian (each client's whole message clipped to "
         "dp_clip, Gaussian noise on the sum; any --dp-* setting chooses it)",
         "str", MECHANISMS)
+    compression: str = _opt(
+        "none",
+        "compression of the clients' uplink: none, qsgd (compress_bits), topk and signef "
+        "(with error feedback), randk (compress_fraction)",
+        "str", COMPRESSORS)
     availability: str = _opt(
         participation.DEFAULTS["availability"],
         "which clients can be sampled in a round: always, cyclic (G groups in turn, "

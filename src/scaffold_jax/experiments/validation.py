@@ -14,6 +14,7 @@ import numpy as np
 
 from scaffold_jax import participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.data import assembly, natural
 from scaffold_jax.data.batching import PLANS
 from scaffold_jax.data.partition import PARTITIONERS
@@ -23,7 +24,7 @@ from scaffold_jax.experiments.schema import ConfigFields
 from scaffold_jax.models import MODELS
 from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.registry import PLUGIN_HINT, ConfigError, Registry, in_one_line
-from scaffold_jax.types import FLOAT32_TINY, STATE_POLICIES, STEP_SIZES
+from scaffold_jax.types import FLOAT32_TINY, STATE_POLICIES, STEP_SIZES, allowed_range
 from scaffold_jax.weighting import WEIGHTINGS
 
 MAX_CLIENTS = 2**31 - 1  # client ids are int32
@@ -111,6 +112,8 @@ def validate(config: ConfigFields) -> Any:
     privacy = config.privacy is not None
     if privacy and check.registered("privacy", config.privacy, MECHANISMS) and counts_ok:
         _check_privacy(config, errors, how)
+    if check.registered("compression", config.compression, COMPRESSORS):
+        _check_compression(config, errors)
     _check_plan(config, check, errors)
     check.integer(
         "rounds", config.rounds, low=1, high=MAX_ROUNDS,
@@ -192,6 +195,8 @@ def _check_hparams(config: ConfigFields, check: Checker, errors: list[str]) -> N
     everywhere = schema.declared_hparams()
     if config.privacy in MECHANISMS:
         declared_here.update(MECHANISMS[config.privacy].hparams)
+    if config.compression in COMPRESSORS:
+        declared_here.update(COMPRESSORS[config.compression].hparams)
     if not check.type("hparams", config.hparams, Mapping, "a table of names and values"):
         return
     for name, value in config.hparams.items():
@@ -208,6 +213,14 @@ def _check_hparams(config: ConfigFields, check: Checker, errors: list[str]) -> N
             value != everywhere[name].default
         ):
             takes = ", ".join(k for k in declared_here if k not in STEP_SIZES) or "none"
+            owners = [n for n, spec in COMPRESSORS.items() if name in spec.hparams]
+            if owners:  # a compressor's (qsgd's bits, topk's fraction)
+                errors.append(
+                    f"{name} = {value!r} does not apply to compression = "
+                    f"{config.compression!r}: it is {' and '.join(owners)}'s; remove it or "
+                    f"choose that compression."
+                )
+                continue
             errors.append(
                 f"{name} = {value!r} does not apply to algorithm = {config.algorithm!r}, "
                 f"which takes {takes}; remove it or choose an algorithm that declares it."
@@ -217,13 +230,18 @@ def _check_hparams(config: ConfigFields, check: Checker, errors: list[str]) -> N
 def _check_declared(check: Checker, name: str, value: Any, declared: Any) -> bool:
     """Checks a hyper-parameter's ``value`` against its declared range; False (with a
     message) when bad."""
-    what = "finite and >= 0" if declared.allow_zero else "finite and > 0"
-    if declared.maximum is not None:
-        what += f" and <= {declared.maximum:g}"
-    return check.number(
-        name, value, low=0.0, high=declared.maximum, strict=not declared.allow_zero,
-        what=what, float32=True,
-    )  # fmt: skip
+    what = allowed_range(declared, declared.allow_zero)
+    low = 0.0 if declared.minimum is None else declared.minimum
+    strict = not declared.allow_zero and declared.minimum is None
+    if not check.number(
+        name, value, low=low, high=declared.maximum, strict=strict, what=what, float32=True
+    ):
+        return False
+    values = value if isinstance(value, list) else [value]
+    if declared.integer and any(float(v) != round(float(v)) for v in values):
+        check.errors.append(f"{name} = {value!r} is invalid: it must be {what}.")
+        return False
+    return True
 
 
 def _check_options(config: ConfigFields, errors: list[str]) -> None:
@@ -330,6 +348,21 @@ def _most_local_steps(config: ConfigFields) -> int | None:
     except (ValueError, TypeError, KeyError, OverflowError):
         return None
     return None if plan.steps_vary else int(plan.shape(1)[0])
+
+
+def _check_compression(config: ConfigFields, errors: list[str]) -> None:
+    """What compression refuses for the config: an entry its algorithm's clients do not
+    send, a residual storage it does not know, differential privacy."""
+    if config.algorithm not in ALGORITHMS or COMPRESSORS[config.compression].compressor is None:
+        return
+    if config.privacy is not None:
+        return  # the private algorithm is built with its compression: said by its checks
+    if _options_refused(config, "compression", config.compression):
+        return
+    try:
+        resolve.make_algorithm(config)
+    except (ValueError, TypeError) as err:
+        errors.append(f"compression = {config.compression!r}: {err}")
 
 
 def _check_privacy(

@@ -276,6 +276,9 @@ def drive(
         phase = lambda text: contextlib.nullcontext()
     records: list[Record] = []
     pending: dict[str, Any] = {}  # a checkpoint's round metrics since its last evaluation
+    # Cumulative counts of the clients that downloaded and uploaded, up to the last record
+    # (exact: float64 sums of whole numbers); None after a checkpoint written without them.
+    transfers: dict[str, Any] | None = {name: 0.0 for name in TRANSFER_COUNTS}
     resumed_from = None
     seconds_before = 0.0  # run time spent by the process(es) before a resume
     if resume_into is not None:
@@ -284,6 +287,8 @@ def drive(
         state, key, resumed_from = restored.state, restored.key, restored.round
         records = list(restored.extra.get("records", []))
         pending = restored.extra.get("pending", {})
+        kept = restored.extra.get("transfers")
+        transfers = None if kept is None else {k: np.asarray(v) for k, v in kept.items()}
         seconds_before = float(restored.extra.get("seconds", 0.0))
         start = int(restored.extra.get("start_round", 0))
         if on_restore is not None:
@@ -354,7 +359,13 @@ def drive(
         eval_seconds += time.perf_counter() - t0
         # Free with every round, as means over the rounds since the last evaluation (none
         # before a round ran): the clients' own training loss (their local steps' minibatch
-        # losses) and the client drift (mean ‖y_i − x‖).
+        # losses) and the client drift (mean ‖y_i − x‖); the transfers' running totals.
+        for name in TRANSFER_COUNTS:
+            values = [m[name] for m in since_record if name in m]
+            if values and transfers is not None:
+                rounds = np.concatenate(values).astype(np.float64)
+                transfers[name] = transfers[name] + np.sum(rounds, axis=0)
+                metrics[f"{name}_total"] = transfers[name]
         for name in RECORDED_ROUND_METRICS:
             values = [m[name] for m in since_record if name in m]
             if values:
@@ -376,6 +387,8 @@ def drive(
         t0 = time.perf_counter()
         extra = {"identity": identity, "start_round": start, "records": records}
         extra["pending"] = _pending(since_record)
+        if transfers is not None:
+            extra["transfers"] = {k: np.asarray(v).tolist() for k, v in transfers.items()}
         extra["seconds"] = elapsed()
         checkpointer.save(state, key, extra, step=current)
         last_save = time.perf_counter()
@@ -461,8 +474,12 @@ def drive(
 #: clip norm and the fraction of its clients clipped).
 RECORDED_ROUND_METRICS = (
     "local_loss", "client_drift", "participants", "available", "dropped", "steps_taken",
-    "dp_clip_norm", "dp_clipped_fraction",
+    "dp_clip_norm", "dp_clipped_fraction", "downloads", "uploads",
 )  # fmt: skip
+
+#: The counts of clients that downloaded and uploaded in a round
+#: (:mod:`scaffold_jax.engine.communication`): records also carry their running totals.
+TRANSFER_COUNTS = ("downloads", "uploads")
 
 
 def _pending(since_record: list[dict[str, np.ndarray]]) -> dict[str, Any]:

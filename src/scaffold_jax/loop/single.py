@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.random as jr
 import numpy as np
 
@@ -21,6 +22,7 @@ from scaffold_jax.engine import (
     SEED_WHY,
     check_count,
     check_rounds_fit,
+    communication,
 )
 from scaffold_jax.loop.driver import Diverged, Outcome, Record, drive
 from scaffold_jax.loop.identity import run_identity
@@ -85,6 +87,7 @@ class _SingleRun:
 
     def __init__(self, simulation: engine.Simulation, data, hparams: HParams):
         self.simulation, self.data, self.hparams = simulation, data, hparams
+        self.traffic = None  # bytes per client (engine.communication), at the first record
 
     def compile_block(self, state, key, num_rounds):
         sim, data, hp = self.simulation, self.data, self.hparams
@@ -104,6 +107,11 @@ class _SingleRun:
     def records(self, state, metrics, round, seconds):
         del state
         entry = {"round": int(round), **{k: float(v) for k, v in metrics.items()}}
+        if self.traffic is None:
+            sim = self.simulation
+            hparams = {k: float(v) for k, v in jax.device_get(dict(self.hparams)).items()}
+            self.traffic = communication.traffic(sim.algorithm, sim.problem.params, hparams)
+        communication.with_bytes(entry, self.traffic)
         entry.update(self.simulation.report(self.hparams, round, self.data.num_clients))
         entry["seconds"] = seconds
         return [entry]

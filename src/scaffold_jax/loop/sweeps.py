@@ -25,6 +25,7 @@ from scaffold_jax.engine import (
     Simulation,
     check_count,
     check_rounds_fit,
+    communication,
 )
 from scaffold_jax.loop.driver import drive
 from scaffold_jax.loop.identity import run_identity
@@ -265,6 +266,7 @@ class _Chunk:
         self.hparams = jax.tree.map(lambda a: a[jnp.asarray(index)], grid)
         self.slots = [(a, b, int(index[a, b])) for a, b in zip(*np.nonzero(valid), strict=True)]
         self._hparams_on_host = None
+        self._traffic_of: dict[tuple, communication.Traffic] = {}
 
     def run(self, carry, eval_every, callback, directory, resume, identity, **options):
         """Drives the chunk from ``carry`` (or, with ``resume``, from its newest checkpoint in
@@ -323,8 +325,9 @@ class _Chunk:
             entry.update(
                 {k: float("nan") if diverged else float(v[a, b]) for k, v in values.items()}
             )
+            hparams = {k: float(v[a, b]) for k, v in self._host_hparams().items()}
+            communication.with_bytes(entry, self._traffic(hparams))
             if simulation.algorithm.report is not None:
-                hparams = {k: v[a, b] for k, v in self._host_hparams().items()}
                 entry.update(simulation.report(hparams, round, self.data.num_clients))
             entry["seconds"] = seconds
             entry["status"] = "diverged" if diverged else "ok"
@@ -333,6 +336,16 @@ class _Chunk:
             self.result.records[j].append(entry)
             out.append(entry)
         return out
+
+    def _traffic(self, hparams: dict[str, float]) -> communication.Traffic:
+        """Bytes per client of a config (a compressor's options may differ by config)."""
+        key = tuple(sorted(hparams.items()))
+        if key not in self._traffic_of:
+            sim = self.sweep.simulation
+            self._traffic_of[key] = communication.traffic(
+                sim.algorithm, sim.problem.params, hparams
+            )
+        return self._traffic_of[key]
 
     def _host_hparams(self) -> dict[str, np.ndarray]:
         if self._hparams_on_host is None:

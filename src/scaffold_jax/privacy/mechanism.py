@@ -394,4 +394,10 @@ def private(
             (lambda params: None) if inner.messages is None else inner.messages.init,
             clip_and_noise,
         ),
+        # What the algorithm's clients receive, and the clip norm's factor they clip with.
+        downlink=lambda state: (
+            (inner.downlink or inner.server_params)(state.inner),
+            state.clip_scale,
+        ),
+        uplink=inner.uplink,
     )

@@ -18,7 +18,8 @@ folder, written by a :class:`RunWriter`:
   end: status (``finished``, ``failed`` or ``interrupted``), rounds to each target, best
   accuracy, compile and steady-state time, the jax version and devices;
 * ``metrics.csv``: the same records as a table;
-* ``accuracy.png`` / ``loss.png`` (or the plots an experiment asks for): one line per
+* ``accuracy.png`` / ``loss.png`` / ``accuracy_vs_uplink.png`` (or the plots an
+  experiment asks for): one line per
   series (algorithm, or algorithm and setting).
 
 A record is a flat dict with at least ``"series"`` (which curve it belongs to) and

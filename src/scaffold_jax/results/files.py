@@ -24,7 +24,10 @@ RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "inter
 
 # Files a writer may have made; --overwrite removes only these (and those a previous
 # summary lists), never the whole folder: `--out .` must not wipe a working directory.
-_OWN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CSV_FILE, "accuracy.png", "loss.png")
+_OWN_FILES = (
+    CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CSV_FILE,
+    "accuracy.png", "loss.png", "accuracy_vs_uplink.png",
+)  # fmt: skip
 
 
 def _now() -> str:

@@ -169,6 +169,8 @@ class PlotSpec(NamedTuple):
       target: a target level of ``metric``, or several, drawn as dashed lines (None: none).
       legend: the legend label of a series name (None: the name itself), e.g. without
         what its panel's title already says.
+      x: the record field on the x axis: ``"round"``, or a cumulative count of
+        :data:`X_AXES` (``bytes_up_total``: the uplink's bytes, drawn in MB; round 0 is 0).
     """
 
     filename: str
@@ -179,6 +181,14 @@ class PlotSpec(NamedTuple):
     title: str = ""
     target: float | Sequence[float] | None = None
     legend: Callable[[str], str] | None = None
+    x: str = "round"
+
+
+#: The x axes a curve may use besides rounds: field -> (label, scale).
+X_AXES = {
+    "bytes_up_total": ("uplink MB (cumulative, all clients)", 1e-6),
+    "bytes_down_total": ("downlink MB (cumulative, all clients)", 1e-6),
+}
 
 
 def plot_curves(
@@ -209,9 +219,11 @@ def plot_curves(
     for ax, (title, names) in zip(axes, panels.items(), strict=True):
         for name in names:
             points = [
-                (r["round"], r[spec.metric])
+                (_x(r, spec.x), r[spec.metric])
                 for r in groups[name]
-                if is_finite_number(r.get(spec.metric)) and (not spec.logy or r[spec.metric] > 0)
+                if is_finite_number(r.get(spec.metric))
+                and (not spec.logy or r[spec.metric] > 0)
+                and is_finite_number(_x(r, spec.x))
             ]
             if points:
                 xs, ys = zip(*points, strict=True)
@@ -219,16 +231,27 @@ def plot_curves(
         _target_lines(ax, spec.target)
         if spec.logy:
             ax.set_yscale("log")
-        _integer_axis(ax)
-        style_axes(ax, xlabel="communication rounds", ylabel=spec.ylabel, title=title, legend=where)
+        if spec.x == "round":
+            _integer_axis(ax)
+        xlabel = X_AXES[spec.x][0] if spec.x in X_AXES else "communication rounds"
+        style_axes(ax, xlabel=xlabel, ylabel=spec.ylabel, title=title, legend=where)
     if path is not None:
         save_figure(fig, path, dpi=110)
     return fig
 
 
+def _x(record: Mapping[str, Any], field: str) -> Any:
+    """A record's x value: its round, or a cumulative count scaled (0 before round 1)."""
+    if field == "round":
+        return record["round"]
+    value = record.get(field, 0 if record.get("round") == 0 else None)
+    return None if value is None else value * X_AXES[field][1]
+
+
 DEFAULT_PLOTS = (
     PlotSpec("accuracy.png", "test_accuracy", "test accuracy"),
     PlotSpec("loss.png", "test_loss", "test loss"),
+    PlotSpec("accuracy_vs_uplink.png", "test_accuracy", "test accuracy", x="bytes_up_total"),
 )
 
 

@@ -113,7 +113,18 @@ def series_summary(
         return out
     out["last_round"] = int(records[-1]["round"])
     if any("test_accuracy" in r for r in records):
-        out["rounds_to_target"] = {_target_key(t): rounds_to_target(records, t) for t in targets}
+        reached = {_target_key(t): rounds_to_target(records, t) for t in targets}
+        out["rounds_to_target"] = reached
+        # The cumulative bytes (scaffold_jax.engine.communication) at the round each target
+        # was first reached: what "rounds to target" costs on the network.
+        at = {int(r["round"]): r for r in records}
+        for way in ("up", "down"):
+            total = f"bytes_{way}_total"
+            if any(total in r for r in records):
+                out[f"bytes_{way}_to_target"] = {
+                    k: None if n is None else at[n].get(total, 0 if n == 0 else None)
+                    for k, n in reached.items()
+                }
         out["best_test_accuracy"] = best_value(records, "test_accuracy")
     for name in ("test_loss", "train_loss", "error"):
         if any(name in r for r in records):

@@ -358,6 +358,14 @@ def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys
         (name, lr, seed, str(lr == "0.1"))
         for name in ("scaffold", "fedavg") for lr in ("0.1", "0.001") for seed in ("0", "1")
     ]  # fmt: skip
+    # What reaching the target sent: the cumulative uplink at its round, SCAFFOLD twice
+    # FedAvg's per round (Δy_i and Δc_i).
+    for r in rows:
+        if r["rounds_to_target"]:
+            per_round = float(r["final_bytes_up_total"]) / float(r["rounds"])
+            assert float(r["bytes_up_to_target"]) == per_round * int(r["rounds_to_target"])
+    ratio = {r["algorithm"]: float(r["final_bytes_up"]) for r in rows}
+    assert ratio["scaffold"] == 2 * ratio["fedavg"]
     argv.append("--quiet")
     assert main(argv) == 1  # a finished sweep is not overwritten silently
     assert "already holds a finished run" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def keep_largest(keys, k):
         candidate = t | (jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32)))
         return jnp.where(jnp.sum(keys >= candidate) >= k, candidate, t)
 
-    t = jax.lax.fori_loop(0, 32, bit, jnp.uint32(0), unroll=True)
+    t = jax.lax.fori_loop(0, 32, bit, jnp.uint32(0))
     above, tied = keys > t, keys == t
     return above | (tied & (jnp.cumsum(tied) <= k - jnp.sum(above)))
 

@@ -15,7 +15,8 @@ uploaded (those who reported); the host multiplies the counts by the per-client 
 (:func:`traffic`) in exact integer arithmetic, so the totals are exact at any scale
 (float32 bytes would not be past 16 MiB). Records carry ``bytes_down``/``bytes_up``
 (means per round since the previous record) and ``bytes_down_total``/``bytes_up_total``
-(cumulative since round 0; see :func:`byte_fields`).
+(cumulative over the run's rounds, a resumed run continuing its checkpoint's; see
+:func:`byte_fields`).
 
 Expected, for P float32 parameters and no compression, per participant (NETWORK.md §1):
 FedAvg/FedProx down 4P, up 4P; SCAFFOLD 8P/8P; MimeLite 8P/8P (momentum's s; Mime also

@@ -119,11 +119,17 @@ def sweep_table(
             row.update({f"final_{m}": last.get(m) for m in metric_names})
             row[f"best_{metric}"] = best_value(records, metric, higher_is_better)
             row["target"] = target
-            row["rounds_to_target"] = (
+            reached = (
                 None
                 if target is None
                 else rounds_to_target(records, target, metric, higher_is_better)
             )
+            row["rounds_to_target"] = reached
+            if "bytes_up_total" in last:  # what reaching it sent (engine.communication)
+                at = {r["round"]: r for r in records}
+                row["bytes_up_to_target"] = (
+                    None if reached is None else at[reached].get("bytes_up_total", 0)
+                )
             row["chosen"] = j in chosen
             rows.append(row)
     return rows

@@ -325,9 +325,9 @@ class _Chunk:
             entry.update(
                 {k: float("nan") if diverged else float(v[a, b]) for k, v in values.items()}
             )
-            hparams = {k: float(v[a, b]) for k, v in self._host_hparams().items()}
-            communication.with_bytes(entry, self._traffic(hparams))
+            communication.with_bytes(entry, self._traffic(a, b))
             if simulation.algorithm.report is not None:
+                hparams = {k: float(v[a, b]) for k, v in self._host_hparams().items()}
                 entry.update(simulation.report(hparams, round, self.data.num_clients))
             entry["seconds"] = seconds
             entry["status"] = "diverged" if diverged else "ok"
@@ -337,15 +337,17 @@ class _Chunk:
             out.append(entry)
         return out
 
-    def _traffic(self, hparams: dict[str, float]) -> communication.Traffic:
-        """Bytes per client of a config (a compressor's options may differ by config)."""
-        key = tuple(sorted(hparams.items()))
-        if key not in self._traffic_of:
+    def _traffic(self, a: int, b: int) -> communication.Traffic:
+        """Bytes per client of the config in slot ``(a, b)`` (a compressor's bits or
+        fraction may differ by config), computed once per slot: a sweep makes a record per
+        config per evaluation."""
+        if (a, b) not in self._traffic_of:
             sim = self.sweep.simulation
-            self._traffic_of[key] = communication.traffic(
+            hparams = {k: float(v[a, b]) for k, v in self._host_hparams().items()}
+            self._traffic_of[(a, b)] = communication.traffic(
                 sim.algorithm, sim.problem.params, hparams
             )
-        return self._traffic_of[key]
+        return self._traffic_of[(a, b)]
 
     def _host_hparams(self) -> dict[str, np.ndarray]:
         if self._hparams_on_host is None:

@@ -42,9 +42,13 @@ def test_the_bytes_of_every_algorithm_follow_from_its_shapes(name):
     traffic = communication.traffic(algorithm, problem.params)
     down, up, pre = EXPECTED[name]
     assert (traffic.down, traffic.up, traffic.pre_round) == (4 * down, 4 * up, 4 * pre)
-    # A server optimizer's state stays on the server.
-    if "server_optimizer" in ALGORITHMS[name].options and name != "scaffnew":
-        adam = ALGORITHMS[name].build(problem.loss_fn, server_optimizer="adam")
+    # A server optimizer's state stays on the server (for those that take one: Scaffnew's
+    # factory refuses any).
+    if "server_optimizer" in ALGORITHMS[name].options:
+        try:
+            adam = ALGORITHMS[name].build(problem.loss_fn, server_optimizer="adam")
+        except ValueError:
+            return
         assert communication.traffic(adam, problem.params) == traffic
 
 

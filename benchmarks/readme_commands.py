@@ -1,9 +1,10 @@
-"""Times every `scaffold-jax` command of README.md as written: the costs the README states.
+"""Times every `scaffold-jax` command of docs/getting-started.md as written: the costs its
+"What the commands cost" states (the README shows three of them).
 
 Each command runs in a fresh process (its own start-up, data loading and compilations
-counted, the persistent compilation cache off so that every command compiles), in README
+counted, the persistent compilation cache off so that every command compiles), in page
 order, in one scratch folder where the repository's ``tests/`` and ``examples/`` are
-linked (tests/test_readme.py runs the same commands shortened). A command whose name
+linked (tests/test_doc_blocks.py runs the same commands shortened). A command whose name
 matches ``--skip`` is not run (the full Table 3 protocol takes hours; its plan line gives
 its estimate).
 
@@ -39,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_readme import _commands  # noqa: E402  (the README's commands, parsed once)
+from test_doc_blocks import GETTING_STARTED, _commands  # noqa: E402  (parsed once)
 
 
 def _cpu() -> str:
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=["reproduce table3 --dataset"],
                         help="commands containing this text are not run (repeatable)")  # fmt: skip
     parser.add_argument("--also", action="append", default=[],
-                        help="a command line to time besides the README's")  # fmt: skip
+                        help="a command line to time besides the page's")  # fmt: skip
     parser.add_argument("--before", type=Path, default=None,
                         help="a checkout of an earlier version: each command runs with it and "
                         "with this one, interleaved (the order alternates by repeat)")  # fmt: skip
@@ -94,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     codes = {"now": ROOT} if args.before is None else {"before": args.before.resolve(), "now": ROOT}
     rows = []
-    for line in [*_commands(), *args.also]:
+    for line in [*_commands(GETTING_STARTED), *args.also]:
         if line.startswith(("make", "source")) or (
             args.match and line not in args.also and not any(m in line for m in args.match)
         ):

@@ -492,7 +492,8 @@ def test_every_diagnose_flag_means_something(capsys):
     plan or horizon flags."""
     import re
 
-    from scaffold_jax.cli import DIAGNOSE_FIELDS, DIAGNOSE_OPTIONS, _config, _flag, build_parser
+    from scaffold_jax.cli import DIAGNOSE_FIELDS, _config, build_parser
+    from scaffold_jax.cli_flags import DIAGNOSE_OPTIONS, _flag
     from scaffold_jax.experiments import declared_options
 
     with pytest.raises(SystemExit):

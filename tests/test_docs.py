@@ -173,14 +173,15 @@ def test_the_readme_opens_with_exactly_the_two_commands():
     assert readme.index("```") < readme.index("\n\n", readme.index("# scaffold_jax")) + 3
 
 
-def test_the_readme_commands_leave_git_status_clean():
-    """Every folder the README's commands write (their --out, their data folders, and
-    each command's default output folder) is ignored by git: `git status` stays clean."""
+def test_the_documented_commands_leave_git_status_clean():
+    """Every folder the commands of the README and the site write (their --out, their data
+    folders, and each command's default output folder) is ignored by git: `git status`
+    stays clean."""
     import shlex
     import shutil
     import subprocess
 
-    from test_readme import _commands
+    from test_doc_blocks import PAGES, _commands
 
     from scaffold_jax import paper
     from scaffold_jax.experiments import RunConfig
@@ -189,7 +190,7 @@ def test_the_readme_commands_leave_git_status_clean():
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     written = {"results/demo/accuracy.png"}  # make demo
-    for line in _commands():
+    for line in [line for page in PAGES for line in _commands(page)]:
         argv = shlex.split(line, comments=True)
         for flag in ("--out", "--data-dir"):
             if flag in argv:

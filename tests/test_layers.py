@@ -25,6 +25,7 @@ LAYERS = [
     ["progress", "results"],
     ["experiments"],
     ["paper"],
+    ["cli_flags"],
     ["cli", "docs", "demo"],
 ]
 

@@ -13,6 +13,11 @@ Commands:
 * ``scaffold-jax diagnose``: G, B, δ, β and the suggested K for a dataset/partition/model,
   printed and written to ``--out`` (``diagnose.json``, ``gradient_fit.png``).
 
+``--help`` lists a command's flags by group (:data:`scaffold_jax.cli_flags.HELP_GROUPS`):
+first the ones a first run sets ("basic run"), then data, model, algorithm, local work,
+sampling and participation, privacy, communication, evaluation, output and resuming; a
+declared hyper-parameter or option is in the group of the entry that declares it.
+
 Progress (loading, each compilation with its time, a bar with rate and ETA) goes to
 stderr, as plain lines when stderr is not a terminal; ``--quiet`` silences it.
 
@@ -64,51 +69,22 @@ import json
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from scaffold_jax import compilation_cache
 from scaffold_jax.algorithms import ALGORITHMS
+from scaffold_jax.cli_flags import (
+    _checked_checkpoint_flags,
+    _checkpoint_flags,
+    _common,
+    _config_flags,
+    _Flags,
+    _Parser,
+    _tensorboard_flag,
+)
 from scaffold_jax.experiments import DIAGNOSE_FIELDS, ConfigError, RunConfig
-from scaffold_jax.experiments.commands import DATA_OWNERS
 from scaffold_jax.loop import RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
-from scaffold_jax.types import HParam
-
-_KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-#: What a flag of each type takes, in words (for a bad value's message).
-_TAKES = {"float": "a number (e.g. 0.5 or 1e-3)", "int": "an integer (e.g. 10)"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose usage errors are ONE line (no usage block): the flag, the
-    bad value and what the flag takes, then where to read more (``--help``)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"scaffold-jax: error: {_usage_error(message)} See '{self.prog} --help'.\n")
-
-
-def _usage_error(message: str) -> str:
-    """argparse's error ``message`` in the words of the other errors: ``argument --rounds:
-    invalid int value: 'ten'`` -> ``--rounds 'ten' is invalid: it takes an integer (e.g.
-    10).``"""
-    bad_type = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.+)", message)
-    if bad_type:
-        flag, kind, value = bad_type.groups()
-        return f"{flag} {value} is invalid: it takes {_TAKES.get(kind, f'a {kind} value')}."
-    choice = re.fullmatch(
-        r"argument (\S+?)(?:/\S+)?: invalid choice: (.+?) \(choose from (.+)\)", message
-    )
-    if choice:
-        flag, value, choices = choice.groups()
-        return f"{flag} {value} is invalid: it takes one of {choices}."
-    message = message.removeprefix("argument ")
-    return message if message.endswith(".") else message + "."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +96,13 @@ def _algorithm_names() -> str:
     """Every registered algorithm (plugins' too) as tables name it: "SCAFFOLD, FedAvg ..."."""
     *names, last = [spec.display_name for _, spec in ALGORITHMS.items()]
     return f"{', '.join(names)} and {last}" if names else last
+
+
+#: The pointer every command's ``--help`` ends with.
+_REFERENCE = (
+    "Every flag and config key, with its type, default and meaning: docs/config.md "
+    "(generated from this parser)."
+)
 
 
 def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -147,31 +130,37 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     run = commands.add_parser(
         "run",
         help="one experiment from flags or a config file",
+        usage="%(prog)s [--algorithm NAME] [--dataset NAME] [--model NAME]\n"
+        "       [--rounds N] [--client-lr X] [--config FILE] [--out PATH] [options]",
         description="Run one federated experiment with any registered algorithm "
         f"(--algorithm: {', '.join(ALGORITHMS)}). Settings come from --config (TOML or "
         "JSON, top-level keys named like the flags with underscores) and are overridden "
-        "by flags. Unset partition / batch-plan / sampling fields take the paper's "
-        "defaults: 0% similarity, batches of 0.2 of the client's data for 1 epoch "
-        "(SGD: one full-batch step), 20% of clients per round. Without --out the folder "
-        "is results/<algorithm>-<dataset>-<digest of the settings>: the same command "
-        "(--resume too) finds it again.",
+        "by flags. The flags a first run sets come first, the others by topic.",
+        epilog="Unset partition / batch-plan / sampling fields take the paper's defaults: "
+        "0% similarity, batches of 0.2 of the client's data for 1 epoch (SGD: one "
+        "full-batch step), 20% of clients per round. Without --out the folder is "
+        "results/<algorithm>-<dataset>-<digest of the settings>: the same command "
+        "(--resume too) finds it again.\n\n"
+        "This help lists every flag of run, by group. " + _REFERENCE,
     )
-    _config_flags(run)
-    _common(run, out=False)  # --out is a RunConfig field, added above
-    run.add_argument(
+    flags = _Flags()
+    _config_flags(flags)
+    _common(flags, out=False)  # --out is a RunConfig field, added above
+    flags.add_argument(
         "--resume",
         action="store_true",
         help="continue the run the --out folder holds, from its newest checkpoint, bit for "
         "bit (only --rounds, --eval-every and --targets may change)",
     )
-    run.add_argument(
+    flags.add_argument(
         "--accept-new-versions",
         action="store_true",
         help="with --resume: go on although jax, jaxlib or numpy changed since the checkpoint "
         "(the rest may then differ from an uninterrupted run in the last bits)",
     )
-    _checkpoint_flags(run)
-    _tensorboard_flag(run)
+    _checkpoint_flags(flags)
+    _tensorboard_flag(flags)
+    flags.add_to(run)
 
     rep = commands.add_parser(
         "reproduce",
@@ -180,35 +169,37 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         "G in {1, 10, 100}, K in {2, 10}), error f(x) - f* vs rounds. table3/4/5: EMNIST "
         "when it can be loaded, else Fashion-MNIST (the dataset is named in every output); "
         "eta_l tuned per algorithm over a grid, chosen values reported.",
+        epilog=_REFERENCE,
     )
-    rep.add_argument("experiment", choices=sorted(PROTOCOLS), help="the protocol")
-    rep.add_argument("--quick", action="store_true", help="test-sized variant (seconds)")
-    rep.add_argument(
+    flags = _Flags()
+    flags.add_argument("experiment", choices=sorted(PROTOCOLS), help="the protocol")
+    flags.add_argument("--quick", action="store_true", help="test-sized variant (seconds)")
+    flags.add_argument(
         "--resume",
         action="store_true",
         help="continue the protocol the --out folder holds: finished cells are kept",
     )
-    rep.add_argument(
+    flags.add_argument(
         "--accept-new-versions",
         action="store_true",
         help="with --resume: go on although jax, jaxlib or numpy changed since the checkpoint "
         "(the rest may then differ from an uninterrupted run in the last bits)",
     )
-    rep.add_argument(
+    flags.add_argument(
         "--dataset",
         help="tables: 'auto' (EMNIST balanced if available, else Fashion-MNIST) or a "
         "dataset name [default: auto]",
     )
-    rep.add_argument("--data-dir", help="folder of IDX files (e.g. NIST's EMNIST gzip/)")
-    rep.add_argument("--download", action="store_true", help="let TFDS download the dataset")
-    rep.add_argument("--rounds", type=int, help="horizon in rounds (the paper: 1000)")
-    rep.add_argument("--eval-every", type=int, help="evaluation period in rounds")
-    rep.add_argument("--target", type=float, help="target accuracy (fig3: relative error)")
-    rep.add_argument("--seed", type=int, help="seed")
-    rep.add_argument(
+    flags.add_argument("--data-dir", help="folder of IDX files (e.g. NIST's EMNIST gzip/)")
+    flags.add_argument("--download", action="store_true", help="let TFDS download the dataset")
+    flags.add_argument("--rounds", type=int, help="horizon in rounds (the paper: 1000)")
+    flags.add_argument("--eval-every", type=int, help="evaluation period in rounds")
+    flags.add_argument("--target", type=float, help="target accuracy (fig3: relative error)")
+    flags.add_argument("--seed", type=int, help="seed")
+    flags.add_argument(
         "--lr-grid", type=float, nargs="+", metavar="LR", help="eta_l grid for every method"
     )
-    rep.add_argument(
+    flags.add_argument(
         "--set",
         action="append",
         default=[],
@@ -216,7 +207,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         help="set any protocol field (VALUE parsed as JSON when it can be), e.g. "
         "--set delta=0.99 or --set max_train_examples=20000; repeatable",
     )
-    rep.add_argument(
+    flags.add_argument(
         "--plugin",
         action="append",
         default=[],
@@ -224,38 +215,44 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         help="import a module (dotted name or .py file) that registers algorithms, models, "
         "datasets... first, e.g. for --set 'extra_methods=[\"mine\"]'; repeatable",
     )
-    _common(rep)
+    _common(flags)
+    flags.add_to(rep)
 
     sw = commands.add_parser(
         "sweep",
         help="a grid of hyper-parameters x data settings x seeds, vmapped per algorithm",
+        usage="%(prog)s [--algorithms NAME ...] [--lr-grid LR ...]\n"
+        "       [--grid NAME=V1,V2,...] [--seeds N ...] [--target X] [--out PATH] [options]",
         description="Sweep the run described by the config flags over a grid, for one or "
         "more algorithms. An axis over a hyper-parameter an algorithm declares (--lr-grid, "
         "--grid server_lr=0.5,1, --grid prox_mu=0.01,0.1) is vmapped: each algorithm's "
         "hyper-parameters x --seeds are ONE compiled program. An axis over a data or shape "
         "setting (--grid similarity=0,50 or num_clients, clients_per_round, local_epochs, "
         "partition_seed...) is an outer product: each setting is its own programs, run one "
-        "after the other into the same --out. Writes metrics.jsonl as it goes (one series "
-        "per config), then sweep.json (per-config records), sweep.csv (one row per config x "
-        "seed: the swept values, final and best metrics, rounds to --target), summary.md "
-        "(the best config per algorithm and setting by rounds to --target, mean +- std over "
-        "seeds; the policy of scaffold_jax.results.select; a warning when a chosen value "
-        "is at the edge of its grid) and two plots. Seeds: --seeds are the root keys of "
-        "client sampling and minibatches, one per config; the data (subsets, split over "
-        "clients) comes from --partition-seed, default --seed, and the model's initial "
-        "params from --seed, the same for every config: config (hparams, seed s) computes "
-        "what `scaffold-jax run --seed s --partition-seed P` computes for a model whose "
-        "initial params do not depend on the seed (logreg starts at zero).",
+        "after the other into the same --out.",
+        epilog="Writes metrics.jsonl as it goes (one series per config), then sweep.json "
+        "(per-config records), sweep.csv (one row per config x seed: the swept values, "
+        "final and best metrics, rounds to --target), summary.md (the best config per "
+        "algorithm and setting by rounds to --target, mean +- std over seeds; the policy of "
+        "scaffold_jax.results.select; a warning when a chosen value is at the edge of its "
+        "grid) and two plots.\n\n"
+        "Seeds: --seeds are the root keys of client sampling and minibatches, one per "
+        "config; the data (subsets, split over clients) comes from --partition-seed, "
+        "default --seed, and the model's initial params from --seed, the same for every "
+        "config: config (hparams, seed s) computes what `scaffold-jax run --seed s "
+        "--partition-seed P` computes for a model whose initial params do not depend on "
+        "the seed (logreg starts at zero).\n\n" + _REFERENCE,
     )
-    _config_flags(sw)
-    sw.add_argument(
+    flags = _Flags()
+    _config_flags(flags)
+    flags.add_argument(
         "--algorithms",
         nargs="+",
         metavar="NAME",
         help=f"algorithms to sweep ({' | '.join(ALGORITHMS)}), each its own programs, the "
         "axes it declares [default: --algorithm]",
     )
-    sw.add_argument(
+    flags.add_argument(
         "--lr-grid",
         type=float,
         nargs="+",
@@ -263,7 +260,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         help="client step sizes eta_l to sweep, the same as --grid client_lr=LR1,LR2,... "
         "[default: --client-lr alone]",
     )
-    sw.add_argument(
+    flags.add_argument(
         "--grid",
         action="append",
         default=[],
@@ -275,7 +272,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         "local_epochs, local_steps, batch_size, partition_seed, max_train_examples...: "
         "one program per value, run one after the other). An axis replaces the flag's value",
     )
-    sw.add_argument(
+    flags.add_argument(
         "--seeds",
         type=int,
         nargs="+",
@@ -286,202 +283,64 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         "--seed, does; --grid partition_seed=0,1 sweeps it) nor change the model's initial "
         "params (--seed) [0]",
     )
-    sw.add_argument(
+    flags.add_argument(
         "--target",
         type=float,
         default=0.7,
         help="target test accuracy: the summary's choice is by rounds to it, and sweep.csv "
         "reports them [0.7]",
     )
-    sw.add_argument(
+    flags.add_argument(
         "--resume",
         action="store_true",
         help="continue the sweep the --out folder holds: finished grids are kept, the others "
         "continue from their newest checkpoint",
     )
-    sw.add_argument(
+    flags.add_argument(
         "--accept-new-versions",
         action="store_true",
         help="with --resume: go on although jax, jaxlib or numpy changed since the checkpoint "
         "(the rest may then differ from an uninterrupted run in the last bits)",
     )
-    _checkpoint_flags(sw)
-    _tensorboard_flag(sw)
-    _common(sw, out=False)
+    _checkpoint_flags(flags)
+    _tensorboard_flag(flags)
+    _common(flags, out=False)
+    flags.add_to(sw)
 
     diag = commands.add_parser(
         "diagnose",
         help="measure G, B, delta, beta and the suggested K on a dataset/partition/model",
+        usage="%(prog)s [--dataset NAME] [--model NAME] [--similarity X]\n"
+        "       [--gd-steps N] [--out PATH] [options]",
         description="Measure the paper's heterogeneity constants at the model's initial "
         "params (and after --gd-steps full gradient steps, to fit (G, B)): gradient "
         "dissimilarity G and B, Hessian dissimilarity delta and smoothness beta by power "
         "iteration on Hessian-vector products, and SCAFFOLD's suggested K ~ beta / delta. "
         "Writes diagnose.json and gradient_fit.png to --out.",
+        epilog=_REFERENCE,
     )
-    _config_flags(diag, fields=DIAGNOSE_FIELDS)
-    diag.add_argument(
+    flags = _Flags()
+    _config_flags(flags, fields=DIAGNOSE_FIELDS)
+    flags.add_argument(
         "--gd-steps",
         type=int,
         default=0,
         help="extra points along a full-gradient descent path (step size --client-lr), to "
         "fit (G, B) [0]",
     )
-    diag.add_argument("--num-iters", type=int, default=30, help="power iterations [30]")
-    diag.add_argument(
+    flags.add_argument("--num-iters", type=int, default=30, help="power iterations [30]")
+    flags.add_argument(
         "--out", help="output folder: diagnose.json, gradient_fit.png, summary.json "
         "[default: results/diagnose-<dataset>-<digest of the settings>]"
     )  # fmt: skip
-    diag.add_argument(
+    flags.add_argument(
         "--overwrite", action="store_true", help="replace an output folder that holds a run"
     )
-    diag.add_argument(
+    flags.add_argument(
         "--quiet", action="store_true", help="print nothing (the output folder is still written)"
     )
+    flags.add_to(diag)
     return parser, dict(commands.choices)
-
-
-#: Whose declared options mean something to ``diagnose`` (not the algorithms').
-DIAGNOSE_OPTIONS = DATA_OWNERS
-
-
-def _config_flags(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
-    """--config, --plugin, --set, one flag per :class:`RunConfig` field and one per
-    hyper-parameter or option a registered algorithm declares (flags override the file).
-
-    ``fields``: only these fields have flags, and of the declared names only the options
-    of models, partitioners and datasets (a command that does not run an algorithm)."""
-    from scaffold_jax import experiments
-
-    parser.add_argument("--config", metavar="FILE", help="a .toml or .json config file")
-    parser.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import a module (dotted name or .py file) that registers algorithms, models, "
-        "datasets or partitioners before anything else; repeatable (config key: plugins)",
-    )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="set any config field or declared hyper-parameter / option (VALUE parsed as "
-        "JSON when it can be), e.g. --set prox_mu=0.5; repeatable",
-    )
-    defaults = RunConfig()
-    declared = {**experiments.declared_hparams(), **experiments.declared_options()}
-    if fields is not None:
-        declared = experiments.declared_options(DIAGNOSE_OPTIONS)
-    for name, spec in declared.items():
-        # Choices and ranges are checked with the config (naming the field), not argparse.
-        choices = getattr(spec, "choices", None)
-        help_text = spec.help + (f" ({' | '.join(map(str, choices))})" if choices else "")
-        if spec.default is not None:
-            help_text += f" [default: {spec.default}]"
-        kind = "float" if isinstance(spec, HParam) else getattr(spec, "kind", "str")
-        extra: dict[str, Any] = {"type": _KIND_TYPES.get(kind, str)}
-        if kind in ("ints", "floats"):
-            extra["nargs"] = "+"
-        # An on/off option is a bare flag (``--warm-controls``); it still takes a value.
-        if getattr(spec, "is_switch", False):
-            extra = {"type": str, "nargs": "?", "const": "true"}
-        parser.add_argument(
-            _flag(name),
-            metavar="N" if kind in ("int", "ints") else "X",
-            help=help_text,
-            default=argparse.SUPPRESS,
-            dest=f"declared:{name}",
-            **extra,
-        )
-    for field in dataclasses.fields(RunConfig):
-        meta = field.metadata
-        kind = meta["kind"]
-        if kind == "table" or field.name == "plugins":
-            continue  # filled by the declared flags and --set; plugins by --plugin
-        if fields is not None and field.name not in fields:
-            continue
-        help_text = meta["help"]
-        if meta.get("choices"):
-            help_text += f" ({' | '.join(meta['choices'])})"
-        default = getattr(defaults, field.name)
-        # SUPPRESS: only flags actually given override the config file.
-        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": field.name}
-        if kind == "bool":
-            parser.add_argument(_flag(field.name), action="store_true", help=help_text, **kwargs)
-            continue
-        if kind in ("ints", "floats"):
-            kwargs["nargs"] = "+"
-        kwargs["type"] = _KIND_TYPES[kind]
-        kwargs["metavar"] = {"int": "N", "ints": "N", "float": "X", "floats": "X"}.get(
-            kind, "PATH" if field.name in ("data_dir", "out") else "NAME"
-        )
-        if default is not None:
-            help_text += f" [default: {default}]"
-        parser.add_argument(_flag(field.name), help=help_text, **kwargs)
-
-
-def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint-every",
-        type=int,
-        metavar="N",
-        help="checkpoint every N rounds [default: at evaluations, within 10%% of the run's time]",
-    )
-    parser.add_argument(
-        "--checkpoint-minutes",
-        type=float,
-        default=5.0,
-        metavar="M",
-        help="and at least every M minutes (at the end of a block) [5]",
-    )
-    parser.add_argument(
-        "--no-checkpoint", action="store_true", help="write no checkpoints (no --resume)"
-    )
-
-
-def _tensorboard_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also write the metrics as TensorBoard event files into <out>/tensorboard, "
-        "one scalar per metric, step = round (needs tensorboardX: pip install "
-        "'scaffold-jax[tensorboard]')",
-    )
-
-
-def _checked_checkpoint_flags(args: argparse.Namespace) -> None:
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other: give one of them.")
-    if args.resume and args.no_checkpoint:
-        raise ConfigError("--resume needs checkpoints: drop --no-checkpoint.")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise ConfigError(
-            f"--checkpoint-every {args.checkpoint_every} is invalid: it must be >= 1."
-        )
-    if not args.checkpoint_minutes > 0:
-        raise ConfigError(
-            f"--checkpoint-minutes {args.checkpoint_minutes} is invalid: it must be > 0."
-        )
-
-
-def _common(parser: argparse.ArgumentParser, out: bool = True) -> None:
-    """--out (unless the command has it already), --overwrite and --quiet."""
-    if out:
-        parser.add_argument("--out", help="output folder")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an output folder that holds a run"
-    )
-    parser.add_argument(
-        "--quiet", action="store_true", help="no progress bar or printed tables (for scripts)"
-    )
-    parser.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="do not keep compiled programs on disk (by default a second run of the same "
-        "configuration starts without compiling; folder: $SCAFFOLD_JAX_COMPILE_CACHE, "
-        "else ~/.cache/scaffold_jax/xla)",
-    )
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:

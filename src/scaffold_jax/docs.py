@@ -1,10 +1,16 @@
-"""``make docs``: the API reference (HTML, by pdoc) and the config key reference.
+"""``make docs``: the documentation site, the API reference (HTML, by pdoc), the config key
+reference and the command reference.
 
-``python -m scaffold_jax.docs`` writes
+``python -m scaffold_jax.docs --site docs/_build/html`` writes
 
-* ``docs/api/``: the API reference, a page for every public module of the package
+* the site (:func:`build_site`): the pages of ``docs/`` built by Sphinx with myst-nb,
+  the tutorials rendered from their stored outputs (:func:`execute_notebooks` refreshes
+  them); generated, not committed;
+* in it, ``api/``: the API reference, a page for every public module of the package
   (:func:`public_modules`, whatever ``__all__`` lists), rendered by pdoc (the ``dev``
-  extra) from the Google-style docstrings; generated, not committed;
+  extra) from the Google-style docstrings;
+* ``docs/reference/cli.md``: every command's ``--help`` (:func:`cli_markdown`),
+  committed, checked by the tests to be current;
 * ``docs/config.md``: every config key (:func:`scaffold_jax.experiments.config_reference`)
   and every other flag of the command line (:func:`command_line_reference`, read from
   the argparse parser), committed, and checked by the tests to equal what
@@ -175,8 +181,22 @@ def _is_config_flag(action: argparse.Action, fields: set[str]) -> bool:
     )
 
 
-def _flags_table(parser: argparse.ArgumentParser, fields: set[str]) -> list[str]:
-    """One row per flag of ``parser`` that is not a config key (nor ``--help``)."""
+def _own_flags(actions: list[argparse.Action], fields: set[str]) -> list[argparse.Action]:
+    """The flags of ``actions`` that are not config keys (nor ``--help``, nor hidden)."""
+    return [
+        action
+        for action in actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        # a config key (tables above), or a flag --help hides too
+        and not (_is_config_flag(action, fields) or action.help == argparse.SUPPRESS)
+    ]
+
+
+def _flags_table(
+    parser: argparse.ArgumentParser, fields: set[str], actions: list[argparse.Action] | None = None
+) -> list[str]:
+    """One row per flag of ``parser`` (or of its ``actions``) that is not a config key (nor
+    ``--help``)."""
 
     def text(value: str) -> str:
         return " ".join(value.split()).replace("|", "\\|").replace("<", "&lt;")
@@ -184,11 +204,7 @@ def _flags_table(parser: argparse.ArgumentParser, fields: set[str]) -> list[str]
     rows = ["| flag | argument | default | meaning |", "|---|---|---|---|"]
     # argparse has no public way to list a parser's arguments; its help formatter reads
     # these same attributes.
-    for action in parser._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
-            continue
-        if _is_config_flag(action, fields) or action.help == argparse.SUPPRESS:
-            continue  # a config key (tables above), or a flag --help hides too
+    for action in _own_flags(parser._actions if actions is None else actions, fields):
         name = " ".join(action.option_strings) or action.dest
         if action.nargs == 0:
             argument = "—"  # a switch
@@ -232,7 +248,8 @@ def command_line_reference(parser: argparse.ArgumentParser | None = None) -> str
         "Generated from the parser of `scaffold-jax` (`scaffold_jax.cli.build_parser`).",
         "Besides the config keys above, which each command takes as flags as listed,",
         "every command has flags of its own: they say where the output goes and how the",
-        "run is driven, and are not config keys.",
+        "run is driven, and are not config keys. They are listed by the group of",
+        "`--help` that shows them.",
     ]
     if any(not isinstance(a, argparse._HelpAction) for a in parser._actions if a.option_strings):
         lines += ["", "### `scaffold-jax` (before the command)", ""]
@@ -249,14 +266,12 @@ def command_line_reference(parser: argparse.ArgumentParser | None = None) -> str
             takes = ", ".join(f"`{key}`" for key in sorted(keys))
             if declared:
                 takes += "; the declared " + ", ".join(f"`{d}`" for d in sorted(declared))
-        lines += [
-            "",
-            f"### `scaffold-jax {name}`",
-            "",
-            f"Takes as flags {takes}. Its own flags:",
-            "",
-        ]
-        lines += _flags_table(command, fields)
+        lines += ["", f"### `scaffold-jax {name}`", "", f"Takes as flags {takes}. Its own flags:"]
+        # By the groups of the command's --help (scaffold_jax.cli_flags.HELP_GROUPS).
+        for group in command._action_groups:
+            if _own_flags(group._group_actions, fields):
+                lines += ["", f"#### {group.title}", ""]
+                lines += _flags_table(command, fields, group._group_actions)
     return "\n".join(lines) + "\n"
 
 
@@ -276,18 +291,122 @@ def write_config_reference(path: str | Path) -> Path:
     return path
 
 
+def cli_markdown() -> str:
+    """``docs/reference/cli.md``: the ``--help`` of ``scaffold-jax`` and of every command, as
+    each prints it at 88 columns (its flags in the groups of
+    :data:`scaffold_jax.cli_flags.HELP_GROUPS`). Run it in a process without plugins."""
+    import os
+    from unittest import mock
+
+    from scaffold_jax import cli
+
+    with mock.patch.dict(os.environ, {"COLUMNS": "88"}):  # argparse wraps at $COLUMNS
+        parser, commands = cli._build_parsers()
+        helps = {"": parser.format_help()}
+        helps.update({f" {name}": command.format_help() for name, command in commands.items()})
+    lines = [
+        "# Command line",
+        "",
+        "Every command's `--help`, generated from the parser (`python -m scaffold_jax.docs`;",
+        "the tests check it is current). The flags that are config keys are described with",
+        "their types, defaults and choices in the [config reference](../config.md).",
+    ]
+    for name, text in helps.items():
+        lines += ["", f"## `scaffold-jax{name}`", "", "```text", text.rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def execute_notebooks(source: str | Path, dest: str | Path, timeout: int = 1800) -> list[Path]:
+    """Runs every notebook of ``source`` at its defaults in a fresh kernel (in a scratch
+    folder, the datasets it builds cached there) and writes it with its outputs into
+    ``dest``: the tutorials the site renders (myst-nb does not execute them). The notebooks
+    of ``source`` stay clean (the tests check it), and the tests check that the copies'
+    cells are the sources' cells, so a copy older than its notebook fails them. Minutes:
+    each notebook's defaults take up to 3 CPU-minutes."""
+    import os
+    import tempfile
+    from unittest import mock
+
+    import nbclient
+    import nbformat
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in sorted(Path(source).glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        with tempfile.TemporaryDirectory() as scratch:
+            cache = {"SCAFFOLD_JAX_CACHE_DIR": os.path.join(scratch, "cache")}
+            with mock.patch.dict(os.environ, cache):  # the kernel inherits the environment
+                client = nbclient.NotebookClient(
+                    nb, timeout=timeout, kernel_name="python3",
+                    resources={"metadata": {"path": scratch}},
+                )  # fmt: skip
+                client.execute()
+        nbformat.write(nb, dest / path.name)
+        written.append(dest / path.name)
+    return written
+
+
+def build_site(out: str | Path, source: str | Path = "docs") -> list[str]:
+    """Builds the documentation site: the pages of ``source`` (Sphinx with myst-nb, the
+    ``dev`` extra) into ``out``, then the API reference (:func:`build_api`) into
+    ``out/api``, which the reference pages link to. Returns every warning of both, each
+    one line (an empty list: a clean build); the tests require none."""
+    import contextlib
+    import io
+
+    from sphinx.cmd.build import build_main
+
+    out, source = Path(out), Path(source)
+    warnings_file = out / ".sphinx-warnings.txt"
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["-b", "html", "-q", "-E", "-d", str(out / ".doctrees"), "-w", str(warnings_file)]
+    with contextlib.redirect_stderr(io.StringIO()):  # the same lines go to warnings_file
+        status = build_main([*argv, str(source), str(out)])
+    found = [line for line in warnings_file.read_text().splitlines() if line.strip()]
+    if status and not found:
+        found = [f"sphinx-build exited with status {status}"]
+    return found + build_api(out / "api")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--api", default="docs/api", help="API reference folder [docs/api]")
+    parser.add_argument(
+        "--api", help="also write the API reference alone into this folder (the site has it)"
+    )
     parser.add_argument(
         "--config", default="docs/config.md", help="config key reference [docs/config.md]"
     )
+    parser.add_argument(
+        "--cli", default="docs/reference/cli.md", help="command reference [docs/reference/cli.md]"
+    )
+    parser.add_argument("--site", help="build the documentation site into this folder")
+    parser.add_argument("--source", default="docs", help="the site's pages [docs]")
+    parser.add_argument(
+        "--notebooks",
+        metavar="FOLDER",
+        help="execute notebooks/*.ipynb at their defaults into FOLDER (docs/tutorials: the "
+        "site's tutorials; minutes) and do nothing else",
+    )
     args = parser.parse_args(argv)
+    if args.notebooks:
+        for path in execute_notebooks("notebooks", args.notebooks):
+            print(f"wrote {path}")
+        return 0
     print(f"wrote {write_config_reference(args.config)}")
-    problems = build_api(args.api)
+    Path(args.cli).write_text(cli_markdown())
+    print(f"wrote {args.cli}")
+    problems = []
+    if args.api:
+        problems += build_api(args.api)
+        print(f"wrote {args.api}/")
+    if args.site:
+        problems += build_site(args.site, args.source)
+        print(f"wrote {args.site}/ (open {args.site}/index.html)")
     for line in problems:
         print(line)
-    print(f"wrote {args.api}/ ({len(problems)} warnings)")
+    print(f"{len(problems)} warnings")
     return 1 if problems else 0
 
 

@@ -17,7 +17,7 @@ from scaffold_jax.registry import load_plugins
 PLUGINS = Path(__file__).parent / "plugins"
 
 EVERY_GROUP = [
-    "basic run", "data", "model", "algorithm", "local work", "sampling and participation",
+    "basic run", "data", "model", "algorithm", "local work", "sampling, participation and time",
     "privacy", "communication", "evaluation", "output and resuming",
 ]  # fmt: skip
 TITLES = {
@@ -110,10 +110,10 @@ def test_declared_names_go_to_their_owners_group():
         "server_optimizer": "algorithm", "hidden_sizes": "model", "resnet_norm": "model",
         "similarity": "data", "dirichlet_alpha": "data", "quad_G": "data",
         "min_client_examples": "data", "batch_fraction": "local work",
-        "poisson_bound": "sampling and participation",
-        "cycle_groups": "sampling and participation",
-        "straggler_jitter": "sampling and participation",
-        "dropout_rate": "sampling and participation", "dp_clip": "privacy",
+        "poisson_bound": "sampling, participation and time",
+        "cycle_groups": "sampling, participation and time",
+        "straggler_jitter": "sampling, participation and time",
+        "dropout_rate": "sampling, participation and time", "dp_clip": "privacy",
         "dp_epsilon": "privacy", "compress_bits": "communication",
         "compress_entries": "communication",
         # Declared by batch plans, but what a first run sets: the table names them.
@@ -180,7 +180,7 @@ def test_a_plugins_declared_names_go_to_their_owners_groups(plugins_loaded):
         "width": "model",
         "size_sigma": "data",  # a partitioner's
         "feature_scale": "data",  # a dataset's
-        "cyclic_stride": "sampling and participation",  # a sampler's
+        "cyclic_stride": "sampling, participation and time",  # a sampler's
         "weight_cap": "algorithm",  # a weighting's
     }
     assert {name: _help_group(name, declared=True) for name in placed} == placed

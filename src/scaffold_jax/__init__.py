@@ -43,6 +43,7 @@ from scaffold_jax.algorithms import (
 )
 from scaffold_jax.data import BatchPlan, FederatedData, from_client_arrays, from_partition
 from scaffold_jax.engine import init_state
+from scaffold_jax.engine.buffered import FedBuff
 from scaffold_jax.layout import ClientMesh, SingleDevice
 from scaffold_jax.loop import DivergenceError, RunResult, RunTerminated, Simulation
 
@@ -71,6 +72,7 @@ __all__ = [
     "Algorithm",
     "BatchPlan",
     "ClientMesh",
+    "FedBuff",
     "ClientOutput",
     "DivergenceError",
     "FederatedData",

@@ -15,8 +15,9 @@ Commands:
 
 ``--help`` lists a command's flags by group (:data:`scaffold_jax.cli_flags.HELP_GROUPS`):
 first the ones a first run sets ("basic run"), then data, model, algorithm, local work,
-sampling and participation, privacy, communication, evaluation, output and resuming; a
-declared hyper-parameter or option is in the group of the entry that declares it.
+sampling, participation and time, privacy, communication, evaluation, output and
+resuming; a declared hyper-parameter or option is in the group of the entry that
+declares it.
 
 Progress (loading, each compilation with its time, a bar with rate and ETA) goes to
 stderr, as plain lines when stderr is not a terminal; ``--quiet`` silences it.

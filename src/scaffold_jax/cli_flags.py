@@ -1,8 +1,8 @@
 """The flags of the ``scaffold-jax`` commands (:mod:`scaffold_jax.cli` builds its parsers
 from them): one flag per config field and per declared hyper-parameter or option, the
 commands' own flags, and their ``--help`` groups (:data:`HELP_GROUPS`): first the flags a
-first run sets ("basic run"), then data, model, algorithm, local work, sampling and
-participation, privacy, communication, evaluation, output and resuming; a declared
+first run sets ("basic run"), then data, model, algorithm, local work, sampling,
+participation and time, privacy, communication, evaluation, output and resuming; a declared
 hyper-parameter or option is in the group of the entry that declares it."""
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "model": (),
     "algorithm": ("weighting",),
     "local work": ("batch_plan",),
-    "sampling and participation": ("sampler", "availability", "stragglers", "dropouts"),
+    "sampling, participation and time": (
+        "sampler", "availability", "stragglers", "dropouts", "profiles", "execution",
+    ),
     "privacy": ("privacy",),
     "communication": ("compression",),
     "evaluation": (
@@ -105,8 +107,10 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
 _OWNER_GROUPS: dict[str, str] = {
     "algorithm": "algorithm", "weighting": "algorithm", "model": "model",
     "partition": "data", "dataset": "data", "batch_plan": "local work",
-    "sampler": "sampling and participation", "availability": "sampling and participation",
-    "stragglers": "sampling and participation", "dropouts": "sampling and participation",
+    **dict.fromkeys(
+        ("sampler", "availability", "stragglers", "dropouts", "profiles", "execution"),
+        "sampling, participation and time",
+    ),
     "privacy": "privacy", "compression": "communication",
 }  # fmt: skip
 

@@ -469,6 +469,8 @@ class SimState(NamedTuple):
       messages: the message transforms' per-client states
         (:mod:`scaffold_jax.messages`), a table with a leading ``[N, ...]`` client
         axis like ``clients``; None when no transform keeps any.
+      inflight: FedBuff's in-flight table (:class:`scaffold_jax.engine.buffered.InFlight`,
+        ``[M, ...]``); None in synchronous rounds.
     """
 
     server: PyTree
@@ -477,6 +479,7 @@ class SimState(NamedTuple):
     model: PyTree = None
     participation: PyTree = None
     messages: PyTree = None
+    inflight: PyTree = None
 
 
 #: How the running statistics of a model (BatchNorm's) are kept across clients: averaged

@@ -209,8 +209,11 @@ def _check_matches(path: Path, saved: list[dict[str, Any]], like_state: PyTree) 
                     f"{dtype}{tuple(shape)} here"
                 )
     if problems:
+        # FedBuff's in-flight table has M rows (scaffold_jax.engine.buffered).
+        table = " (.inflight: FedBuff's in-flight table, of another concurrency M)"
         raise ValueError(
-            f"checkpoint {path} does not match this simulation: {'; '.join(problems[:3])}. "
-            "It was written by a run with another model, number of clients or algorithm; "
-            "resume with the same configuration or use another checkpoint directory."
+            f"checkpoint {path} does not match this simulation: {'; '.join(problems[:3])}"
+            f"{table if any('.inflight' in p for p in problems) else ''}. It was written by a "
+            "run with another model, number of clients, algorithm or execution; resume with "
+            "the same configuration or use another checkpoint directory."
         )

@@ -158,6 +158,24 @@ class BatchPlan:
             return self.num_epochs * ((count + self.batch_size - 1) // self.batch_size)
         return jnp.full(jnp.shape(count), self.shape(1)[0], jnp.int32)
 
+    def examples(self, count: jax.Array, steps: jax.Array) -> jax.Array:
+        """The examples a client of ``count`` examples processes in its first ``steps``
+        local steps (int32, traceable): what its device works through (a virtual clock's
+        compute time, :mod:`scaffold_jax.participation.clock`)."""
+        count = jnp.asarray(count, jnp.int32)
+        steps = jnp.asarray(steps, jnp.int32)
+        if self.kind == "fixed":
+            return steps * jnp.minimum(self.batch_size, count)
+        if self.kind == "full":
+            return steps * count
+        if self.kind == "epochs":
+            per_epoch = jnp.maximum((count + self.batch_size - 1) // self.batch_size, 1)
+            done, within = steps // per_epoch, steps % per_epoch
+            return done * count + jnp.minimum(within * self.batch_size, count)
+        spe = self.steps_per_epoch_fraction
+        done, within = steps // spe, steps % spe
+        return done * count + (within * count) // spe
+
     def positions(
         self, key: jax.Array, count: jax.Array, max_count: int
     ) -> tuple[jax.Array, jax.Array]:

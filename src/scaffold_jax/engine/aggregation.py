@@ -117,7 +117,7 @@ def round_metrics(sim, outputs, server, server_metrics, rnd: Round):
     # dropouts which of them reported: a user sees who dropped.
     ids, sampled = rnd.draw.ids, rnd.draw.sampled
     metrics["client_ids"] = ids if sampled is None else jnp.where(sampled, ids, -1)
-    if part.dropouts is not None:
+    if part.dropouts is not None or (part.profiles is not None and part.profiles.drops):
         metrics["reported"] = present
     if present is not None:
         metrics["participants"] = jnp.sum(taking_part)
@@ -127,7 +127,8 @@ def round_metrics(sim, outputs, server, server_metrics, rnd: Round):
     # (reported) and who downloaded (took part: a dropped client too).
     uploads = jnp.float32(ids.shape[0]) if present is None else jnp.sum(taking_part)
     metrics["uploads"] = uploads
-    metrics["downloads"] = uploads + rnd.cohort.metrics.get("dropped", jnp.float32(0))
+    lost = [rnd.cohort.metrics.get(k, jnp.float32(0)) for k in ("dropped", "late")]
+    metrics["downloads"] = uploads + lost[0] + lost[1]
     metrics.update(rnd.cohort.metrics)
     # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
     metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))

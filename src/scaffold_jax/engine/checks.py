@@ -13,6 +13,7 @@ import numpy as np
 
 from scaffold_jax import resources
 from scaffold_jax.engine.state import initial_state
+from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import takes
 from scaffold_jax.sampling import check_sampler, privacy_sampling, takes_availability, uniform
 from scaffold_jax.tree import tree_bytes
@@ -111,6 +112,8 @@ def check_simulation(sim, data) -> None:
 
 
 def _check_participation(sim, num_clients: int) -> None:
+    _check_clock(sim, num_clients)
+    _check_execution(sim, num_clients)
     availability = sim.participation.availability
     if availability is None:
         return
@@ -122,6 +125,82 @@ def _check_participation(sim, num_clients: int) -> None:
             "and 'poisson' do); this sampler does not. Add an `available=None` keyword "
             "to it (scaffold_jax.sampling.sample_available draws S of them), or use "
             "availability = 'always'."
+        )
+
+
+def _check_clock(sim, num_clients: int) -> None:
+    """Refuses a virtual clock this simulation cannot time: more clients over-selected
+    than there are, or an uplink whose size is a hyper-parameter (a compressor's bits or
+    fraction: the compiled round times one size)."""
+    profiles = sim.participation.profiles
+    if profiles is None:
+        return
+    sampled = profiles.sampled(sim.clients_per_round)
+    if sampled > num_clients:
+        raise ValueError(
+            f"over_selection = {profiles.over_selection} samples ceil(f * S) = {sampled} "
+            f"clients a round, more than the N = {num_clients} there are: use a smaller "
+            "over_selection or S."
+        )
+    if getattr(sim.algorithm.messages, "sizes", None) is not None:
+        raise ValueError(
+            "the virtual clock (profiles) does not time compressed uplinks yet: their size "
+            "is a hyper-parameter (bits, fraction) the compiled round does not know. Use "
+            "compression = 'none' with profiles, or profiles = 'none' with compression."
+        )
+
+
+def _check_execution(sim, num_clients: int) -> None:
+    """Refuses FedBuff (:mod:`scaffold_jax.engine.buffered`) where its contract is not
+    written or the simulation cannot run it, each with the reason and the fix."""
+    from scaffold_jax.engine.buffered import ASYNC_ALGORITHMS
+
+    buff = sim.execution
+    if buff is None:
+        return
+    name = sim.algorithm.name
+    if name not in ASYNC_ALGORITHMS:
+        raise ValueError(
+            f"FedBuff has no asynchronous contract for {name!r} yet (what a stale update "
+            f"does to its server state is not written): use one of "
+            f"{', '.join(ASYNC_ALGORITHMS)}, or synchronous rounds."
+        )
+    if buff.concurrency > num_clients:
+        raise ValueError(
+            f"concurrency M = {buff.concurrency} exceeds the N = {num_clients} clients: at "
+            "most N clients can be in flight; use M <= N."
+        )
+    part = sim.participation
+    if part.profiles is None:
+        raise ValueError(
+            "FedBuff needs device profiles to time its clients (profiles = 'lognormal' or "
+            "'file'; Python: participation.make(profiles=...))."
+        )
+    if part.profiles.drops:
+        raise ValueError(
+            "FedBuff has no round to close: round_deadline and over_selection do not apply "
+            "(its buffer of B arrivals is its policy); unset them."
+        )
+    models = [k for k in ("availability", "stragglers", "dropouts") if getattr(part, k)]
+    if models:
+        raise ValueError(
+            f"FedBuff with the participation model(s) {', '.join(models)}: not supported yet "
+            "(the in-flight clients' draws are FedBuff's own); use FedBuff without them."
+        )
+    if sim.algorithm.messages is not None:
+        raise ValueError(
+            "FedBuff with a message transform (differential privacy, compression): not "
+            "supported yet (their accounting and residuals assume rounds); use neither."
+        )
+    if sim.problem.model_state is not None:
+        raise ValueError(
+            "FedBuff with a model that keeps running statistics (BatchNorm): not supported "
+            "yet; use a model without them (GroupNorm)."
+        )
+    if not isinstance(sim.layout, SingleDevice):
+        raise ValueError(
+            "FedBuff on a client mesh: not supported yet (its in-flight table is not laid "
+            "out over devices); use the default single-device layout."
         )
 
 

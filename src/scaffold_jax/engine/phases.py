@@ -8,7 +8,9 @@
 3. :func:`cohort`: the aggregation weights and the clients' planned local steps (a
    straggler's cut short).
 4. :func:`pre_round`: an algorithm's pass over each sampled client's whole data (Mime).
-5. :func:`drop_out`: clients that drop after their local work become masked rows.
+5. :func:`drop_out`: clients that drop after their local work become masked rows, and
+   :func:`clock`: each client's duration on its device, the round's duration, and the
+   clients a deadline or over-selection drops (masked rows too).
 6. :func:`local_work`: every sampled client's local steps, vmapped (in chunks on CPU).
 7. the server side, per config (``server_side`` in :mod:`scaffold_jax.engine.aggregation`):
    ``model_statistics``, ``client_messages`` (the message pipeline,
@@ -123,8 +125,9 @@ def sample(sim, state: SimState, data, key: jax.Array) -> Draw:
         )
         metrics["available"] = jnp.sum(available).astype(jnp.float32)
     round_key, drawn = round_key_and_ids(
-        key, state.round, data.num_clients, sim.clients_per_round, sim.sampler, available
-    )
+        key, state.round, data.num_clients, part.sampled(sim.clients_per_round), sim.sampler,
+        available,
+    )  # fmt: skip
     ids, sampled = split_sample(drawn)
     # The table is read and written with the REPLICATED ids; the clients' work is split
     # over devices by position in the sampled set (no-ops on one device).
@@ -235,6 +238,37 @@ def drop_out(sim, draw: Draw, cohort: Cohort) -> Cohort:
     present = ~dropped if cohort.present is None else cohort.present & ~dropped
     weights = jnp.where(present, cohort.weights, 0.0)
     return cohort._replace(present=present, weights=weights, metrics=metrics)
+
+
+def clock(sim, data, draw: Draw, cohort: Cohort, key: jax.Array) -> Cohort:
+    """The virtual clock (:mod:`scaffold_jax.participation.clock`): each taking-part
+    client's duration from its device profile, its bytes and the examples its local steps
+    (and a pre-round pass) process; the S earliest within the deadline report, the others
+    become masked rows (``late``), and the round lasts ``round_duration`` seconds."""
+    profiles = sim.participation.profiles
+    if profiles is None:
+        return cohort
+    counts = data.counts[draw.work_ids]
+    steps = cohort.planned if cohort.planned is not None else sim.plan.local_steps(counts)
+    examples = sim.plan.examples(counts, steps)
+    per_client = sim.traffic()
+    if sim.algorithm.pre_round is not None:  # a pass over all its data, then its message
+        examples = examples + counts
+    profile = profiles.profile(constants_key(key), draw.work_ids)
+    durations = profiles.durations(
+        profile, per_client.down, per_client.up + per_client.pre_round, examples
+    )
+    kept, duration = profiles.select(durations, cohort.present, sim.clients_per_round)
+    taking = jnp.ones(kept.shape, bool) if cohort.present is None else cohort.present
+    metrics = {
+        **cohort.metrics,
+        "late": jnp.sum(taking & ~kept).astype(jnp.float32),
+        "round_duration": duration,
+    }
+    if not profiles.drops:  # every client reports: the round's arithmetic is unchanged
+        return cohort._replace(metrics=metrics)
+    weights = jnp.where(kept, cohort.weights, 0.0)
+    return cohort._replace(present=kept, weights=weights, metrics=metrics)
 
 
 def local_work(sim, hparams, server_in, state, rows, draw, cohort, data, chunk, configs):

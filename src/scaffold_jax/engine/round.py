@@ -38,7 +38,7 @@ def round_fn(
     rows_in, server_in = phases.pre_round(
         sim, hparams, state.server, rows.rows_in, draw, cohort, shared, data, chunk, per_config
     )
-    cohort = phases.drop_out(sim, draw, cohort)
+    cohort = phases.clock(sim, data, draw, phases.drop_out(sim, draw, cohort), key)
     new_rows, outputs = phases.local_work(
         sim, hparams, server_in, state, rows._replace(rows_in=rows_in), draw, cohort, data,
         chunk, configs,

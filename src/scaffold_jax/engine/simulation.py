@@ -14,8 +14,9 @@ import numpy as np
 
 from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
-from scaffold_jax.engine import evaluation
+from scaffold_jax.engine import communication, evaluation
 from scaffold_jax.engine.axes import repeat_rounds
+from scaffold_jax.engine.buffered import FedBuff, server_step
 from scaffold_jax.engine.checks import check_count, check_simulation
 from scaffold_jax.engine.evaluation import DEFAULT_EVALUATORS, TRAIN_EVAL_EXAMPLES
 from scaffold_jax.engine.phases import full_data_pass
@@ -83,7 +84,12 @@ class Simulation:
         replacement; ``sampling.make(name, options)`` builds a registered one).
       participation: the clients' availability, stragglers and dropouts, a
         :class:`~scaffold_jax.participation.Participation` (``participation.make(...)``;
-        default: every client always available, finishing its steps, never dropping).
+        default: every client always available, finishing its steps, never dropping),
+        and their device profiles for a virtual clock
+        (:mod:`scaffold_jax.participation.clock`).
+      execution: None (synchronous rounds) or :class:`~scaffold_jax.engine.buffered.FedBuff`
+        (asynchronous buffered aggregation: a "round" is a server step; it needs device
+        profiles for the clients' durations).
 
     Examples:
       >>> import numpy as np, scaffold_jax as sj
@@ -114,6 +120,7 @@ class Simulation:
         train_eval_examples: int | None = TRAIN_EVAL_EXAMPLES,
         sampler: Sampler | None = None,
         participation: Participation | None = None,
+        execution: FedBuff | None = None,
     ):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
@@ -147,6 +154,12 @@ class Simulation:
                 f"participation.make(...)), got {type(participation).__name__}."
             )
         self.participation = participation
+        if execution is not None and not isinstance(execution, FedBuff):
+            raise TypeError(
+                "execution must be None (synchronous rounds) or a scaffold_jax.FedBuff, got "
+                f"{type(execution).__name__}."
+            )
+        self.execution = execution
         self.evaluators = tuple(evaluators)
         self.train_eval_examples = (
             None
@@ -164,7 +177,7 @@ class Simulation:
         names = (
             "algorithm", "problem", "plan", "clients_per_round", "weighting",
             "weighting_options", "eval_batch_size", "client_chunk", "layout", "evaluators",
-            "train_eval_examples", "sampler", "participation",
+            "train_eval_examples", "sampler", "participation", "execution",
         )  # fmt: skip
         return type(self)(**{name: changes.get(name, getattr(self, name)) for name in names})
 
@@ -199,6 +212,13 @@ class Simulation:
         metrics of a ``server_update`` that returns a
         :class:`~scaffold_jax.types.ServerOutput`.
         """
+        if self.execution is not None:  # FedBuff: a server step is the round
+            if configs or diverged is not None:
+                raise ValueError(
+                    "FedBuff runs one config at a time: a sweep over its step sizes runs "
+                    "each config as its own run (scaffold-jax sweep does so)."
+                )
+            return server_step(self, hparams, state, data, key)
         return round_fn(self, hparams, state, data, key, diverged, configs)
 
     def report(self, hparams: Mapping[str, Any], rounds: int, num_clients: int) -> dict:
@@ -262,7 +282,7 @@ class Simulation:
         block) share the budget: a sweep asks for its chunk here and runs the round of
         ``replace(client_chunk=...)``.
         """
-        num_sampled = self.clients_per_round
+        num_sampled = self.participation.sampled(self.clients_per_round)
         if self.client_chunk is None or not self.layout.allows_client_chunks:
             return None
         if self.client_chunk != "auto":
@@ -299,6 +319,14 @@ class Simulation:
         kernels, they make every convolution a grouped one; on W4's CNN a sweep so vmapped
         took 6-7x the time of its configs run one by one (benchmarks/README.md)."""
         return jax.default_backend() == "cpu" and self.one_client_at_a_time(data)
+
+    def traffic(self):
+        """The bytes a participating client receives and sends per round
+        (:func:`scaffold_jax.engine.communication.traffic`), as the virtual clock times
+        them (:mod:`scaffold_jax.participation.clock`)."""
+        if not hasattr(self, "_traffic"):
+            self._traffic = communication.traffic(self.algorithm, self.problem.params)
+        return self._traffic
 
     def client_bytes(self, data) -> int:
         """The working set of one sampled client's local steps, in bytes (see
@@ -371,6 +399,7 @@ class Simulation:
             self.layout,
             self.problem,
             self.participation,
+            self.execution,
         )
         if self.algorithm.warm_start is None:
             return state
@@ -384,8 +413,13 @@ class Simulation:
         self.layout.check_num_clients(num_clients)
         like = jax.eval_shape(
             lambda: initial_state(
-                self.algorithm, self.problem.params, num_clients, self.problem, self.participation
-            )
+                self.algorithm,
+                self.problem.params,
+                num_clients,
+                self.problem,
+                self.participation,
+                self.execution,
+            )  # fmt: skip
         )
         shardings = self.layout.state_shardings(like)
         if shardings is None:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scaffold_jax.engine.buffered import initial_inflight
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.participation import Participation
 from scaffold_jax.types import Algorithm, Problem, PyTree, SimState
@@ -19,13 +20,15 @@ def initial_state(
     num_clients: int,
     problem: Problem | None = None,
     participation: Participation | None = None,
+    execution: Any = None,
 ) -> SimState:
     """The initial :class:`SimState` as a pure (traceable) function: server state from
     ``params``, the single-client state broadcast to a ``[N, ...]`` table, round 0, the
     running statistics of ``problem``'s model (when it keeps any) as its
     ``state_policy`` says: the server's, or one copy per client, the initial state of
     ``participation``'s availability model (when it has one), and the message transforms'
-    per-client states (when they keep any) as a table like the clients'."""
+    per-client states (when they keep any) as a table like the clients', and an
+    ``execution``'s empty in-flight table (FedBuff's, :mod:`scaffold_jax.engine.buffered`)."""
 
     def table(tree):
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), tree)
@@ -39,6 +42,9 @@ def initial_state(
         )
     availability = None if participation is None else participation.availability
     messages = None if algorithm.messages is None else algorithm.messages.init(params)
+    inflight = None
+    if execution is not None:
+        inflight = initial_inflight(algorithm, params, client, execution.concurrency)
     return SimState(
         server=jax.tree.map(jnp.asarray, server),
         clients=table(client),
@@ -46,6 +52,7 @@ def initial_state(
         model=model,
         participation=None if availability is None else availability.init(num_clients),
         messages=None if messages is None else table(messages),
+        inflight=inflight,
     )
 
 
@@ -56,6 +63,7 @@ def init_state(
     layout: Any = None,
     problem: Problem | None = None,
     participation: Participation | None = None,
+    execution: Any = None,
 ) -> SimState:
     """:func:`initial_state`, built by one jitted program directly in ``layout``.
 
@@ -71,7 +79,7 @@ def init_state(
     layout.check_num_clients(num_clients)
 
     def build(params):
-        return initial_state(algorithm, params, num_clients, problem, participation)
+        return initial_state(algorithm, params, num_clients, problem, participation, execution)
 
     shardings = layout.state_shardings(jax.eval_shape(build, params))
     if jax.process_count() == 1:

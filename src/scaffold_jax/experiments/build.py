@@ -15,6 +15,7 @@ from scaffold_jax import models, participation, sampling
 from scaffold_jax.data import assembly, natural, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData
+from scaffold_jax.engine.buffered import make_execution
 from scaffold_jax.experiments.config import RunConfig
 from scaffold_jax.experiments.resolve import make_algorithm
 from scaffold_jax.loop import Simulation
@@ -134,11 +135,15 @@ def build(
     plan = resolved.plan
     # A problem brought by the data (a quadratic family's) is new at every build: it is the
     # same when its functions are and its initial params equal.
-    kinds = ("algorithm", "weighting", "privacy", "compression", "sampler", *participation.KINDS)
+    kinds = (
+        "algorithm", "weighting", "privacy", "compression", "sampler", *participation.KINDS,
+        "execution",
+    )  # fmt: skip
     key = ("simulation", config.algorithm, repr(plan), resolved.clients_per_round,
            config.weighting, config.train_eval_examples, config.sampler, config.privacy,
            config.compression,
-           config.availability, config.stragglers, config.dropouts,
+           config.availability, config.stragglers, config.dropouts, config.profiles,
+           config.execution,
            *(_text(resolved.of(kind)) for kind in kinds), problem.loss_fn, problem.accuracy_fn,
            problem.update_state, problem.num_classes, problem.state_policy,
            tree_digest((problem.params, problem.model_state)))  # fmt: skip
@@ -153,8 +158,13 @@ def build(
             train_eval_examples=config.train_eval_examples or None,
             sampler=sampling.make(config.sampler, resolved.of("sampler")),
             participation=participation.make(
-                config.availability, config.stragglers, config.dropouts, config.options
+                config.availability,
+                config.stragglers,
+                config.dropouts,
+                config.options,
+                profiles=config.profiles,
             ),
+            execution=make_execution(config.execution, resolved.of("execution")),
         )
     simulation = reuse[key]
     algorithm, problem = simulation.algorithm, simulation.problem

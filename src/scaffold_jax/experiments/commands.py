@@ -144,6 +144,9 @@ def run(
             loss._replace(title=title),
             uplink._replace(title=title, target=tuple(config.targets)),
         )
+        if config.profiles != "none":  # the virtual clock's time (participation.clock)
+            timed = accuracy._replace(filename="accuracy_vs_time.png", x="virtual_time")
+            writer.plots += (timed._replace(title=title, target=tuple(config.targets)),)
 
     grid = Grid("run", [cell], saved, config.targets)
     outcome = run_grid(
@@ -161,6 +164,7 @@ PARTICIPATION_WORDS = {
     "available": "available",
     "participants": "reached the server",
     "dropped": "dropped",
+    "late": "too late (the clock's deadline or over-selection)",
     "steps_taken": "local steps taken",
 }
 
@@ -192,6 +196,22 @@ def _bytes_line(info: Mapping[str, Any]) -> str | None:
     )
 
 
+def _time_line(info: Mapping[str, Any]) -> str | None:
+    """What the rounds took on the clients' devices (scaffold_jax.participation.clock):
+    the virtual time in all and to each target reached."""
+    final = info.get("final", {})
+    if "virtual_time" not in final:
+        return None
+    to_target = ", ".join(
+        f"{t}: {results.format_seconds(s)}"
+        for t, s in info.get("time_to_target", {}).items()
+        if s is not None
+    )
+    return f"virtual time: {results.format_seconds(final['virtual_time'])}" + (
+        f"; to target accuracy: {to_target}" if to_target else ""
+    )
+
+
 def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
     """A few lines for the terminal: dataset, rounds to targets, timing, files."""
     (name, info), *_ = summary["runs"].items()
@@ -217,6 +237,7 @@ def format_run_summary(summary: Mapping[str, Any], folder: Path | str) -> str:
         _participation_line(final),
         f"rounds to target accuracy: {reached}" if best is not None else None,
         _bytes_line(info),
+        _time_line(info),
         f"compile {info.get('compile_seconds', 0):.1f} s, rounds "
         f"{info.get('round_seconds', 0):.1f} s ({info.get('rounds_per_second', 0):.1f} "
         f"rounds/s), evaluation {info.get('eval_seconds', 0):.1f} s"
@@ -242,7 +263,7 @@ NOT_AXES = {
 #: Whose options shape the data and the model (what ``diagnose`` measures).
 DATA_OWNERS = ("model", "partition", "dataset")
 #: Whose numeric options are a sweep's outer (data / shape / participation) axes.
-SETTING_OWNERS = (*DATA_OWNERS, "batch_plan", *participation.KINDS)
+SETTING_OWNERS = (*DATA_OWNERS, "batch_plan", *participation.KINDS, "execution")
 #: The tidy table of a sweep: one row per config × seed (results.sweep_table).
 SWEEP_CSV = "sweep.csv"
 

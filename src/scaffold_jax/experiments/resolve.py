@@ -56,6 +56,7 @@ def chosen(config: ConfigFields) -> list[tuple[str, str, Mapping[str, Any]]]:
         named.append(("privacy", config.privacy))
     named.append(("compression", config.compression))
     named += [(kind, getattr(config, kind)) for kind in participation.KINDS]
+    named.append(("execution", config.execution))
     if config.batch_plan is None or config.batch_plan in PLANS:
         named.append(("batch_plan", plan_kind(config)))
     if not brings_problem(config):

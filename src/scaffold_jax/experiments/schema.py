@@ -17,6 +17,7 @@ from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.data import natural, sources, synthetic
 from scaffold_jax.data.batching import PLANS
 from scaffold_jax.data.partition import PARTITIONERS
+from scaffold_jax.engine.buffered import EXECUTIONS
 from scaffold_jax.models import MODELS
 from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.registry import ConfigError, Registry, RegistryUnion, load_plugins
@@ -51,6 +52,7 @@ OPTION_OWNERS: dict[str, Registry] = {
     "algorithm": ALGORITHMS, "model": MODELS, "partition": PARTITIONERS, "dataset": DATASETS,
     "sampler": sampling.SAMPLERS, "batch_plan": PLANS, "weighting": WEIGHTINGS,
     "privacy": MECHANISMS, "compression": COMPRESSORS, **participation.KINDS,
+    "execution": EXECUTIONS,
 }  # fmt: skip
 
 
@@ -183,6 +185,18 @@ class ConfigFields:
         participation.DEFAULTS["dropouts"],
         "whose updates are lost after training: none, bernoulli (each with dropout_rate)",
         "str", participation.DROPOUTS)
+    profiles: str = _opt(
+        participation.DEFAULTS["profiles"],
+        "the clients' devices, for a virtual clock: none (rounds only), lognormal (seconds "
+        "per example and bandwidths drawn per client), file (a CSV, profile_file); with "
+        "round_deadline and over_selection",
+        "str", participation.PROFILES)
+    execution: str = _opt(
+        "sync",
+        "how rounds run: sync (the paper's synchronous rounds) or fedbuff (asynchronous "
+        "buffered aggregation, Nguyen et al. 2022: concurrency, buffer_size, staleness; "
+        "a round is a server step; needs profiles)",
+        "str", EXECUTIONS)
     client_fraction: float | None = _opt(
         None, "fraction of clients sampled per round (default 0.2)", "float")
     batch_plan: str | None = _opt(

@@ -19,6 +19,7 @@ from scaffold_jax.data import assembly, natural
 from scaffold_jax.data.batching import PLANS
 from scaffold_jax.data.partition import PARTITIONERS
 from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY
+from scaffold_jax.engine.buffered import EXECUTIONS, make_execution
 from scaffold_jax.experiments import resolve, schema
 from scaffold_jax.experiments.schema import ConfigFields
 from scaffold_jax.models import MODELS
@@ -89,6 +90,8 @@ def validate(config: ConfigFields) -> Any:
     kinds = participation.KINDS.items()
     if all([check.registered(k, getattr(config, k), r) for k, r in kinds]):
         how = _check_participation(config, errors)
+    if check.registered("execution", config.execution, EXECUTIONS):
+        _check_execution(config, errors)
     said = len(errors)
     if check.integer(
         "num_clients", config.num_clients, low=1, high=MAX_CLIENTS,
@@ -320,7 +323,11 @@ def _check_participation(
         return None
     try:
         built = participation.make(
-            config.availability, config.stragglers, config.dropouts, config.options
+            config.availability,
+            config.stragglers,
+            config.dropouts,
+            config.options,
+            profiles=config.profiles,
         )
     except (ValueError, OSError) as err:  # OSError: a trace that is no file
         errors.append(str(err))
@@ -337,6 +344,28 @@ def _check_participation(
         except ValueError as err:
             errors.append(str(err))
     return built
+
+
+def _check_execution(config: ConfigFields, errors: list[str]) -> None:
+    """What FedBuff refuses of the config's own values (B > M, M > N, no profiles); what
+    the simulation cannot run it with is said when it is built (engine checks)."""
+    if config.execution == "sync" or _options_refused(config, "execution", config.execution):
+        return
+    try:
+        buff = make_execution(config.execution, config.options)
+    except ValueError as err:
+        errors.append(str(err))
+        return
+    if isinstance(config.num_clients, int) and buff.concurrency > config.num_clients:
+        errors.append(
+            f"concurrency M = {buff.concurrency} exceeds num_clients N = {config.num_clients}: "
+            "at most N clients can be in flight; use M <= N."
+        )
+    if config.profiles == "none":
+        errors.append(
+            "execution = 'fedbuff' needs device profiles to time its clients: set profiles "
+            "= 'lognormal' or 'file' (--profiles)."
+        )
 
 
 def _most_local_steps(config: ConfigFields) -> int | None:

@@ -278,7 +278,7 @@ def drive(
     pending: dict[str, Any] = {}  # a checkpoint's round metrics since its last evaluation
     # Cumulative counts of the clients that downloaded and uploaded, up to the last record
     # (exact: float64 sums of whole numbers); None after a checkpoint written without them.
-    transfers: dict[str, Any] | None = {name: 0.0 for name in TRANSFER_COUNTS}
+    transfers: dict[str, Any] | None = {name: 0.0 for name in RUNNING_TOTALS}
     resumed_from = None
     seconds_before = 0.0  # run time spent by the process(es) before a resume
     if resume_into is not None:
@@ -289,6 +289,8 @@ def drive(
         pending = restored.extra.get("pending", {})
         kept = restored.extra.get("transfers")
         transfers = None if kept is None else {k: np.asarray(v) for k, v in kept.items()}
+        if transfers is not None:  # a checkpoint of a run without a clock has no time
+            transfers.setdefault("round_duration", 0.0)
         seconds_before = float(restored.extra.get("seconds", 0.0))
         start = int(restored.extra.get("start_round", 0))
         if on_restore is not None:
@@ -360,12 +362,12 @@ def drive(
         # Free with every round, as means over the rounds since the last evaluation (none
         # before a round ran): the clients' own training loss (their local steps' minibatch
         # losses) and the client drift (mean ‖y_i − x‖); the transfers' running totals.
-        for name in TRANSFER_COUNTS:
+        for name, total in RUNNING_TOTALS.items():
             values = [m[name] for m in since_record if name in m]
             if values and transfers is not None:
                 rounds = np.concatenate(values).astype(np.float64)
                 transfers[name] = transfers[name] + np.sum(rounds, axis=0)
-                metrics[f"{name}_total"] = transfers[name]
+                metrics[total] = transfers[name]
         for name in RECORDED_ROUND_METRICS:
             values = [m[name] for m in since_record if name in m]
             if values:
@@ -474,12 +476,18 @@ def drive(
 #: clip norm and the fraction of its clients clipped).
 RECORDED_ROUND_METRICS = (
     "local_loss", "client_drift", "participants", "available", "dropped", "steps_taken",
-    "dp_clip_norm", "dp_clipped_fraction", "downloads", "uploads",
+    "dp_clip_norm", "dp_clipped_fraction", "downloads", "uploads", "late", "round_duration",
+    "staleness_mean", "staleness_max",
 )  # fmt: skip
 
-#: The counts of clients that downloaded and uploaded in a round
-#: (:mod:`scaffold_jax.engine.communication`): records also carry their running totals.
-TRANSFER_COUNTS = ("downloads", "uploads")
+#: Round metrics whose running totals records also carry, by the total's name: the
+#: counts of clients that downloaded and uploaded (:mod:`scaffold_jax.engine.communication`)
+#: and the virtual clock's seconds (:mod:`scaffold_jax.participation.clock`).
+RUNNING_TOTALS = {
+    "downloads": "downloads_total",
+    "uploads": "uploads_total",
+    "round_duration": "virtual_time",
+}
 
 
 def _pending(since_record: list[dict[str, np.ndarray]]) -> dict[str, Any]:

@@ -8,12 +8,16 @@ vocabulary's (a plugin may add one):
 - :mod:`~scaffold_jax.participation.stragglers`: how many of its planned local steps a
   sampled client completes (``none``, ``uniform``, ``speed``);
 - :mod:`~scaffold_jax.participation.dropouts`: which sampled clients' updates are lost
-  (``none``, ``bernoulli``).
+  (``none``, ``bernoulli``);
+- :mod:`~scaffold_jax.participation.clock`: the clients' device profiles (``none``,
+  ``lognormal``, ``file``) and the virtual clock of a round, with its deadline and
+  over-selection, which drop the late.
 
 All of them run inside the one compiled round as masks and counts (no Python per client):
 an unavailable or dropped client is a masked row, a straggler a cut step mask. With the
-defaults (``always``, ``none``, ``none``) a run is today's, bitwise. A config chooses them
-with ``availability``, ``stragglers`` and ``dropouts`` (``--availability markov``...) and
+defaults (``always``, ``none``, ``none``, ``none``) a run is today's, bitwise. A config
+chooses them with ``availability``, ``stragglers``, ``dropouts`` and ``profiles``
+(``--availability markov``...) and
 their declared options; :func:`make` builds the :class:`Participation` a
 :class:`~scaffold_jax.Simulation` takes (``participation=``).
 
@@ -30,6 +34,7 @@ from typing import Any
 
 from scaffold_jax.participation.availability import AVAILABILITY, load_trace
 from scaffold_jax.participation.base import ModelSpec, Participation
+from scaffold_jax.participation.clock import PROFILES, load_profiles
 from scaffold_jax.participation.dropouts import DROPOUTS
 from scaffold_jax.participation.stragglers import STRAGGLERS
 from scaffold_jax.registry import Registry, factory_kwargs, resolve_options
@@ -39,10 +44,11 @@ KINDS: dict[str, Registry[ModelSpec]] = {
     "availability": AVAILABILITY,
     "stragglers": STRAGGLERS,
     "dropouts": DROPOUTS,
+    "profiles": PROFILES,
 }
 
 #: Each kind's default entry: the paper's idealised client.
-DEFAULTS = {"availability": "always", "stragglers": "none", "dropouts": "none"}
+DEFAULTS = {"availability": "always", "stragglers": "none", "dropouts": "none", "profiles": "none"}
 
 
 def build(kind: str, name: str, options: Mapping[str, Any] | None = None) -> Any:
@@ -60,11 +66,15 @@ def make(
     stragglers: str = "none",
     dropouts: str = "none",
     options: Mapping[str, Any] | None = None,
+    profiles: str = "none",
 ) -> Participation:
     """The :class:`Participation` of the named models; ``options`` holds any of their
     declared options (each model takes its own)."""
     options = options or {}
-    names = {"availability": availability, "stragglers": stragglers, "dropouts": dropouts}
+    names = {
+        "availability": availability, "stragglers": stragglers, "dropouts": dropouts,
+        "profiles": profiles,
+    }  # fmt: skip
     return Participation(**{kind: build(kind, name, options) for kind, name in names.items()})
 
 
@@ -73,10 +83,12 @@ __all__ = [
     "DEFAULTS",
     "DROPOUTS",
     "KINDS",
+    "PROFILES",
     "STRAGGLERS",
     "ModelSpec",
     "Participation",
     "build",
+    "load_profiles",
     "load_trace",
     "make",
 ]

@@ -44,18 +44,28 @@ class Participation(NamedTuple):
         (:mod:`scaffold_jax.participation.stragglers`).
       dropouts: which sampled clients' updates never reach the server
         (:mod:`scaffold_jax.participation.dropouts`).
+      profiles: the clients' devices and the round's virtual clock, with its deadline
+        and over-selection (:mod:`scaffold_jax.participation.clock`).
     """
 
     availability: Any = None
     stragglers: Any = None
     dropouts: Any = None
+    profiles: Any = None
 
     @property
     def partial(self) -> bool:
         """Whether a round can end with fewer clients at the server than were sampled:
         what differential privacy's accounting and full-participation algorithms
         (Scaffnew) refuse."""
-        return self.availability is not None or self.dropouts is not None
+        late = self.profiles is not None and self.profiles.drops
+        return self.availability is not None or self.dropouts is not None or late
+
+    def sampled(self, clients_per_round: int) -> int:
+        """How many clients a round samples: S, or ⌈f·S⌉ under the clock's over-selection."""
+        if self.profiles is None:
+            return clients_per_round
+        return self.profiles.sampled(clients_per_round)
 
     def describe(self) -> list[str]:
         """The active models in words, for messages (``["availability = 'markov'", ...]``)."""

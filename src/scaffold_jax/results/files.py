@@ -26,7 +26,7 @@ RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "inter
 # summary lists), never the whole folder: `--out .` must not wipe a working directory.
 _OWN_FILES = (
     CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CSV_FILE,
-    "accuracy.png", "loss.png", "accuracy_vs_uplink.png",
+    "accuracy.png", "loss.png", "accuracy_vs_uplink.png", "accuracy_vs_time.png",
 )  # fmt: skip
 
 

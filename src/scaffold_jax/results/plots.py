@@ -170,7 +170,8 @@ class PlotSpec(NamedTuple):
       legend: the legend label of a series name (None: the name itself), e.g. without
         what its panel's title already says.
       x: the record field on the x axis: ``"round"``, or a cumulative count of
-        :data:`X_AXES` (``bytes_up_total``: the uplink's bytes, drawn in MB; round 0 is 0).
+        :data:`X_AXES` (``bytes_up_total``: the uplink's bytes, drawn in MB;
+        ``virtual_time``: the virtual clock's seconds, drawn in minutes; round 0 is 0).
     """
 
     filename: str
@@ -188,6 +189,7 @@ class PlotSpec(NamedTuple):
 X_AXES = {
     "bytes_up_total": ("uplink MB (cumulative, all clients)", 1e-6),
     "bytes_down_total": ("downlink MB (cumulative, all clients)", 1e-6),
+    "virtual_time": ("virtual time (minutes on the clients' devices)", 1 / 60),
 }
 
 

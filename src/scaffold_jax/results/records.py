@@ -117,11 +117,13 @@ def series_summary(
         out["rounds_to_target"] = reached
         # The cumulative bytes (scaffold_jax.engine.communication) at the round each target
         # was first reached: what "rounds to target" costs on the network.
+        # Likewise the virtual clock's seconds (scaffold_jax.participation.clock).
         at = {int(r["round"]): r for r in records}
-        for way in ("up", "down"):
-            total = f"bytes_{way}_total"
+        totals = {"bytes_up_to_target": "bytes_up_total"}
+        totals.update(bytes_down_to_target="bytes_down_total", time_to_target="virtual_time")
+        for name, total in totals.items():
             if any(total in r for r in records):
-                out[f"bytes_{way}_to_target"] = {
+                out[name] = {
                     k: None if n is None else at[n].get(total, 0 if n == 0 else None)
                     for k, n in reached.items()
                 }

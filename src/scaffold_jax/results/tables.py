@@ -125,11 +125,13 @@ def sweep_table(
                 else rounds_to_target(records, target, metric, higher_is_better)
             )
             row["rounds_to_target"] = reached
-            if "bytes_up_total" in last:  # what reaching it sent (engine.communication)
-                at = {r["round"]: r for r in records}
-                row["bytes_up_to_target"] = (
-                    None if reached is None else at[reached].get("bytes_up_total", 0)
-                )
+            at = {r["round"]: r for r in records}
+            # What reaching it sent (engine.communication) and took (participation.clock).
+            for name, total in (("bytes_up", "bytes_up_total"), ("time", "virtual_time")):
+                if total in last:
+                    row[f"{name}_to_target"] = (
+                        None if reached is None else at[reached].get(total, 0)
+                    )
             row["chosen"] = j in chosen
             rows.append(row)
     return rows
@@ -223,6 +225,20 @@ def format_grid_edge(edge: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- tables
+def format_seconds(seconds: float) -> str:
+    """A duration in the unit that reads best: seconds, minutes or hours.
+
+    Examples:
+      >>> format_seconds(42.31), format_seconds(754.0), format_seconds(9000.0)
+      ('42.3 s', '12.6 min', '2.5 h')
+    """
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
 def format_rounds(rounds: int | None, horizon: int) -> str:
     """``"77"``, or ``"1k+"`` / ``"<horizon>+"`` when the target was not reached.
 

@@ -30,7 +30,8 @@ def run_identity(
     on, in the form it has after a JSON round trip: the library versions, the algorithm and
     its options, the data (N and its fingerprint), plan, S, weighting, sampler,
     participation models (device profiles included) and execution (FedBuff's); a single
-    run's ``hparams`` (the declared ones, resolved) and ``seed``, or a sweep chunk's ``configs``, or neither (a command-line cell's,
+    run's ``hparams`` (the declared ones, resolved) and ``seed``, or a sweep chunk's
+    ``configs``, or neither (a command-line cell's,
     :func:`scaffold_jax.experiments.identity.config_identity`); then ``more``, the caller's
     facts (its ``data_fingerprint`` is not taken again), laid over the rest: its form of a key (the
     command line's ``algorithm_options``, by config key) is the one compared."""

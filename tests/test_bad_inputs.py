@@ -42,6 +42,8 @@ DOC = Path(__file__).parent.parent / "docs" / "bad_inputs.md"
 
 # A run whose privacy settings the DP cases vary (quadratic data: nothing to load).
 DP_RUN = {"dataset": "quadratic", "num_clients": 50, "rounds": 10}
+# A run with the virtual clock's device profiles (scaffold_jax.participation.clock).
+TIMED = {"profiles": "lognormal"}
 # What a dropout rate must be (scaffold_jax.participation.dropouts).
 DROPOUT_RATE = (
     "a probability in [0, 1): at 1 every sampled client drops, so no update ever reaches the "
@@ -503,8 +505,8 @@ CASES = [
          "['bias'] is float32(7, 3) in the checkpoint but float32(6, 3) here; "
          ".clients.control['linear']['kernel'] is float32(7, 3, 5) in the checkpoint but "
          "float32(6, 3, 5) here. It was written by a run with another model, number of "
-         "clients or algorithm; resume with the same configuration or use another checkpoint "
-         "directory.",
+         "clients, algorithm or execution; resume with the same configuration or use another "
+         "checkpoint directory.",
          lambda ctx: resume(ctx, data=sj.from_client_arrays(clients(sizes=(2, 9, 5, 13, 3, 7))))),
     Case("resume-other-run", "resume with another step size and seed", "Simulation.run",
          ConfigError,
@@ -1249,6 +1251,82 @@ CASES = [
          "'float32', 'bfloat16'.",
          lambda ctx: RunConfig(**DP_RUN, compression="signef",
                                compress_residual_dtype="float16").validate()),
+    # Issue 43: the virtual clock and FedBuff.
+    Case("fedbuff-buffer-above-concurrency", "--execution fedbuff --concurrency 4 --buffer-size 5",
+         "RunConfig.validate", ConfigError,
+         "invalid config: buffer_size B = 5 exceeds concurrency M = 4: a step waits for B of the "
+         "M clients in flight; use B <= M.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff", concurrency=4,
+                               buffer_size=5).validate()),
+    Case("fedbuff-concurrency-above-clients", "--execution fedbuff --concurrency 60 (N = 50)",
+         "RunConfig.validate", ConfigError,
+         "invalid config: concurrency M = 60 exceeds num_clients N = 50: at most N clients can "
+         "be in flight; use M <= N.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff", concurrency=60).validate()),
+    Case("fedbuff-buffer-zero", "--execution fedbuff --buffer-size 0", "RunConfig.validate",
+         ConfigError, "invalid config: buffer_size = 0 is invalid: it must be an integer >= 1.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff", buffer_size=0).validate()),
+    Case("fedbuff-without-profiles", "--execution fedbuff (no --profiles)", "RunConfig.validate",
+         ConfigError,
+         "invalid config: execution = 'fedbuff' needs device profiles to time its clients: set "
+         "profiles = 'lognormal' or 'file' (--profiles).",
+         lambda ctx: RunConfig(**DP_RUN, execution="fedbuff").validate()),
+    Case("fedbuff-no-contract", "--execution fedbuff --algorithm feddyn", "RunConfig.validate",
+         ConfigError,
+         "invalid config: execution = 'fedbuff' has no asynchronous contract for 'feddyn' yet "
+         "(what a stale update does to its server state is not written): use algorithm = "
+         "fedavg | fedprox | scaffold, or execution = 'sync'.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff",
+                               algorithm="feddyn").validate()),
+    Case("fedbuff-no-contract-api", "Simulation(sj.mime(...), execution=sj.FedBuff(4, 2))",
+         "Simulation.run", ValueError,
+         "FedBuff has no asynchronous contract for 'mime' yet (what a stale update does to its "
+         "server state is not written): use one of fedavg, fedprox, scaffold, or synchronous "
+         "rounds.",
+         lambda ctx: run(ctx, sim=simulation(
+             ctx, algorithm=sj.mime(ctx.problem.loss_fn), execution=sj.FedBuff(4, 2),
+             participation=sj.participation.make(profiles="lognormal")))),
+    Case("fedbuff-with-deadline", "--execution fedbuff --round-deadline 5", "RunConfig.validate",
+         ConfigError,
+         "invalid config: execution = 'fedbuff' has no round to close: round_deadline does not "
+         "apply (its buffer of buffer_size arrivals is its policy); remove it.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff",
+                               round_deadline=5.0).validate()),
+    Case("clock-deadline-zero", "--profiles lognormal --round-deadline 0", "RunConfig.validate",
+         ConfigError, "invalid config: round_deadline = 0.0 is invalid: it must be a number > 0.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, round_deadline=0.0).validate()),
+    Case("clock-over-selection-below-one", "--profiles lognormal --over-selection 0.9",
+         "RunConfig.validate", ConfigError,
+         "invalid config: over_selection = 0.9 is invalid: it must be a number >= 1.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, over_selection=0.9).validate()),
+    Case("clock-over-selection-above-clients", "--over-selection 3 -S 20 (N = 50)",
+         "RunConfig.validate", ConfigError,
+         "invalid config: over_selection = 3.0 samples ceil(f * S) = 60 clients a round, more "
+         "than num_clients N = 50: use a smaller over_selection or clients_per_round.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, over_selection=3.0,
+                               clients_per_round=20).validate()),
+    Case("clock-negative-speed", "--profiles lognormal --seconds-per-example -0.01",
+         "RunConfig.validate", ConfigError,
+         "invalid config: seconds_per_example = -0.01 is invalid: it must be a number > 0.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, seconds_per_example=-0.01).validate()),
+    Case("clock-negative-bandwidth", "--profiles lognormal --up-bytes-per-s -5",
+         "RunConfig.validate", ConfigError,
+         "invalid config: up_bytes_per_s = -5.0 is invalid: it must be a number > 0.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, up_bytes_per_s=-5.0).validate()),
+    Case("clock-file-bad-row", "--profiles file with a row of a negative bandwidth",
+         "RunConfig.validate", ConfigError,
+         "invalid config: the profile file {tmp}/devices.csv, row 3 ('0.1,-5,100'): the file "
+         "must be a CSV with the header seconds_per_example,down_bytes_per_s,up_bytes_per_s and "
+         "one row of three positive numbers per device.",
+         lambda ctx: RunConfig(**DP_RUN, profiles="file", profile_file=str(write(
+             ctx.tmp / "devices.csv", b"seconds_per_example,down_bytes_per_s,up_bytes_per_s\n"
+             b"0.1,100,100\n0.1,-5,100\n"))).validate()),
+    Case("clock-with-compression", "--profiles lognormal --compression qsgd",
+         "RunConfig.validate", ConfigError,
+         "invalid config: profiles = 'lognormal' with compression = 'qsgd': the virtual clock "
+         "does not time compressed uplinks yet (their size is a hyper-parameter the compiled "
+         "round does not know); use one or the other.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, compression="qsgd").validate()),
 ]
 # fmt: on
 

@@ -283,3 +283,37 @@ def test_a_resume_with_another_concurrency_or_profile_is_refused(
         _simulation(sj.fedavg(problem.loss_fn), problem, str(other), 4, 2).run(
             data, hp, num_rounds=4, checkpoint_dir=folder, resume=True
         )
+
+
+def test_a_sweep_of_fedbuff_configs_equals_their_single_runs(data, problem, profile_file):
+    """A step-size x seed grid is one vmapped program: each config computes its own run
+    (the same clients start when: their durations do not depend on the step size)."""
+    sim = _simulation(sj.scaffold(problem.loss_fn), problem, profile_file, 4, 2)
+    grid, seeds, _ = sj.sweep.grid([0.1, 0.5], seeds=[0, 1])
+    swept = sj.sweep.sweep(sim, data, grid, seeds, num_rounds=5, eval_every=5)
+    for j, (lr, seed) in enumerate([(0.1, 0), (0.1, 1), (0.5, 0), (0.5, 1)]):
+        single = sim.run(data, sj.hparams(client_lr=lr), num_rounds=5, eval_every=5, seed=seed)
+        last, want = swept.records[j][-1], single.records[-1]
+        assert last["virtual_time"] == want["virtual_time"]
+        assert last["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+
+
+def test_fedbuff_from_the_command_line_and_a_changed_concurrency_refused(tmp_path, capsys):
+    from scaffold_jax.cli import main
+
+    out = str(tmp_path / "run")
+    argv = ["run", "--dataset", "quadratic", "--num-clients", "8", "--clients-per-round", "2",
+            "--local-steps", "2", "--profiles", "lognormal", "--execution", "fedbuff",
+            "--concurrency", "4", "--buffer-size", "2", "--eval-every", "2", "--quiet",
+            "--out", out]  # fmt: skip
+    assert main([*argv, "--rounds", "4"]) == 0
+    import json
+    from pathlib import Path
+
+    records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["round"] == 4 and records[-1]["virtual_time"] > 0
+    assert "staleness_mean" in records[-1]
+    assert Path(out, "accuracy_vs_time.png").exists() or "test_accuracy" not in records[-1]
+    code = main([*argv[:-2], "--concurrency", "5", "--rounds", "6", "--resume", "--out", out])
+    err = capsys.readouterr().err
+    assert code == 2 and "concurrency" in err, err

@@ -306,7 +306,11 @@ class Sweep:
         # The round counter and the availability state are the seed's (no config moves
         # them), shared by the configs of a seed.
         per_seed = SweepCarry(
-            SimState(server=0, clients=0, round=0, model=0, participation=0, messages=0), 0, 0
+            SimState(
+                server=0, clients=0, round=0, model=0, participation=0, messages=0, inflight=0
+            ),
+            0,
+            0,
         )
         if sim.configs_one_at_a_time(data):
             step = engine.one_after_another(group)
@@ -343,7 +347,12 @@ class Sweep:
         def build(params, data):
             state = sim.warm_start_fn(
                 engine.initial_state(
-                    sim.algorithm, params, data.num_clients, sim.problem, sim.participation
+                    sim.algorithm,
+                    params,
+                    data.num_clients,
+                    sim.problem,
+                    sim.participation,
+                    sim.execution,
                 ),
                 data,
             )
@@ -385,8 +394,8 @@ class Sweep:
 
 
 def _frozen(name: str, value: jax.Array) -> Any:
-    """A diverged config's round metric: client ids −1, flags (``server_finite``) False,
-    numbers NaN."""
-    if name == "client_ids":
-        return -1
+    """A diverged config's round metric: client ids (and FedBuff's integer metrics) −1,
+    flags (``server_finite``) False, numbers NaN."""
+    if name == "client_ids" or jnp.issubdtype(value.dtype, jnp.integer):
+        return jnp.asarray(-1, value.dtype)
     return False if value.dtype == jnp.bool_ else jnp.nan

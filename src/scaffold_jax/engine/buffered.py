@@ -55,7 +55,7 @@ from scaffold_jax.engine.phases import Cohort, Draw
 from scaffold_jax.participation.base import ModelSpec
 from scaffold_jax.registry import Option, Registry, factory_kwargs, resolve_options
 from scaffold_jax.sampling import sample_available
-from scaffold_jax.tree import take_rows
+from scaffold_jax.tree import all_finite, take_rows
 from scaffold_jax.types import ClientOutput, PyTree, SimState
 
 #: The algorithms whose asynchronous contract is written (NETWORK.md §4): FedProx's
@@ -307,3 +307,36 @@ def make_execution(name: str, options=None) -> FedBuff | None:
         return None
     values = resolve_options(spec.options, options or {})
     return spec.build(**factory_kwargs(spec.options, values))
+
+
+def server_steps(sim, hparams, state: SimState, data, key, diverged=None, configs=None):
+    """:func:`server_step` as ``Simulation.round_fn`` runs it: for one config, or for a
+    sweep's group of ``configs`` (vmapped: each config its own server, table and
+    in-flight table; the step counter shared). Which clients start and when does not
+    depend on a config's hyper-parameters (their durations do not), so the configs of a
+    seed see the same clients, as a synchronous sweep's do. With ``diverged`` (the sweep's
+    freeze policy) a step whose new server state or new updates hold a NaN/Inf is not
+    applied, nor any once the config diverged; the metrics gain ``finite``."""
+
+    def one(hparams, state, diverged):
+        new, metrics = server_step(sim, hparams, state, data, key)
+        if diverged is None:
+            return new, metrics
+        finite = metrics["server_finite"] & all_finite(new.inflight.outputs)
+        keep = finite & ~diverged
+        kept = jax.tree.map(
+            lambda a, b: jnp.where(keep, a, b),
+            (new.server, new.clients, new.inflight),
+            (state.server, state.clients, state.inflight),
+        )
+        metrics["finite"] = finite
+        return new._replace(server=kept[0], clients=kept[1], inflight=kept[2]), metrics
+
+    if not configs:
+        return one(hparams, state, diverged)
+    per_config = SimState(server=0, clients=0, round=None, model=None, participation=None,
+                          messages=None, inflight=0)  # fmt: skip
+    axes = (0, per_config, None if diverged is None else 0)
+    return jax.vmap(one, in_axes=axes, out_axes=(per_config, 0), axis_size=configs)(
+        hparams, state, diverged
+    )

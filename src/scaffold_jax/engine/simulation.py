@@ -16,7 +16,7 @@ from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.engine import communication, evaluation
 from scaffold_jax.engine.axes import repeat_rounds
-from scaffold_jax.engine.buffered import FedBuff, server_step
+from scaffold_jax.engine.buffered import FedBuff, server_steps
 from scaffold_jax.engine.checks import check_count, check_simulation
 from scaffold_jax.engine.evaluation import DEFAULT_EVALUATORS, TRAIN_EVAL_EXAMPLES
 from scaffold_jax.engine.phases import full_data_pass
@@ -213,12 +213,7 @@ class Simulation:
         :class:`~scaffold_jax.types.ServerOutput`.
         """
         if self.execution is not None:  # FedBuff: a server step is the round
-            if configs or diverged is not None:
-                raise ValueError(
-                    "FedBuff runs one config at a time: a sweep over its step sizes runs "
-                    "each config as its own run (scaffold-jax sweep does so)."
-                )
-            return server_step(self, hparams, state, data, key)
+            return server_steps(self, hparams, state, data, key, diverged, configs)
         return round_fn(self, hparams, state, data, key, diverged, configs)
 
     def report(self, hparams: Mapping[str, Any], rounds: int, num_clients: int) -> dict:

@@ -19,7 +19,7 @@ from scaffold_jax.data import assembly, natural
 from scaffold_jax.data.batching import PLANS
 from scaffold_jax.data.partition import PARTITIONERS
 from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY
-from scaffold_jax.engine.buffered import EXECUTIONS, make_execution
+from scaffold_jax.engine.buffered import ASYNC_ALGORITHMS, EXECUTIONS, make_execution
 from scaffold_jax.experiments import resolve, schema
 from scaffold_jax.experiments.schema import ConfigFields
 from scaffold_jax.models import MODELS
@@ -343,7 +343,32 @@ def _check_participation(
             built.stragglers.check(most_steps)
         except ValueError as err:
             errors.append(str(err))
+    if built.profiles is not None:
+        _check_clock(config, built.profiles, errors)
     return built
+
+
+def _check_clock(config: ConfigFields, clock, errors: list[str]) -> None:
+    """What the virtual clock refuses of the config: over-selecting more clients than
+    there are, and compressed uplinks (their size is a hyper-parameter)."""
+    try:
+        S = config.resolved_clients_per_round()
+    except (ValueError, TypeError, AttributeError):
+        S = None  # said by the sampling checks
+    if isinstance(S, int) and isinstance(config.num_clients, int):
+        sampled = clock.sampled(S)
+        if sampled > config.num_clients:
+            errors.append(
+                f"over_selection = {clock.over_selection} samples ceil(f * S) = {sampled} "
+                f"clients a round, more than num_clients N = {config.num_clients}: use a "
+                "smaller over_selection or clients_per_round."
+            )
+    if config.compression != "none":
+        errors.append(
+            f"profiles = {config.profiles!r} with compression = {config.compression!r}: the "
+            "virtual clock does not time compressed uplinks yet (their size is a "
+            "hyper-parameter the compiled round does not know); use one or the other."
+        )
 
 
 def _check_execution(config: ConfigFields, errors: list[str]) -> None:
@@ -365,6 +390,31 @@ def _check_execution(config: ConfigFields, errors: list[str]) -> None:
         errors.append(
             "execution = 'fedbuff' needs device profiles to time its clients: set profiles "
             "= 'lognormal' or 'file' (--profiles)."
+        )
+    if config.algorithm in ALGORITHMS and config.algorithm not in ASYNC_ALGORITHMS:
+        errors.append(
+            f"execution = 'fedbuff' has no asynchronous contract for {config.algorithm!r} yet "
+            "(what a stale update does to its server state is not written): use algorithm = "
+            f"{' | '.join(ASYNC_ALGORITHMS)}, or execution = 'sync'."
+        )
+    policy = [k for k in ("round_deadline", "over_selection") if k in config.options]
+    if policy:
+        errors.append(
+            f"execution = 'fedbuff' has no round to close: {' and '.join(policy)} "
+            f"{'does' if len(policy) == 1 else 'do'} not apply (its buffer of buffer_size "
+            "arrivals is its policy); remove it."
+        )
+    others = {k: getattr(config, k) for k in ("availability", "stragglers", "dropouts")}
+    others = {k: v for k, v in others.items() if v != participation.DEFAULTS[k]}
+    if config.privacy is not None:
+        others["privacy"] = config.privacy
+    if config.compression != "none":
+        others["compression"] = config.compression
+    if others:
+        said = ", ".join(f"{k} = {v!r}" for k, v in others.items())
+        errors.append(
+            f"execution = 'fedbuff' with {said}: not supported yet (the in-flight clients' "
+            "draws and messages are FedBuff's own); use FedBuff without them."
         )
 
 

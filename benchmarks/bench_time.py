@@ -1,0 +1,90 @@
+"""What the virtual clock and FedBuff cost: W1's synchronous round plain, with the clock
+(lognormal device profiles: each sampled client's duration and the round's, inside the
+round), with the clock's deadline and 1.3x over-selection (130 clients sampled, the 100
+earliest kept: 30% more local work, by design), and FedBuff's server step with B = S
+(M = S and M = 2S: a step trains B = S replacements, as a round trains S clients).
+
+All programs are compiled first and then timed interleaved in one process (min and median
+of ``--repeats`` calls of R rounds or steps each), with their compile time and XLA's temp
+memory. FedBuff is timed from its state after its first step (which also fills the
+in-flight table), so the calls time steady-state steps. The targets (issue 43): the clock
+at most 1.05x the plain round; a FedBuff step with B = S at most 1.3x a round of S clients.
+
+Examples:
+  python benchmarks/bench_time.py --out benchmarks/results/time.json
+  python benchmarks/bench_time.py --quick
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.random as jr
+import workloads
+from common import engine_parser, ratio_rows, write_json
+
+import scaffold_jax as sj
+from scaffold_jax import participation
+from scaffold_jax.types import resolve_hparams
+
+#: label -> (participation.make options, FedBuff (M, B) as multiples of S or None).
+VARIANTS = {
+    "plain": ({}, None),
+    "clock": ({"profiles": "lognormal"}, None),
+    "clock_deadline_over": (
+        {"profiles": "lognormal", "options": {"round_deadline": 8.0, "over_selection": 1.3}},
+        None,
+    ),
+    "fedbuff_M=S_B=S": ({"profiles": "lognormal"}, (1, 1)),
+    "fedbuff_M=2S_B=S": ({"profiles": "lognormal"}, (2, 1)),
+}
+
+
+def program(w, name, data, problem, models: dict, buff):
+    """``(run, state, compile_s, temp_bytes)`` of R rounds (or server steps) of a variant."""
+    algorithm = workloads.make_algorithm(name, problem.loss_fn)
+    S = w.clients_per_round
+    execution = None if buff is None else sj.FedBuff(buff[0] * S, buff[1] * S)
+    sim = sj.Simulation(
+        algorithm, problem, w.plan, S, participation=participation.make(**models),
+        execution=execution,
+    )  # fmt: skip
+    hp = resolve_hparams(algorithm, workloads.make_hparams(name))
+    state, key = sim.init(data), jr.key(0)
+    if execution is not None:  # the first step fills the in-flight table
+        state, _ = sim.round(hp, state, data, key)
+    start = time.perf_counter()
+    compiled = sim.run_rounds.lower(hp, state, data, key, num_rounds=w.rounds).compile()
+    compile_s = time.perf_counter() - start
+    memory = workloads.memory_stats(compiled) or {}
+
+    def run(state):
+        return compiled(hp, state, data, key)[0]
+
+    return run, state, compile_s, memory.get("temp_size_in_bytes")
+
+
+def main(argv=None) -> dict:
+    parser = engine_parser(__doc__)
+    args = parser.parse_args(argv)
+    w = workloads.get_workload("W1", quick=args.quick)
+    data = workloads.make_data(w)
+    problem = workloads.make_problem(w)
+    print(w.describe(), flush=True)
+    rows = []
+    for name in args.algorithms:
+        programs, rounds, info = {}, {}, {}
+        for label, (models, buff) in VARIANTS.items():
+            run, state, compile_s, temp = program(w, name, data, problem, models, buff)
+            programs[label], rounds[label] = (run, state), w.rounds
+            info[label] = {"compile_s": compile_s, "temp_bytes": temp}
+        wall, _, _ = workloads._interleaved(programs, args.repeats, rounds, stateless=())
+        rows += ratio_rows(name, wall, info)
+    result = {"workload": w.describe(), "variants": {k: repr(v) for k, v in VARIANTS.items()},
+              "rows": rows}  # fmt: skip
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

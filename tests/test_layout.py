@@ -75,6 +75,15 @@ CASES = {
     "batchnorm_local_s12": dict(
         data="federated", num_clients=40, clients_per_round=12, model="batchnorm", rtol=1e-4
     ),
+    # FedBuff: the in-flight table ([M = 16, ...], split over the devices), a server step
+    # of B = 8 arrivals and their replacements trained from two server states.
+    "fedbuff_m16": dict(
+        data="federated",
+        num_clients=40,
+        clients_per_round=8,
+        execution=(16, 8),
+        participation=dict(profiles="lognormal"),
+    ),
 }
 
 
@@ -126,6 +135,7 @@ def build(case: dict):
         clients_per_round=case["clients_per_round"],
         weighting=case.get("weighting", "uniform"),
         participation=sj.participation.make(**case.get("participation", {})),
+        execution=sj.FedBuff(*case["execution"]) if "execution" in case else None,
     )
     return sim, data
 

@@ -147,8 +147,8 @@ def _check_rows(what: str, size: int, mesh: Mesh) -> None:
 
 def state_shardings(state: SimState, mesh: Mesh) -> SimState:
     """The shardings of a :class:`SimState`: the tables' rows (the clients', the message
-    transforms') split; server, round and the availability state (``[N]`` bytes at most)
-    replicated.
+    transforms', FedBuff's in-flight table's where its M rows split evenly) split; server,
+    round and the availability state (``[N]`` bytes at most) replicated.
 
     ``state`` may hold arrays or ``jax.ShapeDtypeStruct`` s (only the structure is used).
     """
@@ -160,6 +160,10 @@ def state_shardings(state: SimState, mesh: Mesh) -> SimState:
         model=_model_tree(state.model, rep, rows),
         participation=jax.tree.map(lambda _: rep, state.participation),
         messages=jax.tree.map(lambda _: rows, state.messages),
+        inflight=jax.tree.map(
+            lambda a: rows if np.ndim(a) and np.shape(a)[0] % mesh.size == 0 else rep,
+            state.inflight,
+        ),
     )
 
 

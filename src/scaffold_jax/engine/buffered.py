@@ -35,7 +35,9 @@ seconds since the previous step); records carry ``virtual_time``.
 Algorithms with an asynchronous contract (:data:`ASYNC_ALGORITHMS`): FedAvg, FedProx and
 SCAFFOLD. Others are refused with the reason, as are the participation models, the
 clock's deadline and over-selection (FedBuff's own policy replaces them), message
-transforms (privacy, compression), running model statistics and a client mesh.
+transforms (privacy, compression) and running model statistics. On a client mesh the
+in-flight table's rows are split over the devices like the client table's (where M
+splits evenly; replicated otherwise).
 """
 
 from __future__ import annotations
@@ -272,7 +274,7 @@ def server_step(sim, hparams, state: SimState, data, key: jax.Array):
         downloads=jnp.float32(size) + jnp.where(first, jnp.float32(concurrency), 0.0),
     )
     new_state = stepped._replace(inflight=new_table)
-    return new_state, metrics
+    return sim.layout.constrain(new_state, "state"), metrics
 
 
 #: How rounds run (``execution``, ``--execution``): ``sync`` (the paper's synchronous

@@ -13,7 +13,6 @@ import numpy as np
 
 from scaffold_jax import resources
 from scaffold_jax.engine.state import initial_state
-from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import takes
 from scaffold_jax.sampling import check_sampler, privacy_sampling, takes_availability, uniform
 from scaffold_jax.tree import tree_bytes
@@ -196,11 +195,6 @@ def _check_execution(sim, num_clients: int) -> None:
         raise ValueError(
             "FedBuff with a model that keeps running statistics (BatchNorm): not supported "
             "yet; use a model without them (GroupNorm)."
-        )
-    if not isinstance(sim.layout, SingleDevice):
-        raise ValueError(
-            "FedBuff on a client mesh: not supported yet (its in-flight table is not laid "
-            "out over devices); use the default single-device layout."
         )
 
 

@@ -41,6 +41,16 @@ rounds = {ROUNDS}
 eval_every = 1
 targets = [0.5, 0.7]
 """
+#: The same run asynchronous (FedBuff: 6 clients in flight, steps of 3 arrivals).
+FEDBUFF = (
+    TINY
+    + """
+profiles = "lognormal"
+execution = "fedbuff"
+concurrency = 6
+buffer_size = 3
+"""
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +58,7 @@ def env(tmp_path_factory):
     """The config file and a persistent compilation cache shared by the processes."""
     root = tmp_path_factory.mktemp("cli_resume")
     (root / "tiny.toml").write_text(TINY)
+    (root / "fedbuff.toml").write_text(FEDBUFF)
     cache = root / "jax_cache"
     environment = {
         **os.environ,
@@ -57,17 +68,18 @@ def env(tmp_path_factory):
     return root, environment
 
 
-def _argv(root, out, *extra):
-    config = str(root / "tiny.toml")
+def _argv(root, out, *extra, config="tiny.toml"):
+    config = str(root / config)
     # A checkpoint every round (not the default cadence): a kill can land in any save.
     return [sys.executable, "-m", "scaffold_jax.cli", "run", "--config", config,
             "--out", str(out), "--quiet", "--checkpoint-every", "1", *extra]  # fmt: skip
 
 
-def _run(root, environment, out, *extra):
+def _run(root, environment, out, *extra, config="tiny.toml"):
     return subprocess.run(
-        _argv(root, out, *extra), env=environment, capture_output=True, text=True, timeout=300
-    )
+        _argv(root, out, *extra, config=config), env=environment, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
 
 
 def _lines(out) -> int:
@@ -95,8 +107,8 @@ def reference(env):
     return {"out": out, "state": _final_state(out), "compare": _comparable(out)}
 
 
-def _resume_matches(root, environment, out, reference) -> bool:
-    proc = _run(root, environment, out, "--resume")
+def _resume_matches(root, environment, out, reference, config="tiny.toml") -> bool:
+    proc = _run(root, environment, out, "--resume", config=config)
     assert proc.returncode == 0, proc.stderr
     records, summary = _comparable(out)
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))  # each exactly once
@@ -108,14 +120,15 @@ def _resume_matches(root, environment, out, reference) -> bool:
     return True
 
 
-def _kill_after(root, environment, out, records: int, delay: float, sig=signal.SIGKILL):
+def _kill_after(root, environment, out, records: int, delay: float, sig=signal.SIGKILL,
+                config="tiny.toml"):  # fmt: skip
     """Starts a run, waits for ``records`` records (0: for ``delay`` seconds from the
     start), then ``delay`` seconds more, and sends ``sig``."""
     # A shell that started the tests in the background (`make test &`) ignores SIGINT in
     # them, and Python keeps an inherited SIG_IGN: the run gets Python's own SIGINT
     # handler first, as when started from a terminal (not a preexec_fn: that forks a
     # multithreaded JAX process).
-    python, _, module, *args = _argv(root, out)
+    python, _, module, *args = _argv(root, out, config=config)
     start = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
         f"sys.argv = [{module!r}, *sys.argv[1:]]; runpy.run_module({module!r}, run_name='__main__')"
@@ -165,6 +178,32 @@ def test_sigkill_then_resume_is_the_uninterrupted_run(env, reference, records, d
     if records >= 2:
         _assert_csv_is_the_records(tmp_path / "run")
     assert _resume_matches(root, environment, tmp_path / "run", reference)
+
+
+@pytest.fixture(scope="module")
+def fedbuff_reference(env):
+    root, environment = env
+    out = root / "fedbuff_reference"
+    proc = _run(root, environment, out, config="fedbuff.toml")
+    assert proc.returncode == 0, proc.stderr
+    return {"out": out, "state": _final_state(out), "compare": _comparable(out)}
+
+
+@pytest.mark.parametrize(
+    ("records", "delay"), [(5, 0.02), pytest.param(2, 0.0, marks=pytest.mark.slow)]
+)
+def test_a_killed_fedbuff_run_resumes_to_the_uninterrupted_one(
+    env, fedbuff_reference, records, delay, tmp_path
+):
+    """Asynchronous too: the in-flight table (who is training since when, on which
+    version, with which update) is in the checkpoint, so SIGKILL mid-run and --resume
+    give the uninterrupted FedBuff run bit for bit, virtual time included."""
+    root, environment = env
+    out = tmp_path / "run"
+    code, _ = _kill_after(root, environment, out, records, delay, config="fedbuff.toml")
+    assert code == -signal.SIGKILL
+    assert _resume_matches(root, environment, out, fedbuff_reference, config="fedbuff.toml")
+    assert all("virtual_time" in r for r in results.read_records(out)[1:])
 
 
 @pytest.mark.slow

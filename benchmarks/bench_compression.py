@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import workloads
-from common import engine_parser, ratio_rows, write_json
+from common import compiled_rounds, engine_parser, variant_rows, write_json
 
 import scaffold_jax as sj
 from scaffold_jax.compression import COMPRESSORS, compressed
@@ -68,15 +68,8 @@ def program(w, name, data, problem, label):
         else mock.patch.object(aggregation, "round_metrics", aggregation.round_metrics)
     )
     with patch:
-        start = time.perf_counter()
-        compiled = sim.run_rounds.lower(hp, state, data, key, num_rounds=w.rounds).compile()
-        compile_s = time.perf_counter() - start
-    memory = workloads.memory_stats(compiled) or {}
-
-    def run(state):
-        return compiled(hp, state, data, key)[0]
-
-    return run, state, compile_s, memory.get("temp_size_in_bytes")
+        run, compile_s, temp = compiled_rounds(sim, hp, state, data, key, w.rounds)
+    return run, state, compile_s, temp
 
 
 def compressor_alone(size: int, repeats: int) -> list[dict]:
@@ -125,15 +118,10 @@ def main(argv=None) -> dict:
     data = workloads.make_data(w)
     problem = workloads.make_problem(w)
     print(w.describe(), flush=True)
-    rows = []
-    for name in args.algorithms:
-        programs, rounds, info = {}, {}, {}
-        for label in VARIANTS:
-            run, state, compile_s, temp = program(w, name, data, problem, label)
-            programs[label], rounds[label] = (run, state), w.rounds
-            info[label] = {"compile_s": compile_s, "temp_bytes": temp}
-        wall, _, _ = workloads._interleaved(programs, args.repeats, rounds, stateless=())
-        rows += ratio_rows(name, wall, info)
+    rows = variant_rows(
+        args.algorithms, list(VARIANTS), args.repeats, w.rounds,
+        lambda name, label: program(w, name, data, problem, label),
+    )  # fmt: skip
     size = tree_bytes(problem.params) // 4
     result = {
         "workload": w.describe(),

@@ -16,11 +16,9 @@ Examples:
 
 from __future__ import annotations
 
-import time
-
 import jax.random as jr
 import workloads
-from common import engine_parser, ratio_rows, write_json
+from common import compiled_rounds, engine_parser, variant_rows, write_json
 
 import scaffold_jax as sj
 from scaffold_jax import participation
@@ -50,15 +48,8 @@ def program(w, name, data, problem, models: dict):
     )
     hp = resolve_hparams(algorithm, workloads.make_hparams(name))
     state, key = sim.init(data), jr.key(0)
-    start = time.perf_counter()
-    compiled = sim.run_rounds.lower(hp, state, data, key, num_rounds=w.rounds).compile()
-    compile_s = time.perf_counter() - start
-    memory = workloads.memory_stats(compiled) or {}
-
-    def run(state):
-        return compiled(hp, state, data, key)[0]
-
-    return run, state, compile_s, memory.get("temp_size_in_bytes")
+    run, compile_s, temp = compiled_rounds(sim, hp, state, data, key, w.rounds)
+    return run, state, compile_s, temp
 
 
 def main(argv=None) -> dict:
@@ -68,15 +59,10 @@ def main(argv=None) -> dict:
     data = workloads.make_data(w)
     problem = workloads.make_problem(w)
     print(w.describe(), flush=True)
-    rows = []
-    for name in args.algorithms:
-        programs, rounds, info = {}, {}, {}
-        for label, models in VARIANTS.items():
-            run, state, compile_s, temp = program(w, name, data, problem, models)
-            programs[label], rounds[label] = (run, state), w.rounds
-            info[label] = {"compile_s": compile_s, "temp_bytes": temp}
-        wall, _, _ = workloads._interleaved(programs, args.repeats, rounds, stateless=())
-        rows += ratio_rows(name, wall, info)
+    rows = variant_rows(
+        args.algorithms, list(VARIANTS), args.repeats, w.rounds,
+        lambda name, label: program(w, name, data, problem, VARIANTS[label]),
+    )  # fmt: skip
     result = {"workload": w.describe(), "variants": VARIANTS, "rows": rows}
     write_json(args.out, result)
     return result

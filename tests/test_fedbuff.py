@@ -317,3 +317,30 @@ def test_fedbuff_from_the_command_line_and_a_changed_concurrency_refused(tmp_pat
     code = main([*argv[:-2], "--concurrency", "5", "--rounds", "6", "--resume", "--out", out])
     err = capsys.readouterr().err
     assert code == 2 and "concurrency" in err, err
+
+
+def test_data_size_weighting_weighs_the_arrivals_by_their_examples(data, problem, profile_file):
+    """Under weighting="num_examples" a step averages its arrivals' (staleness-weighted)
+    updates by their n_i and SCAFFOLD's c moves by Σ n_i Δc_i / Σ_all n_j, as a
+    synchronous round's cohort does."""
+    part = participation.make(profiles="file", options={"profile_file": profile_file})
+    sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, sj.BatchPlan.full(K), 2,
+                        weighting="num_examples", participation=part,
+                        execution=sj.FedBuff(4, 2, "constant"))  # fmt: skip
+    hparams = sim.resolve_hparams(sj.hparams(client_lr=LR))
+    state, key = sim.init(data), jax.random.key(0)
+    state, _ = sim.round(hparams, state, data, key)  # fills the table, then a first step
+    # (Host copies: the next step donates the state.)
+    table = jax.device_get(state.inflight)
+    x0, c0 = _flat(state.server.params), _flat(state.server.control)
+    slots = np.argsort(np.asarray(table.finish), kind="stable")[:2]
+    n = np.asarray(data.counts)[np.asarray(table.ids)[slots]].astype(np.float64)
+    dy = np.stack([_flat(jax.tree.map(lambda a, s=s: a[s], table.outputs.delta_params))
+                   for s in slots])  # fmt: skip
+    dc = np.stack([_flat(jax.tree.map(lambda a, s=s: a[s], table.outputs.message))
+                   for s in slots])  # fmt: skip
+    state, _ = sim.round(hparams, state, data, key)
+    want_x = x0 + (n[:, None] * dy).sum(0) / n.sum()
+    want_c = c0 + (n[:, None] * dc).sum(0) / float(np.sum(data.counts))
+    np.testing.assert_allclose(_flat(state.server.params), want_x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_flat(state.server.control), want_c, rtol=1e-5, atol=1e-6)

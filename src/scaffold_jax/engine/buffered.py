@@ -224,8 +224,9 @@ def server_step(sim, hparams, state: SimState, data, key: jax.Array):
     # 2. The algorithm's server update on them as a cohort of B; their rows written back.
     draw = Draw(step_key, arrived, arrived, client_keys(step_key, arrived), None,
                 state.participation, {})  # fmt: skip
-    _, total_weight = sim.weights(data, arrived)
-    cohort = Cohort(None, jnp.ones((size,), jnp.float32), total_weight, None, {})
+    # The simulation's weighting, as a synchronous round's (uniform: 1 each, of N).
+    weights, total_weight = sim.weights(data, arrived)
+    cohort = Cohort(None, weights, total_weight, None, {})
     shared = {"cohort_size": jnp.float32(size), "key": server_key(step_key)}
     rnd = aggregation.Round(draw, cohort, shared, None, False)
     rows = take_rows(state.clients, arrived)

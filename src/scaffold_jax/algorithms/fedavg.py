@@ -74,5 +74,6 @@ def fedavg(
 
 
 register(
-    "fedavg", fedavg, "FedAvg", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER}, hparams=STEP_SIZES
-)
+    "fedavg", fedavg, "FedAvg", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER},
+    hparams=STEP_SIZES, asynchronous=True,  # FedBuff: Δy weighted by staleness
+)  # fmt: skip

@@ -79,5 +79,6 @@ def fedprox(
 
 
 register(
-    "fedprox", fedprox, "FedProx", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER}, hparams=HPARAMS
-)
+    "fedprox", fedprox, "FedProx", options={**SERVER_OPTIMIZER, **LOCAL_OPTIMIZER},
+    hparams=HPARAMS, asynchronous=True,  # FedBuff: its server is FedAvg's
+)  # fmt: skip

@@ -39,6 +39,9 @@ class AlgorithmSpec(NamedTuple):
         function of the factory's keyword options (FedDyn's server optimizer adds
         ``server_lr``). None (a plugin that declares none): read from an instance built
         with the default options and a loss that is never called.
+      asynchronous: whether its asynchronous contract is written (NETWORK.md §4: what a
+        stale update does to its server state), so that FedBuff
+        (:mod:`scaffold_jax.engine.buffered`) may run it.
     """
 
     factory: Callable[..., Algorithm]
@@ -48,6 +51,7 @@ class AlgorithmSpec(NamedTuple):
     refuses: Mapping[str, str] = {}
     name: str = ""
     declared_hparams: Mapping[str, HParam] | Callable[..., Mapping[str, HParam]] | None = None
+    asynchronous: bool = False
 
     @property
     def hparams(self) -> Mapping[str, HParam]:
@@ -112,6 +116,7 @@ def register(
     replace: bool = False,
     refuses: Mapping[str, str] | None = None,
     hparams: Mapping[str, HParam] | Callable[..., Mapping[str, HParam]] | None = None,
+    asynchronous: bool = False,
 ) -> AlgorithmSpec:
     """Registers an algorithm factory under ``name`` (see :class:`AlgorithmSpec`).
 
@@ -129,6 +134,7 @@ def register(
         dict(refuses or {}),
         name,
         hparams if hparams is None or callable(hparams) else dict(hparams),
+        asynchronous,
     )
     return ALGORITHMS.register(name, spec, replace=replace)
 

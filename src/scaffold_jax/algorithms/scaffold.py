@@ -261,4 +261,5 @@ register(
         "fedavg / fedprox with a local optimizer",
     },
     hparams=STEP_SIZES,
+    asynchronous=True,  # FedBuff: c sums the arrivals' Δc_i unweighted (c = mean c_i)
 )

@@ -32,10 +32,11 @@ Each step's metrics: ``arrived_ids``, ``arrival_staleness`` and ``started_ids`` 
 ``staleness_mean``/``staleness_max``, ``version`` and the clock's ``round_duration`` (the
 seconds since the previous step); records carry ``virtual_time``.
 
-Algorithms with an asynchronous contract (:data:`ASYNC_ALGORITHMS`): FedAvg, FedProx and
-SCAFFOLD. Others are refused with the reason, as are the participation models, the
-clock's deadline and over-selection (FedBuff's own policy replaces them), message
-transforms (privacy, compression) and running model statistics. On a client mesh the
+Algorithms with an asynchronous contract (their registry entry says ``asynchronous``;
+:func:`asynchronous_algorithms`): FedAvg, FedProx and SCAFFOLD. Others are refused with
+the reason, as are the participation models, the clock's deadline and over-selection
+(FedBuff's own policy replaces them), message transforms (privacy, compression) and
+running model statistics. On a client mesh the
 in-flight table's rows are split over the devices like the client table's (where M
 splits evenly; replicated otherwise).
 """
@@ -60,9 +61,14 @@ from scaffold_jax.sampling import sample_available
 from scaffold_jax.tree import all_finite, take_rows
 from scaffold_jax.types import ClientOutput, PyTree, SimState
 
-#: The algorithms whose asynchronous contract is written (NETWORK.md §4): FedProx's
-#: server is FedAvg's; SCAFFOLD's c sums the arrivals' Δc_i unweighted.
-ASYNC_ALGORITHMS = ("fedavg", "fedprox", "scaffold")
+
+def asynchronous_algorithms() -> list[str]:
+    """The registered algorithms whose asynchronous contract is written (their registry
+    entry's ``asynchronous``; NETWORK.md §4): FedAvg, FedProx, SCAFFOLD, and plugins'."""
+    from scaffold_jax.algorithms import ALGORITHMS
+
+    return sorted(name for name, spec in ALGORITHMS.items() if spec.asynchronous)
+
 
 #: Staleness weightings s(τ).
 STALENESS = ("sqrt", "constant")

@@ -152,17 +152,18 @@ def _check_clock(sim, num_clients: int) -> None:
 def _check_execution(sim, num_clients: int) -> None:
     """Refuses FedBuff (:mod:`scaffold_jax.engine.buffered`) where its contract is not
     written or the simulation cannot run it, each with the reason and the fix."""
-    from scaffold_jax.engine.buffered import ASYNC_ALGORITHMS
+    from scaffold_jax.algorithms import ALGORITHMS
+    from scaffold_jax.engine.buffered import asynchronous_algorithms
 
     buff = sim.execution
     if buff is None:
         return
     name = sim.algorithm.name
-    if name not in ASYNC_ALGORITHMS:
+    if not (name in ALGORITHMS and ALGORITHMS[name].asynchronous):
         raise ValueError(
             f"FedBuff has no asynchronous contract for {name!r} yet (what a stale update "
             f"does to its server state is not written): use one of "
-            f"{', '.join(ASYNC_ALGORITHMS)}, or synchronous rounds."
+            f"{', '.join(asynchronous_algorithms())}, or synchronous rounds."
         )
     if buff.concurrency > num_clients:
         raise ValueError(

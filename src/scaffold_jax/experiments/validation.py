@@ -19,7 +19,7 @@ from scaffold_jax.data import assembly, natural
 from scaffold_jax.data.batching import PLANS
 from scaffold_jax.data.partition import PARTITIONERS
 from scaffold_jax.engine import MAX_ROUNDS, MAX_SEED, ROUNDS_WHY, SEED_WHY
-from scaffold_jax.engine.buffered import ASYNC_ALGORITHMS, EXECUTIONS, make_execution
+from scaffold_jax.engine.buffered import EXECUTIONS, asynchronous_algorithms, make_execution
 from scaffold_jax.experiments import resolve, schema
 from scaffold_jax.experiments.schema import ConfigFields
 from scaffold_jax.models import MODELS
@@ -391,11 +391,11 @@ def _check_execution(config: ConfigFields, errors: list[str]) -> None:
             "execution = 'fedbuff' needs device profiles to time its clients: set profiles "
             "= 'lognormal' or 'file' (--profiles)."
         )
-    if config.algorithm in ALGORITHMS and config.algorithm not in ASYNC_ALGORITHMS:
+    if config.algorithm in ALGORITHMS and not ALGORITHMS[config.algorithm].asynchronous:
         errors.append(
             f"execution = 'fedbuff' has no asynchronous contract for {config.algorithm!r} yet "
             "(what a stale update does to its server state is not written): use algorithm = "
-            f"{' | '.join(ASYNC_ALGORITHMS)}, or execution = 'sync'."
+            f"{' | '.join(asynchronous_algorithms())}, or execution = 'sync'."
         )
     policy = [k for k in ("round_deadline", "over_selection") if k in config.options]
     if policy:

@@ -77,7 +77,8 @@ lint: $(STAMP)
 # The documentation site into docs/_build/html (Sphinx with myst-nb; the API reference by
 # pdoc into its api/; not committed), and the generated pages docs/config.md and
 # docs/reference/cli.md (committed; the tests check they are current). Zero warnings or it
-# fails. The tutorials are the notebooks' executed copies: `make docs-notebooks` (minutes).
+# fails. The tutorials are the notebooks copied into docs/tutorials/ (not committed);
+# `make docs-notebooks` executes them there first, for a site with their outputs (minutes).
 docs: $(STAMP)
 	$(PY) -m scaffold_jax.docs --config docs/config.md --cli docs/reference/cli.md --site docs/_build/html
 

@@ -4,8 +4,8 @@ reference and the command reference.
 ``python -m scaffold_jax.docs --site docs/_build/html`` writes
 
 * the site (:func:`build_site`): the pages of ``docs/`` built by Sphinx with myst-nb,
-  the tutorials rendered from their stored outputs (:func:`execute_notebooks` refreshes
-  them); generated, not committed;
+  the tutorials the notebooks copied into ``docs/tutorials/`` (:func:`sync_notebooks`;
+  with their outputs where :func:`execute_notebooks` ran them); generated, not committed;
 * in it, ``api/``: the API reference, a page for every public module of the package
   (:func:`public_modules`, whatever ``__all__`` lists), rendered by pdoc (the ``dev``
   extra) from the Google-style docstrings;
@@ -319,10 +319,10 @@ def cli_markdown() -> str:
 def execute_notebooks(source: str | Path, dest: str | Path, timeout: int = 1800) -> list[Path]:
     """Runs every notebook of ``source`` at its defaults in a fresh kernel (in a scratch
     folder, the datasets it builds cached there) and writes it with its outputs into
-    ``dest``: the tutorials the site renders (myst-nb does not execute them). The notebooks
-    of ``source`` stay clean (the tests check it), and the tests check that the copies'
-    cells are the sources' cells, so a copy older than its notebook fails them. Minutes:
-    each notebook's defaults take up to 3 CPU-minutes."""
+    ``dest``: the tutorials the site renders with their outputs (myst-nb does not execute
+    them; ``dest`` is not committed). The notebooks of ``source`` stay clean (the tests
+    check it); a copy older than its notebook is replaced by :func:`sync_notebooks`.
+    Minutes: each notebook's defaults take up to 3 CPU-minutes."""
     import os
     import tempfile
     from unittest import mock
@@ -348,6 +348,29 @@ def execute_notebooks(source: str | Path, dest: str | Path, timeout: int = 1800)
     return written
 
 
+def sync_notebooks(source: str | Path, dest: str | Path) -> list[Path]:
+    """Copies every notebook of ``source`` into ``dest`` (the site's tutorials, not
+    committed) unless ``dest`` holds it already with the same cells: an executed copy
+    (:func:`execute_notebooks`, ``make docs-notebooks``) is kept with its outputs until
+    its notebook changes; otherwise the site renders the notebook without outputs.
+    Returns the paths copied."""
+    import nbformat
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(Path(source).glob("*.ipynb")):
+        target = dest / path.name
+        cells = [c.source for c in nbformat.read(path, as_version=4).cells]
+        if target.exists():
+            kept = [c.source for c in nbformat.read(target, as_version=4).cells]
+            if kept == cells:
+                continue
+        target.write_bytes(path.read_bytes())
+        copied.append(target)
+    return copied
+
+
 def build_site(out: str | Path, source: str | Path = "docs") -> list[str]:
     """Builds the documentation site: the pages of ``source`` (Sphinx with myst-nb, the
     ``dev`` extra) into ``out``, then the API reference (:func:`build_api`) into
@@ -359,6 +382,7 @@ def build_site(out: str | Path, source: str | Path = "docs") -> list[str]:
     from sphinx.cmd.build import build_main
 
     out, source = Path(out), Path(source)
+    sync_notebooks("notebooks", source / "tutorials")
     warnings_file = out / ".sphinx-warnings.txt"
     out.mkdir(parents=True, exist_ok=True)
     argv = ["-b", "html", "-q", "-E", "-d", str(out / ".doctrees"), "-w", str(warnings_file)]

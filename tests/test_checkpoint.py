@@ -197,6 +197,22 @@ def test_only_the_newest_k_checkpoints_are_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
 
 
+def test_keep_newest_deletes_the_older_checkpoints(tmp_path):
+    state = random_state()
+    with checkpoint.Checkpointer(tmp_path, max_to_keep=5) as ckpt:
+        for r in range(4):
+            ckpt.save(at_round(state, r), jr.key(0))
+        with pytest.raises(ValueError, match="keep >= 1"):
+            ckpt.keep_newest(0)
+        assert ckpt.keep_newest(2) == [0, 1]
+        assert ckpt.rounds() == [2, 3]
+        assert ckpt.keep_newest(1) == [2] and ckpt.keep_newest(1) == []
+        ckpt.save(at_round(state, 4), jr.key(0))  # the manager goes on from there
+        assert ckpt.rounds() == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
+    assert int(checkpoint.restore_latest(tmp_path, state).round) == 4
+
+
 def test_save_writes_a_temporary_directory_and_renames_it_when_complete(tmp_path, monkeypatch):
     """Atomicity: the final directory appears only by one rename of a complete tmp dir."""
     from orbax.checkpoint._src.path import async_path
@@ -354,8 +370,46 @@ def test_checkpointing_does_not_change_the_run(setup, reference):
     assert plain.status == "finished"
     assert_bitwise_equal(leaves(plain.state), reference["leaves"])
     assert strip_seconds(plain.records) == strip_seconds(reference["records"])
-    # Saved at the start and every round; the newest 3 kept.
-    assert sorted(int(p.name) for p in reference["dir"].iterdir()) == [6, 7, 8]
+    # Saved at the start and every round; the finished run leaves its final state only.
+    assert sorted(int(p.name) for p in reference["dir"].iterdir()) == [NUM_ROUNDS]
+
+
+def test_keep_checkpoints_keeps_more_of_a_finished_run(setup, tmp_path):
+    sim, data, hp = setup
+    sim.run(data, hp, checkpoint_dir=tmp_path, keep_checkpoints=3, **RUN_ARGS)
+    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [6, 7, 8]
+
+
+def test_a_finished_run_extends_from_its_one_checkpoint_bit_for_bit(setup, reference, tmp_path):
+    """The one checkpoint a finished run keeps is all that more rounds need."""
+    sim, data, hp = setup
+    directory = tmp_path / "ckpt"
+    shutil.copytree(reference["dir"], directory)
+    longer = dict(RUN_ARGS, num_rounds=NUM_ROUNDS + 3)
+    extended = sim.run(data, hp, checkpoint_dir=directory, resume=True, **longer)
+    assert extended.resumed_from == NUM_ROUNDS
+    straight = sim.run(data, hp, checkpoint_dir=tmp_path / "straight", **longer)
+    assert_bitwise_equal(leaves(extended.state), leaves(straight.state))
+    assert strip_seconds(extended.records) == strip_seconds(straight.records)
+    assert sorted(int(p.name) for p in directory.iterdir()) == [NUM_ROUNDS + 3]
+
+
+def test_a_finished_sweep_keeps_one_checkpoint_per_chunk_unless_told(setup, tmp_path):
+    sim, data, _ = setup
+    grid, seeds, _ = sj.sweep.grid([0.05, 0.1], seeds=[0, 1])
+    args = dict(num_rounds=4, eval_every=1, checkpoint_every=1)
+    sj.sweep.sweep(sim, data, grid, seeds, checkpoint_dir=tmp_path / "one", **args)
+    sj.sweep.sweep(sim, data, grid, seeds, checkpoint_dir=tmp_path / "three",
+                   keep_checkpoints=3, **args)  # fmt: skip
+    for name, kept in (("one", [4]), ("three", [2, 3, 4])):
+        chunks = sorted((tmp_path / name).iterdir())
+        assert chunks, name
+        for chunk in chunks:
+            assert sorted(int(p.name) for p in chunk.iterdir()) == kept, chunk
+    # A resume of the finished sweep reads its chunks back from the one checkpoint each.
+    again = sj.sweep.sweep(sim, data, grid, seeds, checkpoint_dir=tmp_path / "one",
+                           resume=True, **args)  # fmt: skip
+    assert all(len(records) == 5 for records in again.records)
 
 
 def test_sigint_finishes_the_block_saves_and_raises_keyboard_interrupt(interrupted):

@@ -348,6 +348,38 @@ def test_more_rounds_and_another_cadence_are_allowed(env, reference, tmp_path):
     assert results.read_summary(out)["status"] == "finished"
 
 
+def _steps(folder) -> list[int]:
+    return sorted(int(p.name) for p in Path(folder).iterdir() if p.name.isdigit())
+
+
+def test_a_finished_run_keeps_its_final_checkpoint_unless_told(env, reference, tmp_path):
+    """Checkpointed every round, a finished run leaves its final state only (all that
+    --resume with more rounds needs: test_more_rounds_and_another_cadence_are_allowed);
+    --keep-checkpoints (config key keep_checkpoints) keeps more, and may change on resume."""
+    root, environment = env
+    assert _steps(reference["out"] / experiments.CHECKPOINTS) == [ROUNDS]
+    out = tmp_path / "kept"
+    proc = _run(root, environment, out, "--rounds", "4", "--keep-checkpoints", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert _steps(out / experiments.CHECKPOINTS) == [2, 3, 4]
+    assert json.loads((out / "config.json").read_text())["keep_checkpoints"] == 3
+    proc = _run(root, environment, out, "--rounds", "6", "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert _steps(out / experiments.CHECKPOINTS) == [6]
+
+
+def test_a_finished_sweep_keeps_one_checkpoint_per_chunk(env, tmp_path):
+    root, _ = env
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--config", str(root / "tiny.toml"), "--algorithms", "fedavg",
+                 "scaffold", "--lr-grid", "0.1", "0.3", "--rounds", "3", "--checkpoint-every",
+                 "1", "--out", str(out), "--quiet"])  # fmt: skip
+    assert code == 0
+    chunks = sorted((out / experiments.CHECKPOINTS).glob("*/chunk-*"))
+    assert len(chunks) == 2  # one cell per algorithm, one chunk each
+    assert all(_steps(chunk) == [3] for chunk in chunks)
+
+
 def test_a_full_disk_is_one_clear_line_and_the_run_resumes_afterwards(
     env, reference, tmp_path, monkeypatch, capsys
 ):

@@ -97,7 +97,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "output and resuming": (
         "overwrite", "quiet", "resume", "accept_new_versions", "checkpoint_every",
-        "checkpoint_minutes", "no_checkpoint", "tensorboard", "no_compile_cache", "set",
+        "checkpoint_minutes", "keep_checkpoints", "no_checkpoint", "tensorboard",
+        "no_compile_cache", "set",
         "plugin",
     ),
 }  # fmt: skip

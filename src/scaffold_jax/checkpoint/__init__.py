@@ -18,7 +18,9 @@ every file is written, renames it to ``<round>/`` (``AtomicRenameTemporaryPath``
 ``rename(2)``, atomic on a local filesystem). Saving is synchronous, so a process killed at
 any instant leaves either the complete new step or only a temporary directory, which the
 step listing ignores; a :class:`Checkpointer` deletes such leftovers when it opens the
-directory. The last ``max_to_keep`` steps are kept.
+directory. The last ``max_to_keep`` steps are kept while a run saves; once it is finished,
+``Simulation.run`` and sweeps keep only the newest ``keep_checkpoints`` (default 1, the final
+state, all that a resume with more rounds needs: :meth:`Checkpointer.keep_newest`).
 
 Failed saves. A save that cannot be written (a full disk, a read-only folder) raises one
 :class:`CheckpointWriteError` (an ``OSError``: its errno, and one line naming the round and

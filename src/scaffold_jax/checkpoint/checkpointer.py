@@ -95,7 +95,8 @@ class Checkpointer:
 
     Args:
       directory: where the checkpoints live (created if missing).
-      max_to_keep: how many of the newest checkpoints to keep (>= 1).
+      max_to_keep: how many of the newest checkpoints to keep while saving (>= 1);
+        :meth:`keep_newest` prunes further once a run is finished.
 
     Raises:
       ValueError: ``max_to_keep < 1``.
@@ -176,6 +177,37 @@ class Checkpointer:
         """The newest checkpoint's round, or None when there is none."""
         rounds = self.rounds()
         return rounds[-1] if rounds else None
+
+    def keep_newest(self, count: int) -> list[int]:
+        """Deletes every checkpoint but the newest ``count``: a finished run or sweep needs
+        only its final state to be resumed or extended, and each step holds the whole
+        client table (hundreds of MB for a large sweep).
+
+        Each step goes by one ``rename(2)`` to a temporary name first, so a process killed
+        while deleting leaves no half step (the leftover is removed when the directory
+        is next opened, as a half save is).
+
+        Args:
+          count: how many of the newest checkpoints to keep (>= 1).
+
+        Returns:
+          The rounds deleted, oldest first.
+
+        Raises:
+          ValueError: ``count < 1``.
+        """
+        if int(count) < 1:
+            raise ValueError(f"keep_newest({count}) is invalid: it must keep >= 1 checkpoint.")
+        gone = self.rounds()[: -int(count)]
+        _barrier("prune-start")  # every process has listed the steps before any goes
+        if _is_writer():
+            for step in gone:
+                doomed = self.directory / f"{step}{_TMP_MARK}-deleted"
+                _step_dir(self.directory, step).rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+        _barrier("prune-done")
+        self._manager.reload()
+        return gone
 
     def _remove_partial_saves(self) -> None:
         # A save killed half-way leaves only its temporary directory; it can never be

@@ -88,7 +88,9 @@ def run(
     The run checkpoints into ``<out>/checkpoints`` (every ``checkpoint_every`` rounds,
     default at evaluations as often as keeps checkpoint writing within 10% of the run's
     time, and at the end of any block once ``checkpoint_minutes``
-    have passed since the last save; the newest two are kept), so a killed run continues
+    have passed since the last save; the newest two are kept while it runs, and
+    ``config.keep_checkpoints``, default its final state only, once it is finished), so a
+    killed run continues
     with ``resume=True`` (``--resume``) bit for bit: the records are cut back to the
     restored checkpoint and rewritten from there (each evaluation round exactly once),
     and the summary and plots are an uninterrupted run's. A resume with other data,

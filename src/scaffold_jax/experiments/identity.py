@@ -27,6 +27,8 @@ CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
 #: record measures (the data's folder may move: its fingerprint is compared instead).
 RESUMABLE_CHANGES = (
     "rounds", "eval_every", "targets", "out", "plugins", "data_dir", "download",
+    # What a finished run leaves on disk, not what it computes.
+    "keep_checkpoints",
     # Ways of fixing privacy hyper-parameters, which the resolved hparams compare: a target
     # epsilon is a noise multiplier calibrated for the planned rounds.
     "dp_epsilon", "dp_adaptive_quantile",

@@ -226,6 +226,12 @@ class ConfigFields:
     out: str | None = _opt(
         None, "output folder (default results/<algorithm>-<dataset>-<digest of the settings>)",
         "str")
+    keep_checkpoints: int = _opt(
+        1,
+        "checkpoints a finished run (each cell of a sweep) leaves in <out>/checkpoints: 1, "
+        "its final state, is all that --resume with more rounds needs; more keep earlier "
+        "rounds too, each the size of the whole state (see the how-to: resuming)",
+        "int")
     # fmt: on
 
     def __init__(self, **values: Any):

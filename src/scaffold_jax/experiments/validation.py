@@ -123,6 +123,7 @@ def validate(config: ConfigFields) -> Any:
         what=f"an integer >= 1 and <= {MAX_ROUNDS}{ROUNDS_WHY}",
     )  # fmt: skip
     check.integer("eval_every", config.eval_every, low=1)
+    check.integer("keep_checkpoints", config.keep_checkpoints, low=1)
     check.integer("train_eval_examples", config.train_eval_examples, low=0)
     if check.type("targets", config.targets, (list, tuple), "a list of accuracies"):
         if not all(is_number(t) and 0.0 < t <= 1.0 for t in config.targets):

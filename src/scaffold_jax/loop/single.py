@@ -152,7 +152,7 @@ def run(
     callback: Callable[[dict[str, Any]], None] | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
-    keep_checkpoints: int = 3,
+    keep_checkpoints: int = 1,
     resume: bool = False,
     identity: Mapping[str, Any] | None = None,
     on_restore: Callable[[list[Record]], None] | None = None,
@@ -197,7 +197,9 @@ def run(
       checkpoint_every: checkpoint period in rounds (default: the adaptive cadence, at
         evaluations and within :data:`~scaffold_jax.loop.CHECKPOINT_SHARE` of the run's
         time; see :mod:`scaffold_jax.loop.driver`).
-      keep_checkpoints: how many of the newest checkpoints to keep.
+      keep_checkpoints: how many of the newest checkpoints a finished run leaves (default
+        1: its final state, all that a resume with more rounds needs). While it runs,
+        at least the newest two are kept, so that a corrupt newest one falls back.
       resume: continue from the newest checkpoint in ``checkpoint_dir``.
       identity: more of what fixes the run (e.g. the command line's data source and
         partition), compared on resume beside :func:`run_identity`'s.
@@ -268,14 +270,18 @@ def run(
     if checkpoint_dir is not None:
         from scaffold_jax.checkpoint import Checkpointer  # imported late: orbax is slow to import
 
-        opened = Checkpointer(checkpoint_dir, max_to_keep=keep_checkpoints)
+        # Two while running: a corrupt newest checkpoint falls back to the one before.
+        opened = Checkpointer(checkpoint_dir, max_to_keep=max(2, keep_checkpoints))
     with opened as checkpointer:
-        return drive(
+        result = drive(
             task, state, jr.key(seed), num_rounds, eval_every, finish, callback=callback,
             checkpointer=checkpointer, checkpoint_every=checkpoint_every, identity=identity,
             resume_into=simulation.state_like(data.num_clients) if resume else None,
             on_restore=on_restore, checkpoint_seconds=checkpoint_seconds, phase=phase,
         )  # fmt: skip
+        if checkpointer is not None and result.status == "finished":
+            checkpointer.keep_newest(keep_checkpoints)
+        return result
 
 
 class Simulation(engine.Simulation):

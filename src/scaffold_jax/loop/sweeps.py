@@ -129,6 +129,7 @@ class Sweep(_Program):
         phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
         progress: Callable[[float], None] | None = None,
         identity: Mapping[str, Any] | None = None,
+        keep_checkpoints: int = 1,
     ) -> SweepResult:
         """Runs every config (``grid[j]``, ``seeds[j]``) for ``num_rounds`` rounds.
 
@@ -169,6 +170,9 @@ class Sweep(_Program):
           identity: more of what fixes the sweep's results (the data's fingerprint, the
             model...), checked on resume beside the chunk's own
             (:func:`~scaffold_jax.loop.run_identity` with the chunk's configs).
+          keep_checkpoints: how many of the newest checkpoints each finished chunk leaves
+            (default 1: its final state, all that a resume or an extension needs; while
+            a chunk runs, at least two are kept).
 
         Raises:
           ValueError: invalid rounds, hyper-parameters, seeds or data.
@@ -177,6 +181,7 @@ class Sweep(_Program):
         num_rounds = check_count("num_rounds", num_rounds, maximum=MAX_ROUNDS, why=ROUNDS_WHY)
         check_rounds_fit(sim, num_rounds)  # one config's; chunks of configs fit the rest
         eval_every = check_count("eval_every", num_rounds if eval_every is None else eval_every)
+        keep_checkpoints = check_count("keep_checkpoints", keep_checkpoints)
         num_configs = int(np.shape(seeds)[0]) if np.ndim(seeds) else 0
         if num_configs < 1:
             raise ValueError("a sweep needs at least one config: seeds is empty or a scalar.")
@@ -231,7 +236,7 @@ class Sweep(_Program):
             done |= chunk.run(
                 self.init(data, *index.shape), eval_every, callback,
                 None if checkpoint_dir is None else Path(checkpoint_dir) / f"chunk-{i}",
-                resume, identity, checkpoint_every=checkpoint_every,
+                resume, identity, keep_checkpoints, checkpoint_every=checkpoint_every,
                 checkpoint_seconds=checkpoint_seconds, phase=phase, on_block=on_block,
             )  # fmt: skip
         outputs = [done[j] for j in range(num_configs)]
@@ -268,10 +273,11 @@ class _Chunk:
         self._hparams_on_host = None
         self._traffic_of: dict[tuple, communication.Traffic] = {}
 
-    def run(self, carry, eval_every, callback, directory, resume, identity, **options):
+    def run(self, carry, eval_every, callback, directory, resume, identity, keep, **options):
         """Drives the chunk from ``carry`` (or, with ``resume``, from its newest checkpoint in
-        ``directory``, if any), checkpointing into ``directory`` unless it is None;
-        ``options``: :func:`~scaffold_jax.loop.drive`'s. Returns :meth:`finish`'s outputs."""
+        ``directory``, if any), checkpointing into ``directory`` unless it is None and
+        leaving its ``keep`` newest checkpoints once finished; ``options``:
+        :func:`~scaffold_jax.loop.drive`'s. Returns :meth:`finish`'s outputs."""
         args = (self.keys, self.num_rounds, eval_every, self.finish)
         if directory is None:
             return drive(self, carry, *args, callback=callback, **options)
@@ -279,7 +285,8 @@ class _Chunk:
 
         configs = [self.result.configs[j] for _, _, j in self.slots]
         identity = run_identity(self.sweep.simulation, self.data, configs=configs, more=identity)
-        with Checkpointer(directory, max_to_keep=2) as checkpointer:
+        # Two while running: a corrupt newest checkpoint falls back to the one before.
+        with Checkpointer(directory, max_to_keep=max(2, keep)) as checkpointer:
             restore = resume and checkpointer.latest_round() is not None
 
             def on_restore(records):
@@ -288,11 +295,14 @@ class _Chunk:
                     if callback is not None:
                         callback(entry)
 
-            return drive(
+            outputs = drive(
                 self, None if restore else carry, *args, callback=callback,
                 checkpointer=checkpointer, identity=identity, on_restore=on_restore,
                 resume_into=jax.eval_shape(lambda: carry) if restore else None, **options,
             )  # fmt: skip
+            # drive returns only when the chunk is done (a signal or an error raises).
+            checkpointer.keep_newest(keep)
+            return outputs
 
     def round_of(self, carry: SweepCarry) -> int:
         return int(np.asarray(carry.state.round)[0])

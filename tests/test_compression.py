@@ -91,6 +91,41 @@ def test_the_count_of_a_fraction_is_its_ceiling_without_float_artefacts():
     assert int(fraction_count(jnp.float32(0.07), 100)) == 7  # the same in the program
 
 
+def _exact_count(fraction: str, size: int) -> int:
+    """⌈fraction·size⌉ in [1, size] in integer arithmetic, the fraction as its decimal."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    return max(1, min(size, math.ceil(Fraction(Decimal(fraction)) * size)))
+
+
+def test_the_count_is_exact_at_every_leaf_size_on_the_host_and_in_the_program():
+    """k against integer arithmetic at sizes up to 2²⁴ + 1 (and 2³¹ − 1), for fractions of
+    1 to 6 significant digits from 1 down to 1e-12: the host's count (the bytes) and the
+    program's (a vmapped grid of traced fractions, what topk and randk send) alike. The
+    first four are the float32 product's off-by-ones: 0.07 of 139,043 gave 9,733."""
+    rng = np.random.default_rng(5)
+    sizes = [1, 3, 100, 139_043, 341_337, 972_801, 2**20, 2**24, 2**24 + 1, 2**31 - 1]
+    sizes += [int(n) for n in rng.integers(1, 2**24 + 2, 12)]
+    fractions = ["0.07", "0.3", "0.01", "1.0", "0.9", "0.99", "0.999", "0.5", "0.1", "0.075"]
+    fractions += ["0.123456", "0.999999", "0.100001", "0.000001", "1e-12"]
+    fractions += [f"0.{d:03d}" for d in rng.integers(1, 1000, 20)]
+    mantissas, exponents = rng.integers(1, 10**6, 20), rng.integers(6, 13, 20)
+    fractions += [f"{m}e-{p}" for m, p in zip(mantissas, exponents, strict=True)]
+    grid = jnp.asarray([float(f) for f in fractions], jnp.float32)
+    for size in sizes:
+        program = np.asarray(jax.jit(jax.vmap(lambda f, n=size: fraction_count(f, n)))(grid))
+        expected = [_exact_count(f, size) for f in fractions]
+        assert [int(fraction_count(float(f), size)) for f in fractions] == expected, size
+        assert program.tolist() == expected, size
+    assert int(fraction_count(0.07, 139_043)) == 9_734
+    assert int(fraction_count(1.0, 2**24 + 1)) == 2**24 + 1  # top-k at 1 is lossless
+    # Beyond 6 significant digits the fraction is read to 6 (float32 carries no more).
+    assert int(fraction_count(0.1234567, 10**7)) == 1_234_570
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        fraction_count(0.5, 2**31)
+
+
 def test_randk_sends_k_entries_scaled_by_size_over_k_and_is_unbiased():
     v = np.arange(1, 11, dtype=np.float32)
     sent = np.asarray(jax.vmap(lambda k: _apply("randk", v, k, compress_fraction=0.3)[0])(
@@ -266,9 +301,42 @@ def test_refusals_name_the_problem():
     fedavg = sj.fedavg(problem.loss_fn)
     with pytest.raises(ValueError, match="delta_control, which fedavg's clients do not send"):
         compressed(fedavg, "topk", "delta_params,delta_control")
-    with pytest.raises(ValueError, match="with differential privacy is refused"):
+    with pytest.raises(ValueError, match=r"Compress first.*private\(compressed\("):
         compressed(sj.privacy.private(fedavg), "qsgd")
     with pytest.raises(ValueError, match="compress_bits=1 is invalid: every value must be a whole"):
         sj.Simulation(compressed(fedavg, "qsgd"), problem, PLAN, 3).resolve_hparams(
             {"client_lr": 0.1, "compress_bits": 1}
         )
+
+
+def test_private_compressed_clips_what_is_sent_and_counts_its_compressed_bytes():
+    """private(compressed(alg, c)): the bytes are the compressor's (2-bit qsgd: 13 B a
+    client for the 15 + 3 entries, not 72 B), in the records too; without noise and with
+    C = inf the run is the compressed run bitwise."""
+    data, problem = _setup()
+    fedavg = sj.fedavg(problem.loss_fn)
+    inner = compressed(fedavg, "qsgd")
+    outer = sj.privacy.private(inner)
+    hp = {"compress_bits": 2}
+    plain_bytes = communication.traffic(fedavg, problem.params, {}).entries
+    assert plain_bytes == {"delta_params": 72}
+    assert communication.traffic(outer, problem.params, hp).entries == {
+        "delta_params": math.ceil((32 + 2 * 15) / 8) + math.ceil((32 + 2 * 3) / 8)
+    }
+    assert communication.traffic(outer, problem.params, hp).entries == (
+        communication.traffic(inner, problem.params, hp).entries
+    )
+    runs = {}
+    for name, algorithm, extra in (
+        ("compressed", inner, {}),
+        ("private", outer, {"dp_noise_multiplier": 0.0, "dp_clip": float("inf")}),
+    ):
+        sim = sj.Simulation(algorithm, problem, PLAN, clients_per_round=4)
+        runs[name] = sim.run(data, {"client_lr": 0.1, **hp, **extra}, num_rounds=3)
+    for a, b in zip(jax.tree.leaves(runs["compressed"].state.server.params),
+                    jax.tree.leaves(runs["private"].state.server.inner.params),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    last = runs["private"].records[-1]
+    assert last["bytes_up_total"] == runs["compressed"].records[-1]["bytes_up_total"]
+    assert last["bytes_up_total"] == 3 * 4 * 13

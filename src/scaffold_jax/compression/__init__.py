@@ -21,21 +21,25 @@ For SCAFFOLD with Δc_i compressed the server's c moves by the compressed Δc_i 
 client keeps its exact c_i⁺, so c = mean c_i no longer holds exactly (it holds in
 expectation for an unbiased compressor).
 
-Mime's pre-round message (∇f_i(x)) is sent uncompressed; differential privacy with a
-compressor is refused (:func:`compressed` says why).
+Mime's pre-round message (∇f_i(x)) is sent uncompressed. With differential privacy the
+order is ``private(compressed(algorithm, c))``: each client compresses, then clips what
+it sends, and the server adds the noise to the sum of the clipped, compressed messages.
+Clipping scales a message, so it costs the compressed bytes; the sensitivity is the clip
+norm whatever the compressor did (an error-feedback residual stays on the client, never
+released). The other order is refused (:func:`compressed` says why).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 
+from scaffold_jax.compression.fraction import fraction_count
 from scaffold_jax.messages import MessageTransform, chain, uplink_like
 from scaffold_jax.registry import Option, Registry
 from scaffold_jax.tree import decode_storage, encode_storage, tree_bytes
@@ -98,18 +102,6 @@ OPTIONS = {
 }
 
 
-def fraction_count(fraction: Any, size: int) -> Any:
-    """k = ⌈fraction · size⌉ in [1, size] for ``topk`` and ``randk``, computed in float32
-    as the compiled round computes it (the fraction is float32 data there): the product
-    is lowered by one part in 2²⁰ first, so that a fraction with up to 6 significant
-    digits counts exactly (0.07 · 100 gives 7, not 8, though float32(0.07) > 0.07).
-    Works on numpy and JAX values alike."""
-    xp = jnp if isinstance(fraction, jax.Array) else np
-    product = xp.float32(fraction) * xp.float32(size)
-    k = xp.ceil(product * xp.float32(1 - 2**-20))
-    return xp.clip(k, 1, size).astype(xp.int32)
-
-
 def compressed(
     algorithm: Algorithm, compressor: str, entries: str = "all", residual_dtype: str = "float32"
 ) -> Algorithm:
@@ -121,11 +113,11 @@ def compressed(
     names = chosen_entries(algorithm, entries)
     if "privacy" in algorithm.options:
         raise ValueError(
-            f"compression = {compressor!r} with differential privacy is refused: the noise "
-            "is calibrated to each client's clipped message norm, which qsgd and randk can "
-            "raise (they scale entries up) and topk and signef exceed through their "
-            "residuals (carrying earlier rounds' updates). Use compression = 'none' with "
-            "privacy, or no privacy."
+            f"compressed(private(...), {compressor!r}) is refused: compressing after the "
+            "clip can raise a message's norm above the clip norm the noise is calibrated to "
+            "(qsgd and randk scale entries up; topk and signef add their residuals). "
+            "Compress first and make that private: private(compressed(algorithm, "
+            f"{compressor!r})), which clips what is sent (the command line builds it so)."
         )
     if residual_dtype not in ("float32", "bfloat16"):
         raise ValueError(

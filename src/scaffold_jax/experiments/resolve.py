@@ -160,17 +160,19 @@ def _inspect_only(params: Any, batch: Any) -> Any:
 
 def make_algorithm(config: ConfigFields, loss_fn: Callable = _inspect_only) -> Algorithm:
     """The algorithm with the config's options for the problem's ``loss_fn``, wrapped by
-    its privacy mechanism when it chooses one; without ``loss_fn`` (before there is a
-    problem), built to be inspected, not run."""
+    its compressor and then by its privacy mechanism when it chooses them; without
+    ``loss_fn`` (before there is a problem), built to be inspected, not run."""
     algorithm = ALGORITHMS[config.algorithm].build(loss_fn, **entry_options(config, "algorithm"))
+    # Compression inside privacy: each client compresses, then clips what it sends.
+    spec = COMPRESSORS[config.compression]
+    options = factory_kwargs(spec.options, entry_options(config, "compression"))
+    algorithm = compressed(algorithm, config.compression, **options)
     if config.privacy is not None:
         spec = MECHANISMS[config.privacy]
         options = {k: v for k, v in entry_options(config, "privacy").items()
                    if spec.options[k].argument != "-"}  # fmt: skip
         algorithm = spec.wrap(algorithm, **factory_kwargs(spec.options, options))
-    spec = COMPRESSORS[config.compression]
-    options = factory_kwargs(spec.options, entry_options(config, "compression"))
-    return compressed(algorithm, config.compression, **options)
+    return algorithm
 
 
 def hparams(config: ConfigFields) -> HParams:

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import workloads
-from common import compiled_rounds, engine_parser, variant_rows, write_json
+from common import engine_parser, write_json
+from workloads import compiled_rounds, variant_rows
 
 import scaffold_jax as sj
 from scaffold_jax.compression import COMPRESSORS, compressed

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import jax.random as jr
 import workloads
-from common import compiled_rounds, engine_parser, variant_rows, write_json
+from common import engine_parser, write_json
+from workloads import compiled_rounds, variant_rows
 
 import scaffold_jax as sj
 from scaffold_jax import participation

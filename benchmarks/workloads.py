@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from common import peak_rss_mib
+from common import peak_rss_mib, ratio_rows
 
 import scaffold_jax as sj
 from scaffold_jax.engine import client_keys, round_key_and_ids
@@ -690,3 +690,33 @@ def ablation(w: Workload, name: str, data, problem, repeats: int = 5) -> list[di
         }
         for label in programs
     ]
+
+
+def compiled_rounds(sim, hparams, state, data, key, num_rounds: int):
+    """``(run, compile_s, temp_bytes)``: ``sim``'s block of ``num_rounds`` rounds compiled
+    once (timed), ``run(state)`` calling it, and XLA's temp memory for it."""
+    start = time.perf_counter()
+    compiled = sim.run_rounds.lower(hparams, state, data, key, num_rounds=num_rounds).compile()
+    compile_s = time.perf_counter() - start
+    memory = memory_stats(compiled) or {}
+
+    def run(state):
+        return compiled(hparams, state, data, key)[0]
+
+    return run, compile_s, memory.get("temp_size_in_bytes")
+
+
+def variant_rows(algorithms, labels, repeats: int, rounds: int, build, base="plain") -> list[dict]:
+    """For each algorithm, every variant's program (``build(algorithm, label) -> (run,
+    state, compile_s, temp_bytes)``) timed interleaved (``repeats`` calls of ``rounds``
+    rounds each) and compared with the ``base`` variant's (:func:`ratio_rows`)."""
+    rows = []
+    for name in algorithms:
+        programs, counts, info = {}, {}, {}
+        for label in labels:
+            run, state, compile_s, temp = build(name, label)
+            programs[label], counts[label] = (run, state), rounds
+            info[label] = {"compile_s": compile_s, "temp_bytes": temp}
+        wall, _, _ = _interleaved(programs, repeats, counts, stateless=())
+        rows += ratio_rows(name, wall, info, base=base)
+    return rows

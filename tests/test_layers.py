@@ -109,6 +109,30 @@ def test_the_import_graph_has_no_circles():
             visit(node)
 
 
+def test_the_benchmark_scripts_import_each_other_without_circles():
+    """benchmarks/ imports its helpers by module name (scripts run from that folder):
+    common (timing and output) below workloads (the programs), below the scripts."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    names = {p.stem for p in folder.glob("*.py")}
+    edges = {}
+    for path in folder.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module)
+        # bench_peers imports itself by name for Ray's workers: not a circle.
+        edges[path.stem] = {n for n in found if n in names and n != path.stem}
+
+    def reaches(start, goal, seen):
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n}))
+                   for n in edges[start])  # fmt: skip
+
+    circles = sorted(m for m in edges if reaches(m, m, {m}))
+    assert not circles, f"benchmarks/ modules on an import circle: {circles}"
+
+
 def test_a_clone_in_the_working_directory_does_not_shadow_the_package(tmp_path):
     """With the package under src/, a folder named after it (a clone, the usual
     ``git clone .../scaffold_jax``) in the directory a script or REPL starts from is a

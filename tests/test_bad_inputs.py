@@ -216,6 +216,53 @@ def overwrite_unwritable(ctx) -> None:
     unwritable(ctx, lambda: results.check_folder(folder, overwrite=True))
 
 
+def read_only_files(ctx, call: Callable[[], object]) -> object:
+    """``call()`` with ``ctx.tmp / "ro"`` on a read-only file system: no file is created
+    there (``os.open`` with ``O_CREAT``), as under ``mount -o ro`` (simulated: the tests
+    may run as root)."""
+    root, real = str(ctx.tmp / "ro"), os.open
+
+    def opening(path, flags, *args, **kwargs):
+        where = os.fspath(path)
+        if kwargs.get("dir_fd") is None and not os.path.isabs(where):
+            where = os.path.abspath(where)
+        if flags & os.O_CREAT and (where.startswith(root) or kwargs.get("dir_fd") is not None):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return real(path, flags, *args, **kwargs)
+
+    with mock.patch.object(os, "open", opening):
+        return call()
+
+
+def killed_run_read_only(ctx) -> None:
+    """``--resume`` of a run killed with SIGKILL (its lock names a process that is gone),
+    whose folder has become read-only: clearing the stale lock rewrites the summary."""
+    import platform
+
+    folder = ctx.tmp / "ro" / "run"
+    writer = results.RunWriter(folder, {"a": 1}, plots=())
+    writer.open()  # a "running" summary and this process's lock, never closed
+    gone = 2**22 + 12345  # beyond pid_max's default: no such process
+    (folder / ".lock").write_text(json.dumps({"pid": gone, "host": platform.node()}))
+    read_only_files(ctx, lambda: results.check_lock(folder))
+
+
+def fifo(ctx) -> str:
+    path = ctx.tmp / "devices.fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
+def profile_csv(ctx, *rows: str) -> str:
+    text = "seconds_per_example,down_bytes_per_s,up_bytes_per_s\n" + "\n".join(rows) + "\n"
+    return str(write(ctx.tmp / "devices.csv", text.encode()))
+
+
+def cli_config(*argv: str) -> RunConfig:
+    """The config ``scaffold-jax run ARGV`` builds (not validated)."""
+    return cli._config(cli._parse(["run", *argv]), validate=False)
+
+
 def quick_run(values) -> None:
     """``scaffold-jax run`` of these config values (refused before its folder is made)."""
     experiments.run(RunConfig.from_dict({**DP_RUN, **values}), quiet=True)
@@ -279,9 +326,7 @@ CASES = [
          "plan must be a BatchPlan, got tuple.",
          lambda ctx: sj.Simulation(sj.fedavg(ctx.problem.loss_fn), ctx.problem, (2, 1), 2)),
     Case("weighting", "unknown weighting", "Simulation(...)", ValueError,
-         "weighting 'size' is unknown; use one of uniform, num_examples (an entry defined "
-         "outside scaffold_jax is registered when its module is imported: pass --plugin "
-         "MODULE_OR_FILE.py (config key 'plugins')).",
+         "weighting 'size' is unknown; use one of uniform, num_examples.",
          lambda ctx: simulation(ctx, weighting="size")),
     Case("eval-batch-size", "evaluation chunk < 1", "Simulation(...)", ValueError,
          "eval_batch_size = 0 is invalid: it must be >= 1.",
@@ -326,9 +371,7 @@ CASES = [
     # ----- algorithms
     Case("algorithm-name", "unknown algorithm", "algorithms.make", ValueError,
          "algorithm 'fedsgd' is unknown (did you mean 'sgd'?); use one of scaffold, fedavg, "
-         "feddyn, fednova, fedprox, mime, mimelite, sgd… (an entry defined outside scaffold_jax "
-         "is registered when its module is imported: pass --plugin MODULE_OR_FILE.py (config key "
-         "'plugins')).",
+         "feddyn, fednova, fedprox, mime, mimelite, sgd….",
          lambda ctx: sj.algorithms.make("fedsgd", ctx.problem.loss_fn)),
     Case("scaffold-option", "unknown SCAFFOLD option", "scaffold", ValueError,
          "SCAFFOLD option 3 is unknown; use 1 (or 'I': control = gradient at x) or 2 (or "
@@ -849,9 +892,7 @@ CASES = [
          "or set model = 'resnet18'. state_policy = 'local' applies to a model with running "
          "statistics (resnet18 with resnet_norm = 'batch', or a plugin model that takes "
          "state_policy); model = ['mlp'] keeps none. model = ['mlp'] is invalid: it must be "
-         "one of 'logreg', 'mlp', 'cnn', 'resnet18', 'char_lstm' (did you mean 'mlp'?); an "
-         "entry defined outside scaffold_jax is registered when its module is imported: pass "
-         "--plugin MODULE_OR_FILE.py (config key 'plugins').",
+         "one of 'logreg', 'mlp', 'cnn', 'resnet18', 'char_lstm' (did you mean 'mlp'?).",
          lambda ctx: RunConfig.from_dict({"model": ["mlp"], "state_policy": "local"}).validate()),
     Case("sweep-seeds-repeated", "sweep --seeds 0 1 0", "experiments.sweep", ConfigError,
          "--seeds repeats 0: give each seed once (a repeated seed is the same run counted "
@@ -1327,6 +1368,205 @@ CASES = [
          "does not time compressed uplinks yet (their size is a hyper-parameter the compiled "
          "round does not know); use one or the other.",
          lambda ctx: RunConfig(**DP_RUN, **TIMED, compression="qsgd").validate()),
+    # ----- settings that could not mean what the user wants, once accepted (exit 0)
+    Case("clock-deadline-below-every-client", "--profiles lognormal --round-deadline 1e-9 "
+         "(every round kept no client: the model never trained)", "RunConfig.validate",
+         ConfigError,
+         "invalid config: round_deadline = 1e-09 s is shorter than every client's local work "
+         "alone: the fastest of the N = 50 clients (client 23) needs 0.00187 s for its 1 "
+         "example a round (before its download and upload), so every round would drop every "
+         "client and the model would never train; give round_deadline > 0.00187, or unset it.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, round_deadline=1e-9).validate()),
+    Case("clock-file-slower-than-deadline", "--profiles file whose every device is slower "
+         "than --round-deadline 0.5", "RunConfig.validate", ConfigError,
+         "invalid config: round_deadline = 0.5 s is shorter than every client's local work "
+         "alone: the fastest of the N = 50 clients (client 0 (row 2)) needs 1 s for its 1 "
+         "example a round (before its download and upload), so every round would drop every "
+         "client and the model would never train; give round_deadline > 1, or unset it.",
+         lambda ctx: RunConfig(**DP_RUN, profiles="file", round_deadline=0.5, profile_file=(
+             profile_csv(ctx, "1,1e6,1e6", "2,1e6,1e6"))).validate()),
+    Case("clock-deadline-underflows", "--profiles lognormal --round-deadline 1e-50 (0 in the "
+         "float32 clock)", "RunConfig.validate", ConfigError,
+         "invalid config: round_deadline = 1e-50 is invalid: the virtual clock computes in "
+         "float32, where it is 0 (the smallest normal float32 is 1.18e-38); give at least "
+         "that many seconds (or unset it).",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, round_deadline=1e-50).validate()),
+    Case("clock-speed-overflows", "--profiles lognormal --seconds-per-example 1e39 (inf in "
+         "float32: virtual_time Infinity)", "RunConfig.validate", ConfigError,
+         "invalid config: seconds_per_example = 1e+39 is invalid: the virtual clock computes "
+         "in float32, where it is inf (the largest float32 is 3.4e+38); give at most that "
+         "many seconds.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, seconds_per_example=1e39).validate()),
+    Case("clock-bandwidth-underflows", "--profiles lognormal --down-bytes-per-s 1e-50",
+         "RunConfig.validate", ConfigError,
+         "invalid config: down_bytes_per_s = 1e-50 is invalid: the virtual clock computes in "
+         "float32, where it is 0 (the smallest normal float32 is 1.18e-38); give at least "
+         "that many bytes per second.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, down_bytes_per_s=1e-50).validate()),
+    Case("clock-compute-sigma-overflows", "--profiles lognormal --compute-sigma 1000 (the "
+         "draws are 0 or inf in float32)", "RunConfig.validate", ConfigError,
+         "invalid config: profiles = 'lognormal' (seconds_per_example = 0.005, compute_sigma "
+         "= 1000.0, down_bytes_per_s = 1250000.0, up_bytes_per_s = 250000.0, bandwidth_sigma "
+         "= 0.75) gives client 0 seconds per example = 0 in the virtual clock's float32 (a "
+         "positive number from 1.18e-38 to 3.4e+38 is needed): use medians nearer 1 or "
+         "smaller spreads (compute_sigma, bandwidth_sigma).",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, compute_sigma=1000.0).validate()),
+    Case("clock-bandwidth-sigma-overflows", "--profiles lognormal --bandwidth-sigma 100",
+         "RunConfig.validate", ConfigError,
+         "invalid config: profiles = 'lognormal' (seconds_per_example = 0.005, compute_sigma "
+         "= 0.5, down_bytes_per_s = 1250000.0, up_bytes_per_s = 250000.0, bandwidth_sigma = "
+         "100.0) gives client 0 downlink bytes/s = 0 in the virtual clock's float32 (a "
+         "positive number from 1.18e-38 to 3.4e+38 is needed): use medians nearer 1 or "
+         "smaller spreads (compute_sigma, bandwidth_sigma).",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, bandwidth_sigma=100.0).validate()),
+    Case("clock-file-cell-underflows", "--profiles file with a cell 1e-50 in a row a client "
+         "reads", "RunConfig.validate", ConfigError,
+         "invalid config: the profile file {tmp}/devices.csv gives client 1 (row 3) seconds "
+         "per example = 0 in the virtual clock's float32 (a positive number from 1.18e-38 to "
+         "3.4e+38 is needed): give each device numbers from 1.18e-38 to 3.4e+38.",
+         lambda ctx: RunConfig(**DP_RUN, profiles="file", profile_file=profile_csv(
+             ctx, "0.01,1e6,1e6", "1e-50,1e6,1e6")).validate()),
+    Case("clock-file-cell-overflows", "--profiles file with a cell 1e39", "RunConfig.validate",
+         ConfigError,
+         "invalid config: the profile file {tmp}/devices.csv gives client 0 (row 2) uplink "
+         "bytes/s = inf in the virtual clock's float32 (a positive number from 1.18e-38 to "
+         "3.4e+38 is needed): give each device numbers from 1.18e-38 to 3.4e+38.",
+         lambda ctx: RunConfig(**DP_RUN, profiles="file", profile_file=profile_csv(
+             ctx, "0.01,1e6,1e39")).validate()),
+    Case("clock-over-selection-huge", "--profiles lognormal --over-selection 1e300 (it "
+         "printed a 301-digit integer)", "RunConfig.validate", ConfigError,
+         "invalid config: over_selection = 1e+300 samples ceil(f * S) = 1e+301 clients a "
+         "round, more than num_clients N = 50: use a smaller over_selection or "
+         "clients_per_round.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, over_selection=1e300).validate()),
+    Case("clock-file-dev-null", "--profile-file /dev/null (it said \"no such file\")",
+         "RunConfig.validate", ConfigError,
+         "invalid config: profile_file = '/dev/null' is not a regular file (a device or a "
+         "pipe): the file must be a CSV with the header seconds_per_example,down_bytes_per_s,"
+         "up_bytes_per_s and one row of three positive numbers per device.",
+         lambda ctx: RunConfig(**DP_RUN, profiles="file", profile_file="/dev/null").validate()),
+    Case("clock-file-fifo", "--profile-file FIFO (a named pipe; never read: it would block)",
+         "RunConfig.validate", ConfigError,
+         "invalid config: profile_file = '{tmp}/devices.fifo' is not a regular file (a device "
+         "or a pipe): the file must be a CSV with the header seconds_per_example,"
+         "down_bytes_per_s,up_bytes_per_s and one row of three positive numbers per device.",
+         lambda ctx: RunConfig(**DP_RUN, profiles="file", profile_file=fifo(ctx)).validate()),
+    Case("fedbuff-sampler", "--execution fedbuff --sampler poisson (ignored: FedBuff draws "
+         "its own clients)", "RunConfig.validate", ConfigError,
+         "invalid config: execution = 'fedbuff' does not use sampler = 'poisson': it keeps "
+         "concurrency M = 10 clients in flight (an arrival's replacement drawn uniformly among "
+         "those not in flight) and steps every buffer_size B = 5 arrivals; remove it and set "
+         "concurrency or buffer_size (--concurrency, --buffer-size).",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff",
+                               sampler="poisson").validate()),
+    Case("fedbuff-clients-per-round", "--execution fedbuff --clients-per-round 5 (ignored)",
+         "RunConfig.validate", ConfigError,
+         "invalid config: execution = 'fedbuff' does not use clients_per_round = 5: it keeps "
+         "concurrency M = 10 clients in flight (an arrival's replacement drawn uniformly among "
+         "those not in flight) and steps every buffer_size B = 5 arrivals; remove it and set "
+         "concurrency or buffer_size (--concurrency, --buffer-size).",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff",
+                               clients_per_round=5).validate()),
+    Case("fedbuff-client-fraction", "--execution fedbuff --client-fraction 0.9 (ignored)",
+         "RunConfig.validate", ConfigError,
+         "invalid config: execution = 'fedbuff' does not use client_fraction = 0.9: it keeps "
+         "concurrency M = 10 clients in flight (an arrival's replacement drawn uniformly among "
+         "those not in flight) and steps every buffer_size B = 5 arrivals; remove it and set "
+         "concurrency or buffer_size (--concurrency, --buffer-size).",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff",
+                               client_fraction=0.9).validate()),
+    Case("compress-entries-without-compressor", "--compress-entries delta_params (no "
+         "--compression)", "RunConfig.validate", ConfigError,
+         "invalid config: compress_entries = 'delta_params' does not apply to compression = "
+         "'none': it is an option of a compressor; remove it or choose a compression (qsgd, "
+         "topk, randk, signef).",
+         lambda ctx: RunConfig(**DP_RUN, compress_entries="delta_params").validate()),
+    Case("compress-residual-without-compressor", "--compress-residual-dtype bfloat16 (no "
+         "--compression)", "RunConfig.validate", ConfigError,
+         "invalid config: compress_residual_dtype = 'bfloat16' does not apply to compression "
+         "= 'none': it is an option of a compressor; remove it or choose a compression (qsgd, "
+         "topk, randk, signef).",
+         lambda ctx: RunConfig(**DP_RUN, compress_residual_dtype="bfloat16").validate()),
+    Case("compress-residual-with-qsgd", "--compression qsgd --compress-residual-dtype "
+         "bfloat16 (qsgd keeps no residual)", "RunConfig.validate", ConfigError,
+         "invalid config: compress_residual_dtype = 'bfloat16' does not apply to compression "
+         "= 'qsgd', which keeps no error-feedback residual; remove it or choose a compression "
+         "with one (topk or signef).",
+         lambda ctx: RunConfig(**DP_RUN, compression="qsgd",
+                               compress_residual_dtype="bfloat16").validate()),
+    Case("compress-entries-empty-name", "--compression topk --compress-entries delta_params, "
+         "(it said \"names , which\")", "RunConfig.validate", ConfigError,
+         "invalid config: compress_entries = 'delta_params,' holds an empty name (a stray "
+         "comma): give names separated by single commas (e.g. delta_params,delta_control), or "
+         "all.",
+         lambda ctx: RunConfig(**DP_RUN, compression="topk",
+                               compress_entries="delta_params,").validate()),
+    Case("setting-twice-in-file", "a config file with compress_bits = 8 and hparams "
+         "{compress_bits = 4} (it ran with 8)", "scaffold-jax run --config", ConfigError,
+         "config file {tmp}/twice.json gives compress_bits = 8 and hparams.compress_bits = 4: "
+         "a setting with two values; give it once, by name or in its table.",
+         lambda ctx: cli_config("--config", str(write(ctx.tmp / "twice.json", json.dumps(
+             {"compression": "qsgd", "compress_bits": 8, "hparams": {"compress_bits": 4}}
+         ).encode())))),
+    Case("setting-twice-option", "concurrency = 6 and options {concurrency = 4} (it ran with "
+         "6)", "RunConfig.from_dict", ConfigError,
+         "config gives concurrency = 6 and options.concurrency = 4: a setting with two values; "
+         "give it once, by name or in its table.",
+         lambda ctx: RunConfig.from_dict({"concurrency": 6, "options": {"concurrency": 4}})),
+    Case("setting-twice-hparam", "prox_mu = 0.1 and hparams {prox_mu = 0.5}",
+         "RunConfig(...)", ConfigError,
+         "RunConfig gives prox_mu = 0.1 and hparams.prox_mu = 0.5: a setting with two values; "
+         "give it once, by name or in its table.",
+         lambda ctx: RunConfig(algorithm="fedprox", prox_mu=0.1, hparams={"prox_mu": 0.5})),
+    Case("setting-twice-flag-and-set", "--concurrency 6 --set concurrency=4 (it ran with 4)",
+         "scaffold-jax run", ConfigError,
+         "--concurrency 6 and --set concurrency=4 give a setting two values: give it once (a "
+         "flag or --set).",
+         lambda ctx: cli_config("--concurrency", "6", "--set", "concurrency=4")),
+    Case("resume-killed-read-only", "--resume of a killed run whose folder is read-only (it "
+         "printed a raw [Errno 30] of summary.json.<pid>.tmp)", "check_lock",
+         results.RunFolderError,
+         "cannot write {tmp}/ro/run/summary.json: the run's folder is on a read-only file "
+         "system, and --resume or --overwrite writes where the run is. Make the folder "
+         "writable, or copy it to a writable place and --resume there.",
+         killed_run_read_only),
+    Case("algorithm-is-an-execution", "--algorithm fedbuff", "RunConfig.validate", ConfigError,
+         "invalid config: algorithm = 'fedbuff' is invalid: it must be one of 'scaffold', "
+         "'fedavg', …; 'fedbuff' is an execution, not an algorithm: set execution = 'fedbuff' "
+         "(--execution fedbuff), with algorithm = fedavg | fedprox | scaffold.",
+         lambda ctx: RunConfig(**DP_RUN, algorithm="fedbuff").validate()),
+    Case("dataset-abbreviated", "--dataset fmnist (no did-you-mean)", "RunConfig.validate",
+         ConfigError,
+         "invalid config: dataset = 'fmnist' is invalid: it must be one of 'mnist', "
+         "'fashion_mnist', … (did you mean 'fashion_mnist'?).",
+         lambda ctx: RunConfig(dataset="fmnist").validate()),
+    Case("sweep-targets", "sweep --targets 0.5 0.6 (sweep's flag is --target)", "scaffold-jax "
+         "sweep", ConfigError,
+         "sweep: --targets 0.5 0.6 is run's flag (the accuracies a run's summary reports); a "
+         "sweep counts rounds to ONE target accuracy: give --target X (default 0.7).",
+         lambda ctx: cli._sweep_command(sweep_args("--targets", "0.5", "0.6"))),
+    Case("sweep-grid-compressor-hparam", "sweep --grid compress_bits=2,4 without --compression "
+         "qsgd (it said \"unknown name\")", "experiments.sweep", ConfigError,
+         "--grid compress_bits: compress_bits is a hyper-parameter of compression qsgd, not of "
+         "compression = 'none'; choose that compression (--compression qsgd) or remove the "
+         "axis.",
+         lambda ctx: experiments.sweep(RunConfig(**DP_RUN), (), {"compress_bits": [2, 4]},
+                                       out=str(ctx.tmp / "o"), quiet=True)),
+    Case("sweep-grid-other-compressor-hparam", "sweep --compression qsgd --grid "
+         "compress_fraction=0.1,0.2 (it suggested client_fraction)", "experiments.sweep",
+         ConfigError,
+         "--grid compress_fraction: compress_fraction is a hyper-parameter of compression topk "
+         "and randk, not of compression = 'qsgd'; choose that compression (--compression "
+         "topk) or remove the axis.",
+         lambda ctx: experiments.sweep(RunConfig(**DP_RUN, compression="qsgd"), (),
+                                       {"compress_fraction": [0.1, 0.2]},
+                                       out=str(ctx.tmp / "o"), quiet=True)),
+    Case("sweep-grid-of-names", "sweep --grid compression=topk,qsgd (it suggested --grid "
+         "compression=0.5,1)", "scaffold-jax sweep", ConfigError,
+         "--grid compression=topk,qsgd: compression takes a name, and a grid axis takes "
+         "numbers (one program per value); sweep each compression on its own (--compression "
+         "topk, then --compression qsgd, each with its own --out).",
+         lambda ctx: cli._grid_axes(["compression=topk,qsgd"])),
 ]
 # fmt: on
 
@@ -1447,6 +1687,7 @@ def render_doc() -> str:
         "from those cases (`python tests/test_bad_inputs.py`) and a test fails when the two",
         "disagree. In a message, `{tmp}` stands for the directory involved and `…` for text",
         "quoted from a third-party error (flax, tensorstore, zlib) or naming the machine.",
+        f"There are {len(CASES)}; other pages link here rather than repeat the figure.",
         "",
         "| # | Bad input | Refused by | Error | Message |",
         "|---|---|---|---|---|",

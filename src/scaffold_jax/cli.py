@@ -84,6 +84,7 @@ from scaffold_jax.cli_flags import (
     _tensorboard_flag,
 )
 from scaffold_jax.experiments import DIAGNOSE_FIELDS, ConfigError, RunConfig
+from scaffold_jax.experiments.schema import route, same_value
 from scaffold_jax.loop import RunTerminated, sigterm_exits
 from scaffold_jax.paper import PROTOCOLS
 
@@ -245,7 +246,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         "the seed (logreg starts at zero).\n\n" + _REFERENCE,
     )
     flags = _Flags()
-    _config_flags(flags)
+    _config_flags(flags, without=("targets",))
     flags.add_argument(
         "--algorithms",
         nargs="+",
@@ -291,6 +292,8 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
         help="target test accuracy: the summary's choice is by rounds to it, and sweep.csv "
         "reports them [0.7]",
     )
+    # run's several --targets, refused by name (sweep counts rounds to one --target).
+    flags.add_argument("--targets", nargs="+", dest="run_targets", help=argparse.SUPPRESS)
     flags.add_argument(
         "--resume",
         action="store_true",
@@ -361,21 +364,46 @@ def _config(args: argparse.Namespace, validate: bool = True) -> RunConfig:
     """The :class:`RunConfig` of --config and the flags given, validated unless told."""
     from scaffold_jax import experiments
 
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"hparams": {}, "options": {}}
     if args.config:
-        values.update(experiments.load_config_file(args.config))
+        values.update(
+            route(
+                experiments.load_config_file(args.config), "config",
+                source=f"config file {args.config}",
+            )
+        )  # fmt: skip
     names = [f.name for f in dataclasses.fields(RunConfig)]
-    values.update({name: getattr(args, name) for name in names if hasattr(args, name)})
-    # Declared hyper-parameters and options given as flags or --set: from_dict moves them
-    # into the config's hparams / options tables.
-    values.update(
+    flags = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    flags.update(
         {k.split(":", 1)[1]: v for k, v in vars(args).items() if k.startswith("declared:")}
     )
-    values.update(_parse_set(args.set))
+    sets = _parse_set(args.set)
+    twice = [
+        f"--{k.replace('_', '-')} {_shown(flags[k])} and --set {k}={_shown(v)}"
+        for k, v in sets.items()
+        if k in flags and not same_value(flags[k], v)
+    ]
+    if twice:
+        raise ConfigError(
+            f"{'; '.join(twice)} give a setting two values: give it once (a flag or --set)."
+        )
+    # Flags override the file; a declared name given as a flag or by --set replaces the
+    # file's table entry (route moves it into the hparams / options tables).
+    given = route({**flags, **sets}, "config", source="the command line")
+    for table in ("hparams", "options"):
+        values[table] = {**values[table], **given.pop(table)}
+    values.update(given)
     if args.plugin:
         values["plugins"] = [*values.get("plugins", []), *args.plugin]
     config = RunConfig.from_dict(values, where="config")
     return config.validate() if validate else config
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as typed (a list as its items)."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -429,10 +457,10 @@ def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
             try:
                 numbers.append(float(text))
             except ValueError:
-                raise ConfigError(
+                raise ConfigError(_named_axis(name, texts) or (
                     f"--grid {item!r}: {text!r} is not a number; every value of an axis must "
                     f"be one ({example})."
-                ) from None
+                )) from None  # fmt: skip
         repeated = sorted({v for v in numbers if numbers.count(v) > 1})
         if repeated:
             raise ConfigError(
@@ -443,9 +471,34 @@ def _grid_axes(items: Sequence[str]) -> dict[str, list[float]]:
     return axes
 
 
+def _named_axis(name: str, texts: Sequence[str]) -> str | None:
+    """Why ``--grid NAME=a,b`` of a setting that takes names (an algorithm, a compressor)
+    is no axis, and what sweeps it instead; None for any other name."""
+    if name == "algorithm":
+        return (
+            f"--grid algorithm={','.join(texts)}: the algorithms of a sweep are "
+            f"--algorithms {' '.join(texts)}, not a grid axis."
+        )
+    field = {f.name: f for f in dataclasses.fields(RunConfig)}.get(name)
+    if field is None or field.metadata["kind"] != "str":
+        return None
+    flag = f"--{name.replace('_', '-')}"
+    return (
+        f"--grid {name}={','.join(texts)}: {name} takes a name, and a grid axis takes numbers "
+        f"(one program per value); sweep each {name} on its own ({flag} {texts[0]}, then "
+        f"{flag} {texts[-1]}, each with its own --out)."
+    )
+
+
 def _sweep_command(args: argparse.Namespace) -> int:
     from scaffold_jax import experiments
 
+    if args.run_targets is not None:
+        raise ConfigError(
+            f"sweep: --targets {' '.join(args.run_targets)} is run's flag (the accuracies a "
+            "run's summary reports); a sweep counts rounds to ONE target accuracy: give "
+            "--target X (default 0.7)."
+        )
     axes = _grid_axes(args.grid)
     if args.lr_grid:
         if "client_lr" in axes:

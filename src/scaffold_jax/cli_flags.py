@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.experiments.commands import DATA_OWNERS
+from scaffold_jax.registry import PLUGIN_HINT
 from scaffold_jax.types import HParam
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
@@ -184,12 +185,15 @@ class _Flags:
 DIAGNOSE_OPTIONS = DATA_OWNERS
 
 
-def _config_flags(parser: _Flags, fields: Sequence[str] | None = None) -> None:
+def _config_flags(
+    parser: _Flags, fields: Sequence[str] | None = None, without: Sequence[str] = ()
+) -> None:
     """--config, --plugin, --set, one flag per :class:`RunConfig` field and one per
     hyper-parameter or option a registered algorithm declares (flags override the file).
 
     ``fields``: only these fields have flags, and of the declared names only the options
-    of models, partitioners and datasets (a command that does not run an algorithm)."""
+    of models, partitioners and datasets (a command that does not run an algorithm);
+    ``without``: fields the command spells its own way (sweep's one ``--target``)."""
     from scaffold_jax import experiments
 
     parser.add_argument("--config", metavar="FILE", help="a .toml or .json config file")
@@ -199,7 +203,8 @@ def _config_flags(parser: _Flags, fields: Sequence[str] | None = None) -> None:
         default=[],
         metavar="MODULE",
         help="import a module (dotted name or .py file) that registers algorithms, models, "
-        "datasets or partitioners before anything else; repeatable (config key: plugins)",
+        "datasets or partitioners before anything else; repeatable (config key: plugins). "
+        f"A name no registered entry has is refused: {PLUGIN_HINT}",
     )
     parser.add_argument(
         "--set",
@@ -239,7 +244,7 @@ def _config_flags(parser: _Flags, fields: Sequence[str] | None = None) -> None:
         kind = meta["kind"]
         if kind == "table" or field.name == "plugins":
             continue  # filled by the declared flags and --set; plugins by --plugin
-        if fields is not None and field.name not in fields:
+        if (fields is not None and field.name not in fields) or field.name in without:
             continue
         help_text = meta["help"]
         if meta.get("choices"):

@@ -27,6 +27,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import math
+import re
 import signal
 import sys
 import weakref
@@ -36,10 +37,49 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
+#: How an entry defined outside scaffold_jax gets registered: said once, in ``--help``
+#: (the ``--plugin`` flag's), not after every unknown name (a typo's message stays one
+#: line: the name, the nearest known one, the known ones).
 PLUGIN_HINT = (
     "an entry defined outside scaffold_jax is registered when its module is imported: "
     "pass --plugin MODULE_OR_FILE.py (config key 'plugins')"
 )
+
+
+def suggest(name: object, known: Iterable[str]) -> str | None:
+    """The known name ``name`` most likely meant, or None: the same name up to case, ``-``
+    and ``_`` (``Fashion-MNIST``), an abbreviation made of the initials of its first words
+    and its last word (``fmnist`` for ``fashion_mnist``), else the closest spelling.
+
+    Examples:
+      >>> suggest("fmnist", ["mnist", "fashion_mnist", "femnist"])
+      'fashion_mnist'
+      >>> suggest("gren", ["red", "green"])
+      'green'
+    """
+    known = list(known)
+    text = str(name)
+
+    def plain(s: str) -> str:
+        return s.lower().replace("-", "_")
+
+    for candidate in known:
+        if plain(candidate) == plain(text):
+            return candidate
+    for candidate in known:
+        words = [w for w in re.split(r"[_/]", plain(candidate)) if w]
+        if len(words) > 1 and plain(text).replace("_", "") == (
+            "".join(w[0] for w in words[:-1]) + words[-1]
+        ):
+            return candidate
+    close = difflib.get_close_matches(text, known, n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(name: object, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for :func:`suggest`'s name, else ``""``."""
+    close = suggest(name, known)
+    return f" (did you mean {close!r}?)" if close is not None else ""
 
 
 class ConfigError(ValueError):
@@ -249,13 +289,10 @@ class Registry(Generic[T]):
         return self._entries[name]
 
     def unknown_message(self, name: object) -> str:
-        """``"<kind> 'x' is unknown (did you mean ...?); use one of ..."``."""
-        close = difflib.get_close_matches(str(name), list(self._entries), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return (
-            f"{self.kind} {name!r} is unknown{hint}; use one of {', '.join(self._entries)} "
-            f"({PLUGIN_HINT})."
-        )
+        """``"<kind> 'x' is unknown (did you mean ...?); use one of ..."``: one line (how a
+        plugin registers its entries is said in ``--help``)."""
+        hint = did_you_mean(name, self._entries)
+        return f"{self.kind} {name!r} is unknown{hint}; use one of {', '.join(self._entries)}."
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._entries

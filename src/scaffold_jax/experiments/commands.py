@@ -332,6 +332,13 @@ def split_axes(
                 f"hyper-parameter {name} ({', '.join(owners)} does); add one with --algorithms "
                 "or remove the axis."
             )
+        compressors = [n for n, spec in COMPRESSORS.items() if name in spec.hparams]
+        if compressors:  # as run says of compress_bits without qsgd
+            raise ConfigError(
+                f"--grid {name}: {name} is a hyper-parameter of compression "
+                f"{' and '.join(compressors)}, not of compression = {compression!r}; choose "
+                f"that compression (--compression {compressors[0]}) or remove the axis."
+            )
         close = difflib.get_close_matches(name, [*declared, *settings], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(

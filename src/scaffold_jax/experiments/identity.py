@@ -80,7 +80,8 @@ def canonical(values: Mapping[str, Any]) -> dict[str, Any]:
     declared = {*RunConfig.field_names(), *declared_hparams(), *declared_options()}
     known = {k: v for k, v in values.items() if k in declared}
     rest = {k: v for k, v in values.items() if k not in declared}
-    config = RunConfig(**known)
+    # A command's config.json lays the values it was given over its first cell's.
+    config = RunConfig.from_dict(known, strict=False)
     out = config.to_dict()
     del out["options"]  # each chosen entry's option is a key of its own, to name it in diffs
     for kind, _, _ in config.chosen():

@@ -263,31 +263,54 @@ class ConfigFields:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["builds"])
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], where: str = "config"):
+    def from_dict(cls, values: Mapping[str, Any], where: str = "config", strict: bool = True):
         """Builds a config from a mapping; unknown keys are errors (with a suggestion).
 
+        Args:
+          values: fields, tables and declared names.
+          where: what holds them, for messages.
+          strict: refuse a declared name given two values (at the top level and in its
+            table); False: the top level's wins (a command's own ``config.json``, which
+            lays the values it was given over the first cell's).
+
         Raises:
-          ConfigError: unknown keys.
+          ConfigError: unknown keys, or (``strict``) a name given two values.
         """
-        return cls(**route(values, where))
+        return cls(**route(values, where, strict=strict))
 
     def replace(self, **changes: Any):
         """A copy with ``changes`` (fields, or declared hyper-parameters and options by
-        name; an option set to None is unset)."""
-        return type(self)(**{**self.to_dict(), **changes})
+        name, which replace the tables' values; an option set to None is unset)."""
+        if isinstance(changes.get("plugins"), (list, tuple)):
+            import_plugins(changes["plugins"])  # they may declare the names changed
+        values = self.to_dict()
+        hparams, options = declared_hparams(), declared_options()
+        for name, value in changes.items():
+            table = "hparams" if name in hparams else "options" if name in options else None
+            if name in TABLES or table is None:
+                values[name] = value
+            elif value is None:
+                values[table].pop(name, None)
+            else:
+                values[table][name] = value
+        return type(self)(**values)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def route(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+def route(
+    values: Mapping[str, Any], where: str, strict: bool = True, source: str | None = None
+) -> dict[str, Any]:
     """``values`` with every declared hyper-parameter and option given by name moved into
     the ``hparams`` / ``options`` tables (an option given as None is unset); plugins
     named in ``values`` are imported first (they may declare those names).
 
     Raises:
-      ConfigError: a table that is not a table, or a key that is neither a field nor a
-        declared name (with the closest known one).
+      ConfigError: a table that is not a table, a key that is neither a field nor a
+        declared name (with the closest known one), or (``strict``) a name given by name
+        and in its table with two values (which one was meant cannot be known; the
+        message names ``source``, default ``where``).
     """
     values = dict(values)
     if "plugins" in values and isinstance(values["plugins"], (list, tuple)):
@@ -300,12 +323,26 @@ def route(values: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"{table} = {given!r} is invalid: it must be a table of names and values."
             )
         tables[table] = dict(given or {})
-    tables["hparams"].update({n: values.pop(n) for n in declared_hparams() if n in values})
-    options = tables["options"]
-    for name in [n for n in declared_options() if n in values]:
-        options[name] = values.pop(name)
-        if options[name] is None:
-            del options[name]
+    twice = []
+    for table, declared in (("hparams", declared_hparams()), ("options", declared_options())):
+        inside = tables[table]
+        for name in [n for n in declared if n in values]:
+            value = values.pop(name)
+            if (
+                strict
+                and inside.get(name) is not None
+                and value is not None
+                and (not same_value(inside[name], value))
+            ):
+                twice.append(f"{name} = {value!r} and {table}.{name} = {inside[name]!r}")
+            inside[name] = value
+            if value is None and table == "options":  # an option given as None is unset
+                del inside[name]
+    if twice:
+        raise ConfigError(
+            f"{source or where} gives {'; '.join(twice)}: a setting with two values; give it "
+            "once, by name or in its table."
+        )
     values.update(tables)
     known = ConfigFields.field_names()
     unknown = [k for k in values if k not in known]
@@ -322,6 +359,17 @@ def route(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             "declare (docs/config.md)."
         )
     return values
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two given values of one setting are the same (8 and 8.0 are; a tuple and
+    a list of the same values are)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # an array's comparison: different enough to say so
+        return False
 
 
 def import_plugins(specs: Sequence[str]) -> None:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +23,7 @@ from scaffold_jax.experiments import resolve, schema
 from scaffold_jax.experiments.schema import ConfigFields
 from scaffold_jax.models import MODELS
 from scaffold_jax.privacy import MECHANISMS
-from scaffold_jax.registry import PLUGIN_HINT, ConfigError, Registry, in_one_line
+from scaffold_jax.registry import ConfigError, Registry, did_you_mean, in_one_line
 from scaffold_jax.types import FLOAT32_TINY, STATE_POLICIES, STEP_SIZES, allowed_range
 from scaffold_jax.weighting import WEIGHTINGS
 
@@ -59,10 +58,7 @@ def validate(config: ConfigFields) -> Any:
         elif data_kind == "synthetic":
             _check_synthetic(config, errors)
         elif data_kind is None:
-            errors.append(
-                f"dataset = {config.dataset!r} is invalid: it must be one of "
-                f"{', '.join(schema.DATASETS)}; {PLUGIN_HINT}."
-            )
+            check.registered("dataset", config.dataset, schema.DATASETS)
     check.number(
         "client_holdout", config.client_holdout, low=0.0, high=1.0, strict=True,
         optional=True, what="a fraction in (0, 1)",
@@ -116,7 +112,8 @@ def validate(config: ConfigFields) -> Any:
     if privacy and check.registered("privacy", config.privacy, MECHANISMS) and counts_ok:
         _check_privacy(config, errors, how)
     if check.registered("compression", config.compression, COMPRESSORS):
-        _check_compression(config, errors)
+        if _check_compression_options(config, errors):
+            _check_compression(config, errors)
     _check_plan(config, check, errors)
     check.integer(
         "rounds", config.rounds, low=1, high=MAX_ROUNDS,
@@ -272,11 +269,9 @@ def _check_options(config: ConfigFields, errors: list[str]) -> None:
         elif name in chosen:
             _option_error(errors, name, value, chosen[name])
         elif name not in everywhere:
-            close = difflib.get_close_matches(name, list(everywhere), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
             errors.append(
-                f"options.{name} is unknown{hint}: no registered algorithm, model, "
-                f"partitioner or dataset declares it; {PLUGIN_HINT}."
+                f"options.{name} is unknown{did_you_mean(name, everywhere)}: no registered "
+                "algorithm, model, partitioner or dataset declares it."
             )
         elif unsplit and name in schema.partition_fields():
             continue
@@ -359,11 +354,22 @@ def _check_clock(config: ConfigFields, clock, errors: list[str]) -> None:
     if isinstance(S, int) and isinstance(config.num_clients, int):
         sampled = clock.sampled(S)
         if sampled > config.num_clients:
+            # An over_selection of 1e300 would print a 301-digit integer.
+            shown = f"{sampled}" if sampled < 10**12 else f"{clock.over_selection * S:.3g}"
             errors.append(
-                f"over_selection = {clock.over_selection} samples ceil(f * S) = {sampled} "
+                f"over_selection = {clock.over_selection} samples ceil(f * S) = {shown} "
                 f"clients a round, more than num_clients N = {config.num_clients}: use a "
                 "smaller over_selection or clients_per_round."
             )
+    least = _least_examples(config)
+    counts_ok = isinstance(config.num_clients, int) and 1 <= config.num_clients <= MAX_CLIENTS
+    seed_ok = isinstance(config.seed, int) and 0 <= config.seed <= MAX_SEED
+    rounds_ok = isinstance(config.rounds, int) and 1 <= config.rounds <= MAX_ROUNDS
+    if least is not None and counts_ok and seed_ok and rounds_ok:
+        try:
+            clock.check(config.seed, config.num_clients, least, config.rounds)
+        except ValueError as err:
+            errors.append(str(err))
     if config.compression != "none":
         errors.append(
             f"profiles = {config.profiles!r} with compression = {config.compression!r}: the "
@@ -405,6 +411,22 @@ def _check_execution(config: ConfigFields, errors: list[str]) -> None:
             f"{'does' if len(policy) == 1 else 'do'} not apply (its buffer of buffer_size "
             "arrivals is its policy); remove it."
         )
+    # FedBuff draws a new client each time one arrives, M in flight (concurrency) and a
+    # step every buffer_size arrivals: a cohort's size S and its sampler mean nothing there.
+    cohort = {k: getattr(config, k) for k in ("clients_per_round", "client_fraction")}
+    cohort = {k: v for k, v in cohort.items() if v is not None}
+    if config.sampler != sampling.DEFAULT_SAMPLER:
+        cohort["sampler"] = config.sampler
+    if cohort:
+        said = ", ".join(f"{k} = {v!r}" for k, v in cohort.items())
+        errors.append(
+            f"execution = 'fedbuff' does not use {said}: it keeps concurrency M = "
+            f"{buff.concurrency} clients in flight (an arrival's replacement drawn uniformly "
+            f"among those not in flight) and steps every buffer_size B = {buff.buffer_size} "
+            "arrivals; remove "
+            f"{'it' if len(cohort) == 1 else 'them'} and set concurrency or buffer_size "
+            "(--concurrency, --buffer-size)."
+        )
     others = {k: getattr(config, k) for k in ("availability", "stragglers", "dropouts")}
     others = {k: v for k, v in others.items() if v != participation.DEFAULTS[k]}
     if config.privacy is not None:
@@ -419,6 +441,19 @@ def _check_execution(config: ConfigFields, errors: list[str]) -> None:
         )
 
 
+def _least_examples(config: ConfigFields) -> int | None:
+    """The fewest examples a client processes in a round (a client of one example; one
+    local step where stragglers may cut its steps): a lower bound of its local work for the
+    clock's checks. None when the plan is invalid (said by its own checks)."""
+    try:
+        plan = resolve.plan(config)
+    except (ValueError, TypeError, KeyError, OverflowError):
+        return None
+    one = np.int32(1)
+    steps = plan.local_steps(one) if config.stragglers == "none" else one
+    return int(plan.examples(one, steps))
+
+
 def _most_local_steps(config: ConfigFields) -> int | None:
     """The most local steps the plan gives a client; None when that depends on the data
     (an epochs plan: checked once it is loaded) or the plan is invalid (said by its own
@@ -428,6 +463,49 @@ def _most_local_steps(config: ConfigFields) -> int | None:
     except (ValueError, TypeError, KeyError, OverflowError):
         return None
     return None if plan.steps_vary else int(plan.shape(1)[0])
+
+
+def _check_compression_options(config: ConfigFields, errors: list[str]) -> bool:
+    """The compression options that cannot apply, refused as a compressor's
+    hyper-parameter given to another is (``compress_bits`` without qsgd): which entries to
+    compress or how to store a residual without a compressor, a residual's storage with a
+    compressor that keeps none; an empty name in ``compress_entries``. True when none."""
+    if not isinstance(config.options, Mapping):
+        return False  # said by the options' checks
+    spec = COMPRESSORS[config.compression]
+    given = {
+        k: config.options[k]
+        for k in ("compress_entries", "compress_residual_dtype")
+        if config.options.get(k) is not None
+    }
+    said = len(errors)
+    residual = [n for n, c in COMPRESSORS.items() if c.compressor and c.compressor.error_feedback]
+    for name, value in given.items():
+        if name not in spec.options or spec.options[name].error(name, value) is not None:
+            continue  # said by the options' checks
+        if value == spec.options[name].default:
+            continue  # a default means nothing either way (an earlier config.json's)
+        if spec.compressor is None:
+            errors.append(
+                f"{name} = {value!r} does not apply to compression = {config.compression!r}: "
+                "it is an option of a compressor; remove it or choose a compression "
+                f"({', '.join(n for n, c in COMPRESSORS.items() if c.compressor)})."
+            )
+        elif name == "compress_residual_dtype" and not spec.compressor.error_feedback:
+            errors.append(
+                f"compress_residual_dtype = {value!r} does not apply to compression = "
+                f"{config.compression!r}, which keeps no error-feedback residual; remove it "
+                f"or choose a compression with one ({' or '.join(residual)})."
+            )
+        elif name == "compress_entries" and isinstance(value, str):
+            names = [n.strip() for n in value.split(",")]
+            if value.strip() and "" in names:
+                errors.append(
+                    f"compress_entries = {value!r} holds an empty name (a stray comma): give "
+                    "names separated by single commas (e.g. delta_params,delta_control), or "
+                    "all."
+                )
+    return len(errors) == said
 
 
 def _check_compression(config: ConfigFields, errors: list[str]) -> None:
@@ -523,6 +601,13 @@ def _check_plan(config: ConfigFields, check: Checker, errors: list[str]) -> None
             errors.append(f"{given} (batch_plan = {kind!r}): {err}")
 
 
+def _kind_note(kind: str) -> str:
+    """What goes with an entry of ``kind`` when a name of it was given for another key."""
+    if kind == "execution":
+        return f", with algorithm = {' | '.join(asynchronous_algorithms())}"
+    return ""
+
+
 def is_number(value: Any) -> bool:
     """Whether ``value`` is an int or a float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -553,10 +638,17 @@ class Checker:
         """``value`` must name an entry of ``registry``, as registered when this runs."""
         if value in registry:
             return True
-        close = difflib.get_close_matches(str(value), registry.names(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
         names = ", ".join(repr(n) for n in registry)
-        return self._bad(name, value, f"one of {names}{hint}; {PLUGIN_HINT}")
+        elsewhere = [k for k, r in schema.OPTION_OWNERS.items() if k != name and value in r]
+        if elsewhere:  # the name of another key's entry (--algorithm fedbuff)
+            kind = elsewhere[0]
+            return self._bad(
+                name, value,
+                f"one of {names}; {value!r} is a{'n' if kind[0] in 'aeiou' else ''} {kind}, "
+                f"not a{'n' if name[0] in 'aeiou' else ''} {name}: set {kind} = {value!r} "
+                f"(--{kind.replace('_', '-')} {value}){_kind_note(kind)}",
+            )  # fmt: skip
+        return self._bad(name, value, f"one of {names}{did_you_mean(value, registry.names())}")
 
     def integer(self, name, value, low=None, high=None, optional=False, what=None) -> bool:
         if value is None and optional:

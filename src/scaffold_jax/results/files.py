@@ -83,14 +83,16 @@ class RunFolderError(OSError):
 
 
 @contextlib.contextmanager
-def _writing(path: Path):
-    """Turns an OSError while writing ``path`` into a one-line :class:`RunFolderError`."""
+def _writing(path: Path, in_place: bool = False):
+    """Turns an OSError while writing ``path`` into a one-line :class:`RunFolderError`
+    (``in_place``: the write belongs to a ``--resume`` or ``--overwrite`` of the folder
+    that holds ``path``, where another ``--out`` is not the fix)."""
     try:
         yield
     except RunFolderError:
         raise  # said already, by a block inside this one
     except OSError as exc:
-        raise RunFolderError(exc.errno, _cannot_write(path, exc)) from exc
+        raise RunFolderError(exc.errno, _cannot_write(path, exc, in_place)) from exc
 
 
 #: The errors of a folder that may not be written (a read-only file system, permissions).
@@ -99,10 +101,18 @@ _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _cannot_write(path: Path, exc: OSError) -> str:
+def _cannot_write(path: Path, exc: OSError, in_place: bool = False) -> str:
     """One line: what could not be written, the actual problem and its fix (a folder that
-    may not be written is another --out; a full disk is space freed, then --resume)."""
+    may not be written is another --out, or, ``in_place``, made writable; a full disk is
+    space freed, then --resume)."""
     reason = exc.strerror or str(exc)
+    if in_place and exc.errno in _NOT_WRITABLE:
+        why = "on a read-only file system" if exc.errno == errno.EROFS else "not writable"
+        return (
+            f"cannot write {path}: the run's folder is {why}, and --resume or --overwrite "
+            "writes where the run is. Make the folder writable, or copy it to a writable "
+            "place and --resume there."
+        )
     if exc.errno == errno.EROFS:
         return f"cannot write {path}: it is on a read-only file system. Choose a writable --out."
     if exc.errno in _NOT_WRITABLE:

@@ -244,7 +244,8 @@ def _clear_stale(folder: Path, identity: tuple[int, int] | None, why: str) -> No
     if summary is not None and summary.get("status") == RUNNING:
         summary["status"] = INTERRUPTED
         summary["error"] = why
-        _write_json(folder / SUMMARY_FILE, summary)
+        with _writing(folder / SUMMARY_FILE, in_place=True):
+            _write_json(folder / SUMMARY_FILE, summary)
     path = folder / LOCK_FILE
     with contextlib.suppress(FileNotFoundError):
         if _identity(os.stat(path)) == identity:  # the very file judged stale

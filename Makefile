@@ -6,7 +6,21 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-release test-min lint bench docs docs-notebooks clean
+.PHONY: help demo test test-slow test-release test-min lint bench docs docs-notebooks clean
+
+# The first target: `make` alone prints this list.
+help:
+	@echo "make demo            SCAFFOLD vs FedAvg vs SGD on Fashion-MNIST (sets up $(VENV) first)"
+	@echo "make test            the quick test tier, a pytest worker per core"
+	@echo "make test-slow       the long tests (end-to-end runs, documented commands, kill points)"
+	@echo "make test-release    the quick tier compiled as users' programs are"
+	@echo "make test-min        the smoke tests at the oldest dependency versions allowed ($(VENV_MIN))"
+	@echo "make lint            ruff check and ruff format --check"
+	@echo "make bench           the benchmarks (benchmarks/run_all.py)"
+	@echo "make docs            the documentation site into docs/_build/html (0 warnings)"
+	@echo "make docs-notebooks  execute the notebooks into docs/tutorials (for a site with outputs)"
+	@echo "make clean           remove the virtualenvs, caches and built docs"
+	@echo "The tiers' counts and times: docs/reference/testing.md"
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) 2>/dev/null || \
@@ -26,7 +40,7 @@ demo: $(STAMP)
 # module-scoped fixtures are built once. `make test` is the quick tier, its programs
 # compiled for speed of compilation (tests/conftest.py); `make test-slow` (the long tests)
 # and `make test-release` (the quick tier again) compile as users' programs are. CI runs
-# all three. Their times: README.md, "Tests" (measured there).
+# all three. Their counts and times: docs/reference/testing.md (measured there).
 TEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 

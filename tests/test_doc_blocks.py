@@ -16,9 +16,11 @@ block runs:
 * ``python ...`` lines run as a subprocess of this interpreter, in the same folder.
 * ``pip install ...`` lines are the installs ``make`` performs (checked against the
   Makefile, not run: they would reinstall this interpreter's packages).
-* Python blocks run in page order in one namespace per page; the namespace of a page
-  other than README.md and Getting started starts from the API example of Getting started
-  (``data``, ``problem``, ``plan``), which those pages say they continue.
+* Each Python block runs ALONE, in a fresh namespace, as a script would: it has its own
+  imports and set-up (no block continues another's variables) and prints what its page
+  shows (a bare expression at the end would print nothing in a script). Checked without
+  running (:func:`test_every_python_block_stands_alone_and_prints`) and by running each
+  (``-m slow``).
 * A block a page quotes from a file of the repository (the plugin examples) must be that
   file's text.
 * ``text`` blocks are what a command prints, not commands; ``source .venv/bin/activate``
@@ -64,7 +66,6 @@ PAGES = [README] + sorted(
     if "_build" not in p.parts and p.parent.name != "results" and p.name != "history.md"
 )
 RESULTS_PAGES = sorted((DOCS / "results").glob("*.md"))
-#: The page whose API example the how-to pages' Python blocks continue.
 GETTING_STARTED = DOCS / "getting-started.md"
 
 #: What each run/sweep/reproduce command gets appended (documented above).
@@ -256,15 +257,52 @@ def test_every_command_runs_as_written(page, line, scratch, monkeypatch, capsys)
     assert code == 0, f"{line}\n{err[-3000:]}"
 
 
-def _run_blocks(page: Path, namespace: dict) -> None:
-    for i, text in enumerate(_python_blocks(page)):
-        if not _is_quoted(text):
-            code = compile(textwrap.dedent(text), f"{_name(page)} python block {i}", "exec")
-            exec(code, namespace)  # noqa: S102
+def _own_blocks() -> list[tuple[Path, int, str]]:
+    """(page, index, text) of every Python block that is not quoted from a file."""
+    return [
+        (page, i, text)
+        for page in PAGES
+        for i, text in enumerate(_python_blocks(page))
+        if not _is_quoted(text)
+    ]
 
 
-def _python_pages() -> list[Path]:
-    return [p for p in PAGES if any(not _is_quoted(t) for t in _python_blocks(p))]
+def _free_names(source: str) -> set[str]:
+    """Names a block reads but neither imports, assigns nor defines (builtins aside): what
+    it would take from another block."""
+    import builtins
+
+    tree = ast.parse(textwrap.dedent(source))
+    bound, read = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return read - bound - set(dir(builtins))
+
+
+def test_every_python_block_stands_alone_and_prints():
+    """Run as a script, each block works alone and shows its result: no names from
+    another block, no bare expression (a script prints nothing for it), a print."""
+    problems = []
+    for page, i, text in _own_blocks():
+        where = f"{_name(page)} python block {i}"
+        free = _free_names(text)
+        if free:
+            problems.append(f"{where} uses {sorted(free)} without defining them")
+        body = ast.parse(textwrap.dedent(text)).body
+        if any(isinstance(n, ast.Expr) and not isinstance(n.value, ast.Call) for n in body):
+            problems.append(f"{where} has a bare expression: a script would print nothing")
+        calls = [n for n in ast.walk(ast.Module(body=body, type_ignores=[]))
+                 if isinstance(n, ast.Call)]  # fmt: skip
+        if not any(isinstance(c.func, ast.Name) and c.func.id == "print" for c in calls):
+            problems.append(f"{where} prints nothing")
+    assert problems == []
 
 
 @pytest.fixture(scope="module")
@@ -285,20 +323,22 @@ def wandb_recorder():
 
 @pytest.mark.slow  # 100-round runs, a DP calibration, a million-client table: minutes
 @pytest.mark.skipif(not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist")
-@pytest.mark.parametrize("page", _python_pages(), ids=_name)
-def test_the_python_blocks_run_in_order_in_one_namespace(
-    page, wandb_recorder, monkeypatch, tmp_path
-):
+@pytest.mark.parametrize(
+    ("page", "index", "text"),
+    [pytest.param(p, i, t, id=f"{_name(p)} {i}") for p, i, t in _own_blocks()],
+)
+def test_each_python_block_runs_alone(page, index, text, wandb_recorder, monkeypatch,
+                                      tmp_path, capsys):  # fmt: skip
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    if page not in (README, GETTING_STARTED):  # they continue Getting started's API example
-        exec(compile(textwrap.dedent(_python_blocks(GETTING_STARTED)[0]), "api", "exec"), namespace)  # noqa: S102
+    namespace: dict = {"__name__": "__main__"}  # a fresh one: nothing from another block
     wandb_recorder.clear()
-    _run_blocks(page, namespace)
+    code = compile(textwrap.dedent(text), f"{_name(page)} python block {index}", "exec")
+    exec(code, namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip(), "the block printed nothing"
     if "dp_epsilon" in getattr(namespace.get("result"), "records", [{}])[-1]:
         # The privacy example, calibrated.
         assert namespace["result"].records[-1]["dp_epsilon"] == pytest.approx(3, rel=1e-3)
-    if page == GETTING_STARTED:
+    if "wandb" in namespace:
         # The tracker got every record of its run, at its round.
         assert [step for step, _ in wandb_recorder] == list(range(0, 101, 10))
         assert all("test_accuracy" in metrics for _, metrics in wandb_recorder)

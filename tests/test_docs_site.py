@@ -43,7 +43,9 @@ REQUIRED = {
     "how-to/performance",
     "explanation/design",
     "explanation/scaffold",
+    "explanation/network",
     "explanation/comparison",
+    "how-to/time",
     "reference/api",
     "reference/cli",
     "config",
@@ -54,6 +56,101 @@ REQUIRED = {
     "results/table3",
     "history",
 }
+
+
+#: The manual's own pages (the development log aside, which quotes history).
+USER_PAGES = [ROOT / "README.md"] + sorted(
+    p for p in DOCS.rglob("*.md") if "_build" not in p.parts and p.name != "history.md"
+)
+#: An issue number: "issue 40", "issue-40", "issues #42".
+ISSUE = re.compile(r"\bissues?[ -]?#?\d+", re.I)
+#: A Markdown file a page links to or names as a document ("../how-to/time.md#deadlines",
+#: "NETWORK.md"); an output file a command writes (summary.md) is not one.
+CITED_MD = re.compile(r"\]\(([^)#\s]+\.md)|\b([\w./-]*[A-Z][A-Z_]+\.md)\b")
+
+
+def _notebook_text(path: Path) -> str:
+    import json
+
+    return "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+
+
+def test_no_user_page_carries_an_issue_number():
+    """Issue numbers mean nothing to a reader of the manual: only docs/history.md has them
+    (README, every page, the notebooks the tutorials render, the API's docstrings)."""
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in USER_PAGES}
+    texts |= {str(p.relative_to(ROOT)): _notebook_text(p) for p in ROOT.glob("notebooks/*.ipynb")}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "src").rglob("*.py")}
+    found = {name: ISSUE.findall(text) for name, text in texts.items() if ISSUE.search(text)}
+    assert found == {}
+
+
+def test_every_markdown_file_a_page_cites_is_in_the_repository():
+    """A page that names a .md file (a link or prose) names one the reader can open: in
+    the repository, relative to the page or to its root (the design notes the code was
+    written from are not; their contents are the explanation pages)."""
+    missing = []
+    for page in USER_PAGES:
+        for cited in (link or name for link, name in CITED_MD.findall(page.read_text())):
+            if not ((page.parent / cited).exists() or (ROOT / cited).exists()):
+                missing.append(f"{page.relative_to(ROOT)}: {cited}")
+    for path in (ROOT / "src").rglob("*.py"):  # the API reference renders the docstrings
+        for cited in re.findall(r"\b[A-Z]+\.md\b", path.read_text()):
+            if not (ROOT / cited).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {cited}")
+    assert missing == []
+
+
+def test_a_count_of_refused_inputs_or_a_tier_time_is_stated_on_one_page():
+    """Figures that change with every release are stated once: the refused inputs on
+    their page, the test tiers' counts and times on the testing page; the other pages
+    link there."""
+    for page in USER_PAGES:
+        text = page.read_text()
+        name = str(page.relative_to(ROOT))
+        if name != "docs/bad_inputs.md":
+            assert not re.search(r"\b\d[\d,]* (kinds of )?bad inputs?\b", text), name
+        if name != "docs/reference/testing.md":
+            assert not re.search(r"test-min[^.]*\b\d+ ?(min|s)\b", text, re.S), name
+            assert not re.search(r"make test` runs [\d,]+ tests", text), name
+
+
+def test_rounds_to_a_target_say_their_evaluation_cadence():
+    """The README's rounds to 70% are per-round evaluations; a run evaluating every 5
+    rounds reports a multiple of 5, and the page says so beside the number."""
+    readme = (ROOT / "README.md").read_text()
+    sentence = readme[readme.index("in 17 rounds") :][:400]
+    assert "evaluated every round" in sentence and "every 5 rounds" in sentence
+
+
+def test_the_makefile_has_help_and_points_at_pages_that_exist():
+    import subprocess
+
+    makefile = (ROOT / "Makefile").read_text()
+    targets = re.findall(r"^\.PHONY: (.*)$", makefile, re.M)[0].split()
+    shown = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert all(f"make {t} " in shown for t in targets if t != "help"), shown
+    for cited in re.findall(r"[\w/.-]+\.md", makefile):
+        assert (ROOT / cited).exists(), cited
+
+
+def test_the_install_lines_and_extras_have_what_the_pages_use():
+    """The README's install line has the extra its own DP example needs; the notebooks'
+    tooling (jupyter nbconvert) is in an extra."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the package depends on tomli there
+        import tomli as tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(d.startswith("nbconvert") for d in extras["notebooks"])
+    readme = (ROOT / "README.md").read_text()
+    install = re.search(r'pip install -e "\.\[([\w,]+)\]"', readme).group(1).split(",")
+    assert "--dp-epsilon" in readme and "privacy" in install
 
 
 class _Links(html.parser.HTMLParser):

@@ -39,8 +39,8 @@ class AlgorithmSpec(NamedTuple):
         function of the factory's keyword options (FedDyn's server optimizer adds
         ``server_lr``). None (a plugin that declares none): read from an instance built
         with the default options and a loss that is never called.
-      asynchronous: whether its asynchronous contract is written (NETWORK.md §4: what a
-        stale update does to its server state), so that FedBuff
+      asynchronous: whether its asynchronous contract is written (the manual's page “The
+        network model”: what a stale update does to its server state), so that FedBuff
         (:mod:`scaffold_jax.engine.buffered`) may run it.
     """
 

@@ -1,4 +1,5 @@
-"""Compression of the clients' uplink messages, as a message transform (NETWORK.md §2).
+"""Compression of the clients' uplink messages, as a message transform (what each
+compressor sends and costs: the manual's page “The network model”).
 
 A :class:`Compressor` acts on ONE leaf of ONE client's message, flattened to a float32
 vector: ``apply(v, key, residual, hparams) -> (sent, residual)`` and ``bits(size,

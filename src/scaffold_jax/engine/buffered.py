@@ -1,4 +1,5 @@
-"""Asynchronous buffered aggregation, FedBuff (Nguyen et al., AISTATS 2022; NETWORK.md §4),
+"""Asynchronous buffered aggregation, FedBuff (Nguyen et al., AISTATS 2022; see
+the manual's page “The network model”),
 as an execution mode of the engine: ``Simulation(..., execution=FedBuff(M, B))``.
 
 M clients are in flight at all times (``concurrency``), each training from the model
@@ -64,7 +65,8 @@ from scaffold_jax.types import ClientOutput, PyTree, SimState
 
 def asynchronous_algorithms() -> list[str]:
     """The registered algorithms whose asynchronous contract is written (their registry
-    entry's ``asynchronous``; NETWORK.md §4): FedAvg, FedProx, SCAFFOLD, and plugins'."""
+    entry's ``asynchronous``; see the manual's page “The network model”): FedAvg, FedProx,
+    SCAFFOLD, and plugins'."""
     from scaffold_jax.algorithms import ALGORITHMS
 
     return sorted(name for name, spec in ALGORITHMS.items() if spec.asynchronous)

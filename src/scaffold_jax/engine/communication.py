@@ -18,7 +18,8 @@ uploaded (those who reported); the host multiplies the counts by the per-client 
 (cumulative over the run's rounds, a resumed run continuing its checkpoint's; see
 :func:`byte_fields`).
 
-Expected, for P float32 parameters and no compression, per participant (NETWORK.md §1):
+Expected, for P float32 parameters and no compression, per participant (the manual's page
+“The network model”):
 FedAvg/FedProx down 4P, up 4P; SCAFFOLD 8P/8P; MimeLite 8P/8P (momentum's s; Mime also
 receives c: 12P down); FedNova up 4P + 4 (its τ_i).
 """

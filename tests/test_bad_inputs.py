@@ -1273,14 +1273,16 @@ CASES = [
          "scaffold's clients do not send: they send delta_params, delta_control (or use all).",
          lambda ctx: RunConfig(**DP_RUN, compression="signef",
                                compress_entries="delta_params,deltas").validate()),
-    Case("compress-with-privacy", "--compression qsgd --dp-epsilon 3", "RunConfig.validate",
-         ConfigError,
-         "invalid config: privacy = 'gaussian': compression = 'qsgd' with differential privacy "
-         "is refused: the noise is calibrated to each client's clipped message norm, which "
-         "qsgd and randk can raise (they scale entries up) and topk and signef exceed through "
-         "their residuals (carrying earlier rounds' updates). Use compression = 'none' with "
-         "privacy, or no privacy.",
-         lambda ctx: RunConfig(**DP_RUN, compression="qsgd", dp_epsilon=3.0).validate()),
+    Case("compress-after-privacy",
+         "compressed(private(fedavg), 'qsgd') (compression after the clip)",
+         "compression.compressed", ValueError,
+         "compressed(private(...), 'qsgd') is refused: compressing after the clip can raise a "
+         "message's norm above the clip norm the noise is calibrated to (qsgd and randk scale "
+         "entries up; topk and signef add their residuals). Compress first and make that "
+         "private: private(compressed(algorithm, 'qsgd')), which clips what is sent (the "
+         "command line builds it so).",
+         lambda ctx: sj.compression.compressed(
+             sj.privacy.private(sj.fedavg(ctx.problem.loss_fn)), "qsgd")),
     Case("compress-option-of-another", "--compression qsgd --compress-fraction 0.1",
          "RunConfig.validate", ConfigError,
          "invalid config: compress_fraction = 0.1 does not apply to compression = 'qsgd': it "

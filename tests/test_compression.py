@@ -340,3 +340,25 @@ def test_private_compressed_clips_what_is_sent_and_counts_its_compressed_bytes()
     last = runs["private"].records[-1]
     assert last["bytes_up_total"] == runs["compressed"].records[-1]["bytes_up_total"]
     assert last["bytes_up_total"] == 3 * 4 * 13
+
+
+def test_a_private_config_with_a_compressor_builds_private_over_compressed():
+    """``--compression qsgd --dp-epsilon 3``: accepted, the private wrapper outside (its
+    clip on what the compressor sends), the bytes the compressor's."""
+    from scaffold_jax.experiments import RunConfig, resolve
+
+    config = RunConfig(
+        dataset="synthetic", num_clients=20, clients_per_round=5, rounds=4,
+        compression="qsgd", compress_bits=2, dp_epsilon=3.0,
+    )  # fmt: skip
+    config.validate()
+    _, problem = _setup()
+    algorithm = resolve.make_algorithm(config, problem.loss_fn)
+    assert "privacy" in algorithm.options and "compression" in algorithm.options
+    traffic = communication.traffic(algorithm, problem.params, {"compress_bits": 2})
+    assert (
+        traffic.entries
+        == communication.traffic(
+            compressed(sj.scaffold(problem.loss_fn), "qsgd"), problem.params, {"compress_bits": 2}
+        ).entries
+    )

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -510,15 +512,15 @@ def _check_compression_options(config: ConfigFields, errors: list[str]) -> bool:
 
 def _check_compression(config: ConfigFields, errors: list[str]) -> None:
     """What compression refuses for the config: an entry its algorithm's clients do not
-    send, a residual storage it does not know, differential privacy."""
+    send, a residual storage it does not know."""
     if config.algorithm not in ALGORITHMS or COMPRESSORS[config.compression].compressor is None:
         return
-    if config.privacy is not None:
-        return  # the private algorithm is built with its compression: said by its checks
     if _options_refused(config, "compression", config.compression):
         return
     try:
-        resolve.make_algorithm(config)
+        # Compression wraps the algorithm before privacy does: checked alone here, the
+        # private algorithm (with it) by the privacy checks.
+        resolve.make_algorithm(dataclasses.replace(config, privacy=None))
     except (ValueError, TypeError) as err:
         errors.append(f"compression = {config.compression!r}: {err}")
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Mapping
 from typing import Any

@@ -390,3 +390,22 @@ def test_a_model_beyond_a_memory_limit_is_refused_before_it_is_allocated(tmp_pat
     needed, available = map(int, re.findall(r"(\d+) bytes \(", error))
     assert needed > limit > available
     assert not (tmp_path / "out").exists()
+
+
+def test_a_flag_overrides_the_file_table_and_one_value_given_twice_is_accepted(tmp_path):
+    """A flag still overrides the config file, also a name the file gives in its table
+    (only two values in one place, the file or the command line, are refused)."""
+    from scaffold_jax import cli
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"algorithm": "fedprox", "hparams": {"prox_mu": 0.3}}))
+    args = cli._parse(["run", "--config", str(path), "--prox-mu", "0.5"])
+    assert cli._config(args, validate=False).hparams == {"prox_mu": 0.5}
+    args = cli._parse(["run", "--prox-mu", "0.5", "--set", "prox_mu=0.5"])
+    assert cli._config(args, validate=False).hparams == {"prox_mu": 0.5}
+    same = RunConfig.from_dict({"compress_bits": 8, "hparams": {"compress_bits": 8.0}})
+    assert same.hparams == {"compress_bits": 8}
+    # replace() sets a name over its table's value (what a sweep's axes do).
+    assert RunConfig(algorithm="fedprox", prox_mu=0.1).replace(prox_mu=0.2).hparams == {
+        "prox_mu": 0.2
+    }

@@ -387,3 +387,42 @@ def test_a_table_resumed_with_dataset_auto_keeps_the_dataset_it_resolved(tmp_pat
     assert main(argv) == 0
     assert main([*argv, "--resume"]) == 0
     assert asked == ["auto", "fashion_mnist"]
+
+
+# ------------------------------------------------- what the run computes, not its spelling
+SMALL = ["run", "--dataset", "synthetic", "--num-clients", "2", "--clients-per-round", "2",
+         "--rounds", "2", "--eval-every", "1", "--quiet"]  # fmt: skip
+DEVICES = "seconds_per_example,down_bytes_per_s,up_bytes_per_s\n0.01,1e6,1e6\n0.02,1e6,1e6\n"
+
+
+def test_the_compressed_entries_spelled_out_resume_as_all(tmp_path, capsys):
+    argv = [*SMALL, "--compression", "topk", "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    spelled = ["--compress-entries", "delta_control,delta_params"]  # SCAFFOLD's two, reordered
+    assert main([*argv, "--resume", "--rounds", "3", *spelled]) == 0
+    assert main([*argv, "--resume", "--rounds", "4", "--compress-entries", "delta_params"]) == 2
+    assert "compress_entries: 'all' in the run, 'delta_params' now" in capsys.readouterr().err
+
+
+def test_the_same_devices_at_another_path_resume_and_other_devices_are_refused(tmp_path, capsys):
+    first, moved = tmp_path / "devices.csv", tmp_path / "elsewhere.csv"
+    first.write_text(DEVICES)
+    moved.write_text(DEVICES + "5,1,1\n")  # and a row no client of N = 2 reads
+    argv = [*SMALL, "--profiles", "file", "--out", str(tmp_path / "run")]
+    assert main([*argv, "--profile-file", str(first)]) == 0
+    assert main([*argv, "--profile-file", str(moved), "--resume", "--rounds", "3"]) == 0
+    assert results.read_records(tmp_path / "run")[-1]["round"] == 3
+    other = tmp_path / "other.csv"
+    other.write_text(DEVICES.replace("0.02", "0.03"))  # a row a client reads
+    assert main([*argv, "--profile-file", str(other), "--resume", "--rounds", "4"]) == 2
+    assert "holds another run (profile_file" in capsys.readouterr().err
+
+
+def test_a_sweep_resumes_with_its_grid_values_in_another_order(tmp_path):
+    argv = ["sweep", "--dataset", "synthetic", "--clients-per-round", "2", "--rounds", "2",
+            "--eval-every", "1", "--quiet", "--out", str(tmp_path / "sweep")]  # fmt: skip
+    assert main([*argv, "--lr-grid", "0.1", "0.3", "--grid", "num_clients=4,6"]) == 0
+    rows = lambda: sorted((tmp_path / "sweep" / "sweep.csv").read_text().splitlines())  # noqa: E731
+    before = rows()
+    assert main([*argv, "--lr-grid", "0.3", "0.1", "--grid", "num_clients=6,4", "--resume"]) == 0
+    assert rows() == before  # the same configs, the same results (listed in the new order)

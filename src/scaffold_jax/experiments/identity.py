@@ -94,7 +94,51 @@ def canonical(values: Mapping[str, Any]) -> dict[str, Any]:
     except ValueError:  # an invalid config: compared as given (validation names it)
         resolved = dict(config.hparams)
     out["hparams"] = {k: float(v) for k, v in resolved.items() if k not in STEP_SIZES}
+    # What the run computes, not how it was spelled: the entries compressed (all, or the
+    # same names in another order), the device rows its clients read (not the file's
+    # path), a sweep's axes as sets of values (each value is its own cell or config;
+    # a vmapped program's order is compared by its checkpoints' identity).
+    if "compress_entries" in out:
+        out["compress_entries"] = _compressed_entries(config, out["compress_entries"])
+    if out.get("profile_file") is not None:
+        out["profile_file"] = _profile_rows(config, out["profile_file"])
+    if isinstance(rest.get("grid"), Mapping):
+        rest["grid"] = {k: _sorted(v) for k, v in rest["grid"].items()}
     return json.loads(json.dumps({**out, **rest}, default=str))
+
+
+def _compressed_entries(config: RunConfig, entries: Any) -> Any:
+    """``compress_entries`` as the uplink entries it chooses: ``all`` when it names every
+    one the algorithm's clients send, else the names sorted (the order is not used); as
+    given when it names none validly (validation says so)."""
+    from scaffold_jax.compression import ALL, chosen_entries
+    from scaffold_jax.experiments import resolve
+
+    try:
+        plain = resolve.make_algorithm(config.replace(compression="none", privacy=None))
+        names = set(chosen_entries(plain, entries))
+        sent = set(chosen_entries(plain, ALL))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return entries
+    return ALL if names == sent else ",".join(sorted(names))
+
+
+def _profile_rows(config: RunConfig, path: Any) -> Any:
+    """A profile file as the identity of the rows the run's clients read (the file's
+    content, not its path); as given when it cannot be read (validation says so)."""
+    from scaffold_jax.participation.clock import FileProfiles
+
+    try:
+        return FileProfiles(path=str(path)).identity(int(config.num_clients))
+    except (ValueError, TypeError, OSError):
+        return path
+
+
+def _sorted(values: Any) -> Any:
+    try:
+        return sorted(values)
+    except TypeError:
+        return values
 
 
 def short_digest(values: Mapping[str, Any]) -> str:

@@ -59,11 +59,20 @@ def run_identity(
         identity["sampler"] = _describe(simulation.sampler)
     if simulation.participation.describe():
         identity["participation"] = {
-            kind: repr(model) for kind, model in simulation.participation._asdict().items()
+            kind: _model_identity(model, int(data.num_clients))
+            for kind, model in simulation.participation._asdict().items()
         }
     if simulation.execution is not None:  # FedBuff's M, B and staleness weighting
         identity["execution"] = repr(simulation.execution)
     return json.loads(json.dumps({**identity, **more}, default=str))
+
+
+def _model_identity(model, num_clients: int) -> str:
+    """A participation model as its identity compares it: what the run computes with it
+    where the model says (file profiles: the rows its clients read, not the file's path),
+    else its repr."""
+    identity = getattr(model, "identity", None)
+    return identity(num_clients) if callable(identity) else repr(model)
 
 
 def _describe(fn) -> str:

@@ -363,6 +363,18 @@ class FileProfiles(_Clock):
         """The profiles, float32 ``[rows, 3]``."""
         return self._table
 
+    def identity(self, num_clients: int) -> str:
+        """What a run of ``num_clients`` clients computes with these profiles, for its
+        resume identity: the digest of the rows its clients read (client i reads row
+        i mod R: the first min(N, R) rows), not the file's path (the same devices at
+        another path resume) nor rows no client reads."""
+        read = np.ascontiguousarray(self._table[: min(int(num_clients), len(self._table))])
+        digest = hashlib.sha256(read.tobytes()).hexdigest()[:16]
+        return (
+            f"FileProfiles(rows_read={len(read)}, rows_sha256={digest!r}, "
+            f"deadline={self.deadline!r}, over_selection={self.over_selection!r})"
+        )
+
     def profile(self, seed_key: jax.Array, ids: jax.Array):
         del seed_key
         rows = jnp.asarray(self._table)[jnp.asarray(ids, jnp.int32) % self._table.shape[0]]

@@ -492,6 +492,26 @@ def test_client_sampling_is_uniform_over_subsets(n, s):
         assert np.all(np.abs(pair - p) <= 5 * np.sqrt(p * (1 - p) / draws))
 
 
+@pytest.mark.parametrize(("n", "s"), [(7, 2), (10, 3), (50, 20), (200, 60), (1000, 100)])
+def test_the_parallel_sampler_is_floyds_sequential_algorithm_bit_for_bit(n, s):
+    """sample_clients (S draws at once, collisions settled in a few [S, S] passes) against
+    Floyd's algorithm written as the plain loop of S dependent steps, with the same key
+    per step: the same ids for 300 keys, so every seed samples what it always did. The
+    sizes reach chains of collisions (S = 60 of 200)."""
+
+    def floyd(key):
+        keys, chosen = jr.split(key, s), []
+        for i in range(s):
+            t = n - s + i
+            j = int(jr.randint(keys[i], (), 0, t + 1, dtype=jnp.int32))
+            chosen.append(t if j in chosen else j)
+        return chosen
+
+    sample = jax.jit(lambda k: sample_clients(k, n, s))
+    for key in jr.split(jr.key(n + s), 300 if n < 1000 else 20):
+        assert np.asarray(sample(key)).tolist() == floyd(key)
+
+
 def test_skewed_clients_sorted_into_chunks_equal_the_padded_round():
     """Clients of 1..60 examples under an epochs plan take 1..30 steps: sorted by step
     count into chunks, each chunk looping only as long as its longest client, the rounds

@@ -51,23 +51,39 @@ Sampler = Callable[[jax.Array, jax.Array, int, int], jax.Array]
 def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> jax.Array:
     """S distinct client ids, uniformly without replacement (int32 ``[S]``).
 
-    Every S-subset of the N clients is equally likely. For S << N this uses Floyd's
-    algorithm (O(S²) work, no O(N) pass; timings in benchmarks/README.md); otherwise a
-    permutation of all N ids.
+    Every S-subset of the N clients is equally likely. For S << N these are the ids of
+    Floyd's algorithm (O(S²) work, no O(N) pass), computed in parallel rather than in a
+    loop of S dependent steps; otherwise a permutation of all N ids.
+
+    Floyd's step i draws j_i in [0, t_i] (t_i = N − S + i) and takes j_i unless an earlier
+    step took it, in which case it takes t_i (which no earlier step can have taken). The
+    draws are independent, so they are made at once; whether step i "collided" depends
+    only on the steps before it, so iterating "collided_i = j_i is among the earlier
+    choices" from no collisions settles one more step per pass at least, and stops at the
+    sequential answer, bit for bit, after as many passes as the longest chain of
+    collisions (one or two when S << N), each an [S, S] comparison. On an accelerator
+    this replaces S sequential steps, each a kernel launch or more, by a few.
     """
     n, s = num_clients, clients_per_round
     if s == n or s * s > 16 * n * max(1, n.bit_length()):
         return jr.permutation(key, n)[:s].astype(jnp.int32)
-    keys = jr.split(key, s)
+    last = jnp.arange(n - s, n, dtype=jnp.int32)  # t_i
+    draws = jax.vmap(lambda k, t: jr.randint(k, (), 0, t + 1, dtype=jnp.int32))(
+        jr.split(key, s), last
+    )
+    earlier = jnp.tril(jnp.ones((s, s), bool), -1)  # [i, k]: step k comes before step i
 
-    def add_one(i, chosen):
-        # Floyd: draw j in [0, t]; take j unless already chosen, in which case take t
-        # (which cannot be chosen yet). Each step keeps the chosen set uniform.
-        t = n - s + i
-        j = jr.randint(keys[i], (), 0, t + 1, dtype=jnp.int32)
-        return chosen.at[i].set(jnp.where(jnp.any(chosen == j), t, j))
+    def taken(collided):
+        return jnp.where(collided, last, draws)
 
-    return jax.lax.fori_loop(0, s, add_one, jnp.full((s,), -1, jnp.int32))
+    def settle(carry):
+        collided, _ = carry
+        now = jnp.any(earlier & (taken(collided)[None, :] == draws[:, None]), axis=1)
+        return now, jnp.any(now != collided)
+
+    start = (jnp.zeros((s,), bool), jnp.bool_(True))
+    collided, _ = jax.lax.while_loop(lambda carry: carry[1], settle, start)
+    return taken(collided)
 
 
 def sample_available(key: jax.Array, available: jax.Array, width: int):

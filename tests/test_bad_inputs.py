@@ -1586,13 +1586,13 @@ KNOWN_GAPS = [
 # --------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A 2-round run of the shared simulation, checkpointed every round."""
+    """A 2-round run of the shared simulation, checkpointed every round (all three kept)."""
     problem = sj.models.logistic_regression((5,), 3)
     data = sj.from_client_arrays(clients(), test=clients(sizes=(20,), seed=1)[0])
     base = tmp_path_factory.mktemp("finished") / "ckpt"
     ctx = SimpleNamespace(problem=problem, data=data)
     sim = simulation(ctx)  # shared, so that the diverging case reuses its compiled rounds
-    result = run(ctx, sim=sim, checkpoint_dir=base, checkpoint_every=1)
+    result = run(ctx, sim=sim, checkpoint_dir=base, checkpoint_every=1, keep_checkpoints=3)
     return SimpleNamespace(problem=problem, data=data, base=base, state=result.state, sim=sim)
 
 

@@ -58,8 +58,9 @@ REQUIRED = {
 }
 
 
-#: The manual's own pages (the development log aside, which quotes history).
-USER_PAGES = [ROOT / "README.md"] + sorted(
+#: The manual's own pages (the development log aside, which quotes history); the
+#: benchmarks' README is the site's benchmarks page (included whole).
+USER_PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"] + sorted(
     p for p in DOCS.rglob("*.md") if "_build" not in p.parts and p.name != "history.md"
 )
 #: An issue number: "issue 40", "issue-40", "issues #42".

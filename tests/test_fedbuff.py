@@ -13,6 +13,7 @@ float32 and ties in finish times happen (clients of equal size on equal devices)
 from __future__ import annotations
 
 import heapq
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -209,7 +210,7 @@ def test_virtual_time_advances_by_the_step_duration(data, problem, profile_file)
     sim = _simulation(sj.fedavg(problem.loss_fn), problem, profile_file, 4, 2)
     result = sim.run(data, sj.hparams(client_lr=LR), num_rounds=6, eval_every=3)
     times = [r.get("virtual_time") for r in result.records]
-    assert times[0] is None and 0 < times[1] < times[2]
+    assert times[0] == 0.0 and 0 < times[1] < times[2]  # the curve starts at its start
     durations = [r["round_duration"] for r in result.records[1:]]
     assert times[2] == pytest.approx(3 * durations[0] + 3 * durations[1])
 
@@ -344,3 +345,14 @@ def test_data_size_weighting_weighs_the_arrivals_by_their_examples(data, problem
     want_c = c0 + (n[:, None] * dc).sum(0) / float(np.sum(data.counts))
     np.testing.assert_allclose(_flat(state.server.params), want_x, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(_flat(state.server.control), want_c, rtol=1e-5, atol=1e-6)
+
+
+def test_the_docs_state_the_weighting_of_a_step():
+    """The engine's docstring and the how-to page give the step as the code computes it
+    (see the test above): weights p_j of the simulation's weighting, not 1/B and 1/N
+    whatever it is."""
+    page = (Path(__file__).parents[1] / "docs" / "how-to" / "time.md").read_text()
+    for text in (buffered.__doc__, page):
+        assert "Σ_j p_j s(τ_j) Δy_j / Σ_j p_j" in text
+        assert "Σ_j p_j Δc_j / Σ_i p_i" in text
+        assert "num_examples" in text and "1/B" in text  # the default, named as such

@@ -151,7 +151,9 @@ def outcome(result: sj.RunResult) -> dict[str, np.ndarray]:
     out = {f"leaf{i}": np.asarray(a, np.float32) for i, a in enumerate(leaves)}
     out["client_ids"] = np.asarray(result.client_ids)
     for name in result.records[0]:
-        if name != "seconds":
+        if name == "started_ids":  # FedBuff's round-0 record alone: the clients started
+            out[name] = np.asarray(result.records[0][name])
+        elif name != "seconds":
             out[name] = np.array([r[name] for r in result.records])
     return out
 

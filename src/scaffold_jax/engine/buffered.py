@@ -5,11 +5,14 @@ as an execution mode of the engine: ``Simulation(..., execution=FedBuff(M, B))``
 M clients are in flight at all times (``concurrency``), each training from the model
 current when it started; its upload arrives at its start time plus its duration on its
 device (:mod:`scaffold_jax.participation.clock`). When B uploads have arrived
-(``buffer_size``) the server steps: x^{t+1} = x^t + η_g (1/B) Σ_j s(τ_j) Δy_j with the
-staleness τ_j = t − t_j (t_j the version it started from) and s(τ) = 1/√(1+τ)
-(``staleness="sqrt"``) or 1 (``"constant"``); SCAFFOLD's c ← c + (1/N) Σ_j Δc_j (not
-weighted, so c = mean c_i holds), and every arriving client writes its state (its c_i⁺).
-FedAsync is B = 1.
+(``buffer_size``) the server steps: x^{t+1} = x^t + η_g Σ_j p_j s(τ_j) Δy_j / Σ_j p_j
+over the B arrivals, with the staleness τ_j = t − t_j (t_j the version it started from),
+s(τ) = 1/√(1+τ) (``staleness="sqrt"``) or 1 (``"constant"``) and p_j the client's weight
+under the simulation's weighting, as a synchronous cohort's: p_j = 1 (``"uniform"``, the
+default: the mean, 1/B) or its n_j examples (``"num_examples"``). SCAFFOLD's
+c ← c + Σ_j p_j Δc_j / Σ_i p_i over all N clients ((1/N) Σ_j Δc_j uniformly; no staleness
+weight, so c = Σ_i p_i c_i / Σ_i p_i holds), and every arriving client writes its state
+(its c_i⁺). FedAsync is B = 1.
 
 Vectorized: the in-flight table (:class:`InFlight`, ``[M, ...]``, in
 :attr:`SimState.inflight <scaffold_jax.types.SimState>`: checkpointed and resumed with the
@@ -19,7 +22,8 @@ runs (``round_fn``; many of them fused into a block like rounds):
 
 1. the B slots with the earliest finish times arrive (ties: the lower slot);
 2. the algorithm's own ``server_update`` aggregates their staleness-weighted updates as a
-   cohort of B, and their new rows are written to the client table;
+   cohort of B with their weights p_j, and their new rows are written to the client
+   table;
 3. B replacements are drawn uniformly without replacement among the clients not in
    flight once the arrivals are out (the arrived clients are eligible again); the
    replacement of the j-th arrival starts at that arrival's time, from x^t for the first
@@ -28,10 +32,13 @@ runs (``round_fn``; many of them fused into a block like rounds):
 4. virtual time advances to the latest of the arrivals' finish times (never backwards: a
    replacement that would finish before it is counted in the next step's buffer).
 
-The first step first fills the table: M clients sampled at time 0, trained from x^0.
-Each step's metrics: ``arrived_ids``, ``arrival_staleness`` and ``started_ids`` (``[B]``),
-``staleness_mean``/``staleness_max``, ``version`` and the clock's ``round_duration`` (the
-seconds since the previous step); records carry ``virtual_time``.
+The first step first fills the table: M clients sampled at time 0, trained from x^0
+(:func:`initial_clients`; a single run's round-0 record reports them as its
+``started_ids``). Each step's metrics: ``arrived_ids``, ``arrival_staleness`` and
+``started_ids`` (``[B]``), ``staleness_mean``/``staleness_max``, ``version`` and the
+clock's ``round_duration`` (the seconds since the previous step); records carry
+``virtual_time``, the steps' durations summed: their state's clock ``InFlight.now`` (up to
+each duration's float32 rounding; :func:`running_totals`).
 
 Algorithms with an asynchronous contract (their registry entry says ``asynchronous``;
 :func:`asynchronous_algorithms`): FedAvg, FedProx and SCAFFOLD. Others are refused with
@@ -143,6 +150,22 @@ def initial_inflight(algorithm, params, client_row, concurrency: int) -> InFligh
     )
 
 
+def running_totals(execution: FedBuff, state: SimState) -> dict[str, float]:
+    """The running totals of the records (``scaffold_jax.loop.RUNNING_TOTALS``) that a
+    FedBuff state says itself after t steps: M + B·t clients downloaded (the M started at
+    time 0, then B a step), B·t uploaded, and the clock's ``now`` seconds. ``{}`` at t = 0.
+    A run continuing a state it did not return reads them here."""
+    steps = int(state.round)
+    if steps == 0:
+        return {}
+    size = execution.buffer_size
+    return {
+        "downloads": float(execution.concurrency + size * steps),
+        "uploads": float(size * steps),
+        "round_duration": float(state.inflight.now),
+    }
+
+
 def _train(sim, hparams, servers, clients, ids, key, run_key, data, start):
     """The clients ``ids`` trained from their ``servers`` (one server state per client,
     stacked) and their rows of ``clients``, with keys from ``key``: their outputs, new
@@ -232,7 +255,9 @@ def server_step(sim, hparams, state: SimState, data, key: jax.Array):
     # 2. The algorithm's server update on them as a cohort of B; their rows written back.
     draw = Draw(step_key, arrived, arrived, client_keys(step_key, arrived), None,
                 state.participation, {})  # fmt: skip
-    # The simulation's weighting, as a synchronous round's (uniform: 1 each, of N).
+    # The simulation's weighting, as a synchronous round's (uniform: 1 each, of N;
+    # num_examples: n_i, of Σ n_j), so the update averages by p_j and c moves by
+    # Σ p_j Δc_j / Σ_all p_i: c stays the weighted mean of the c_i.
     weights, total_weight = sim.weights(data, arrived)
     cohort = Cohort(None, weights, total_weight, None, {})
     shared = {"cohort_size": jnp.float32(size), "key": server_key(step_key)}

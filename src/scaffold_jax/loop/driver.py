@@ -19,6 +19,13 @@ identity, :func:`~scaffold_jax.loop.run_identity`: algorithm, data, plan, S, wei
 sampler, participation, declared hyper-parameters, seed), and continues bit for bit; the
 records saved with it open the new records.
 
+Running totals. Records carry the running totals of some round metrics since the state's
+round 0 (:data:`RUNNING_TOTALS`: the clients that downloaded and uploaded, whose bytes
+the records report, and the virtual clock's seconds), the first record included (0 for a
+fresh run). They are the state's: a resume continues its checkpoint's, and a run
+continuing a state in memory continues the ``totals`` it is given (a single run keeps
+the totals of every state it returns for that, :func:`remember_totals`).
+
 Signals. While a loop runs, SIGINT and SIGTERM are deferred: the current compiled block
 finishes, a checkpoint is saved (when there is a directory), then SIGINT raises a plain
 ``KeyboardInterrupt`` and SIGTERM a :class:`RunTerminated` (a ``SystemExit`` with code
@@ -34,6 +41,7 @@ import dataclasses
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -183,7 +191,9 @@ class Task(Protocol):
     def compile_block(self, state: PyTree, key: jax.Array, num_rounds: int) -> Callable:
         """The compiled ``fn(state, key, n) -> (state, metrics)`` of a block of the first
         ``n <= num_rounds`` of ``num_rounds`` rounds (the state is donated; metrics gain a
-        leading ``[num_rounds]`` axis, whose first ``n`` rows are the rounds run)."""
+        leading ``[num_rounds]`` axis, whose first ``n`` rows are the rounds run). The
+        driver calls it once with ``n = 0`` (no round) to learn which metrics the rounds
+        report before any has run."""
 
     def compile_evaluate(self, state: PyTree) -> Callable:
         """The compiled ``fn(state) -> metrics`` of the evaluation."""
@@ -213,6 +223,9 @@ class Outcome:
     checkpoint_seconds: float
     status: str
     resumed_from: int | None
+    totals: dict[str, Any] | None = None
+    """The running totals at ``state`` (:data:`RUNNING_TOTALS`' round metrics, float64,
+    summed since round 0); None when unknown (a resume from a checkpoint without them)."""
 
 
 #: The adaptive checkpoint cadence's budget: the share of a run's wall time that writing
@@ -236,6 +249,7 @@ def drive(
     checkpoint_seconds: float | None = None,
     phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
     on_block: Callable[[int], None] | None = None,
+    totals: Mapping[str, Any] | None = None,
 ) -> Any:
     """Runs ``task`` for ``num_rounds`` rounds from ``state`` (or, with ``resume_into``,
     from the newest checkpoint of ``checkpointer`` restored into that shape).
@@ -268,6 +282,9 @@ def drive(
         lines such as :meth:`scaffold_jax.progress.Progress.phase`).
       on_block: called with the round reached once each evaluation's records have all
         been handed to ``callback`` (one call per evaluation, however many records).
+      totals: the running totals ``state`` carries (:attr:`Outcome.totals` of the run
+        that made it), continued by this one; None: 0 (a resume continues its
+        checkpoint's).
 
     Raises:
       DivergenceError, KeyboardInterrupt, RunTerminated: see the module docstring.
@@ -276,9 +293,9 @@ def drive(
         phase = lambda text: contextlib.nullcontext()
     records: list[Record] = []
     pending: dict[str, Any] = {}  # a checkpoint's round metrics since its last evaluation
-    # Cumulative counts of the clients that downloaded and uploaded, up to the last record
-    # (exact: float64 sums of whole numbers); None after a checkpoint written without them.
-    transfers: dict[str, Any] | None = {name: 0.0 for name in RUNNING_TOTALS}
+    # The running totals up to the last record (the counts exact: float64 sums of whole
+    # numbers), from the state's round 0; None after a checkpoint written without them.
+    transfers: dict[str, Any] | None = dict(totals or {})
     resumed_from = None
     seconds_before = 0.0  # run time spent by the process(es) before a resume
     if resume_into is not None:
@@ -289,8 +306,6 @@ def drive(
         pending = restored.extra.get("pending", {})
         kept = restored.extra.get("transfers")
         transfers = None if kept is None else {k: np.asarray(v) for k, v in kept.items()}
-        if transfers is not None:  # a checkpoint of a run without a clock has no time
-            transfers.setdefault("round_duration", 0.0)
         seconds_before = float(restored.extra.get("seconds", 0.0))
         start = int(restored.extra.get("start_round", 0))
         if on_restore is not None:
@@ -334,6 +349,19 @@ def drive(
     if longest:
         with phase(f"compiling {longest} round{'s' * (longest > 1)} as one program"):
             program = task.compile_block(state, key, longest)
+            # A block of no round says which metrics the rounds report (its rows are
+            # zeros) before any has run: the first record carries the totals that the
+            # later ones will (a curve against time or bytes starts at the start).
+            state, like = program(state, key, 0)
+        if transfers is not None:
+            # Per config (a sweep's [G, M]); a checkpoint older than a total counts it as 0.
+            transfers = {
+                name: np.broadcast_to(
+                    np.asarray(transfers.get(name, 0.0), np.float64), np.shape(like[name])[1:]
+                ).copy()
+                for name in RUNNING_TOTALS
+                if name in like
+            }
     compile_seconds = time.perf_counter() - t0
     block_metrics: list[dict[str, np.ndarray]] = []
     # The rounds since the last evaluation, for the means a record reports; a checkpoint
@@ -361,13 +389,10 @@ def drive(
         eval_seconds += time.perf_counter() - t0
         # Free with every round, as means over the rounds since the last evaluation (none
         # before a round ran): the clients' own training loss (their local steps' minibatch
-        # losses) and the client drift (mean ‖y_i − x‖); the transfers' running totals.
-        for name, total in RUNNING_TOTALS.items():
-            values = [m[name] for m in since_record if name in m]
-            if values and transfers is not None:
-                rounds = np.concatenate(values).astype(np.float64)
-                transfers[name] = transfers[name] + np.sum(rounds, axis=0)
-                metrics[total] = transfers[name]
+        # losses) and the client drift (mean ‖y_i − x‖); the running totals.
+        if transfers is not None:
+            transfers.update(_added(transfers, since_record))
+            metrics.update({RUNNING_TOTALS[name]: value for name, value in transfers.items()})
         for name in RECORDED_ROUND_METRICS:
             values = [m[name] for m in since_record if name in m]
             if values:
@@ -409,10 +434,12 @@ def drive(
     def outcome(status: str) -> Any:
         jax.block_until_ready(state)
         run_seconds = time.perf_counter() - run_start - checkpoint_seconds
+        # The rounds since the last record too: the totals are the state's.
+        totals = None if transfers is None else _added(transfers, since_record)
         return finish(Outcome(
             state=state, records=records, metrics=block_metrics, status=status,
             compile_seconds=compile_seconds, run_seconds=run_seconds, eval_seconds=eval_seconds,
-            checkpoint_seconds=checkpoint_seconds, resumed_from=resumed_from,
+            checkpoint_seconds=checkpoint_seconds, resumed_from=resumed_from, totals=totals,
         ))  # fmt: skip
 
     def stop_if_signalled(signals: _DeferredSignals) -> None:
@@ -488,6 +515,44 @@ RUNNING_TOTALS = {
     "uploads": "uploads_total",
     "round_duration": "virtual_time",
 }
+
+
+def _added(totals: Mapping[str, Any], since_record: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """``totals`` plus the rounds of ``since_record`` (float64: whole counts stay exact)."""
+    out = dict(totals)
+    for name in totals:
+        values = [m[name] for m in since_record if name in m]
+        if values:
+            out[name] = out[name] + np.sum(np.concatenate(values).astype(np.float64), axis=0)
+    return out
+
+
+# The totals of the states single runs returned (Outcome.totals), by an array of the state
+# that is theirs alone (a SimState's round counter): a run continuing one of them in memory
+# continues its totals, as a resume continues its checkpoint's. A state is a NamedTuple,
+# which cannot be referenced weakly; its arrays can, and an entry goes with its array.
+_CARRIED: dict[int, tuple[weakref.ref, int, dict[str, Any]]] = {}
+
+
+def remember_totals(anchor: jax.Array, round: int, totals: Mapping[str, Any] | None) -> None:
+    """Keeps the running ``totals`` of a state at ``round`` for :func:`carried_totals`,
+    by ``anchor``, an array of that state alone (not copied: while it lives)."""
+    if totals is None:
+        return
+    key = id(anchor)
+    try:
+        ref = weakref.ref(anchor, lambda _, key=key: _CARRIED.pop(key, None))
+    except TypeError:  # not an array that can be referenced weakly: nothing to carry
+        return
+    _CARRIED[key] = (ref, int(round), dict(totals))
+
+
+def carried_totals(anchor: Any, round: int) -> dict[str, Any] | None:
+    """The totals :func:`remember_totals` kept for ``anchor`` at ``round``, or None."""
+    kept = _CARRIED.get(id(anchor))
+    if kept is None or kept[0]() is not anchor or kept[1] != round:
+        return None
+    return dict(kept[2])
 
 
 def _pending(since_record: list[dict[str, np.ndarray]]) -> dict[str, Any]:

@@ -20,11 +20,19 @@ from scaffold_jax.engine import (
     MAX_SEED,
     ROUNDS_WHY,
     SEED_WHY,
+    buffered,
     check_count,
     check_rounds_fit,
     communication,
 )
-from scaffold_jax.loop.driver import Diverged, Outcome, Record, drive
+from scaffold_jax.loop.driver import (
+    Diverged,
+    Outcome,
+    Record,
+    carried_totals,
+    drive,
+    remember_totals,
+)
 from scaffold_jax.loop.identity import run_identity
 from scaffold_jax.types import HParams, SimState, format_hparams
 
@@ -36,7 +44,11 @@ class RunResult:
     Attributes:
       state: the final :class:`SimState`.
       records: one dict per evaluation (round, test/train metrics, elapsed seconds). After
-        ``resume=True`` it starts with the records restored from the checkpoint.
+        ``resume=True`` it starts with the records restored from the checkpoint. Their
+        running totals (``bytes_down_total``, ``bytes_up_total``, ``virtual_time``) count
+        from the state's round 0, the first record's included: a run continuing a state
+        (``state=``) or a checkpoint continues them. A fresh FedBuff run's round-0 record
+        also names the M clients started at time 0 (``started_ids``).
       client_ids: ``[R, S]`` int32, the clients sampled in every round run by THIS call
         (audit and replay); after a resume the first row is round ``resumed_from``. −1
         marks an empty slot of a varying cohort (Poisson sampling, too few available).
@@ -85,9 +97,10 @@ class _SingleRun:
     """A :class:`~scaffold_jax.loop.Task` for one run of a :class:`Simulation`:
     divergence policy ``raise``."""
 
-    def __init__(self, simulation: engine.Simulation, data, hparams: HParams):
+    def __init__(self, simulation: engine.Simulation, data, hparams: HParams, key: jax.Array):
         self.simulation, self.data, self.hparams = simulation, data, hparams
         self.traffic = None  # bytes per client (engine.communication), at the first record
+        self.key = key
 
     def compile_block(self, state, key, num_rounds):
         sim, data, hp = self.simulation, self.data, self.hparams
@@ -113,6 +126,12 @@ class _SingleRun:
             self.traffic = communication.traffic(sim.algorithm, sim.problem.params, hparams)
         communication.with_bytes(entry, self.traffic)
         entry.update(self.simulation.report(self.hparams, round, self.data.num_clients))
+        execution = self.simulation.execution
+        if execution is not None and round == 0:
+            # FedBuff's first step starts M clients at time 0 besides its B replacements:
+            # the start's own started_ids, so the record says who trained when.
+            ids = buffered.initial_clients(self.key, self.data.num_clients, execution.concurrency)
+            entry["started_ids"] = np.asarray(ids).tolist()
         entry["seconds"] = seconds
         return [entry]
 
@@ -190,7 +209,9 @@ def run(
       eval_every: evaluation period E in rounds (default: ``num_rounds``).
       seed: the root seed.
       state: a state to continue from (default: a fresh one). It is donated. Not with
-        ``resume=True``.
+        ``resume=True``. The records' running totals continue the state's: those a run
+        kept for the state it returned, else what a FedBuff state says itself, else
+        (a state made otherwise, past round 0) they count from this call.
       callback: called with each evaluation record as it is made.
       checkpoint_dir: where to save checkpoints (see :mod:`scaffold_jax.checkpoint`).
         Without ``resume`` it must not hold checkpoints already.
@@ -251,9 +272,15 @@ def run(
         identity = run_identity(simulation, data, hparams, seed, more=identity)
     layout = simulation.layout
     data = layout.place_data(data)
+    totals = None
+    if state is not None:  # looked up by the state's own arrays, before placing them
+        totals = carried_totals(state.round, int(state.round))
+        if totals is None and simulation.execution is not None:
+            totals = buffered.running_totals(simulation.execution, state)
     if not resume:
         state = simulation.init(data) if state is None else layout.place_state(state)
-    task = _SingleRun(simulation, data, hparams)
+    key = jr.key(seed)
+    task = _SingleRun(simulation, data, hparams, key)
 
     def finish(out: Outcome) -> RunResult:
         if out.metrics:
@@ -262,8 +289,10 @@ def run(
         else:
             metrics, reported = {}, None
             client_ids = np.zeros((0, simulation.clients_per_round), np.int32)
+        # The totals go with the state, for a run that continues it (state=).
+        remember_totals(out.state.round, int(out.state.round), out.totals)
         rest = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
-        del rest["metrics"]  # per block: concatenated above
+        del rest["metrics"], rest["totals"]  # per block: concatenated above; kept above
         return RunResult(**rest, client_ids=client_ids, reported=reported, round_metrics=metrics)
 
     opened = contextlib.nullcontext()
@@ -274,10 +303,11 @@ def run(
         opened = Checkpointer(checkpoint_dir, max_to_keep=max(2, keep_checkpoints))
     with opened as checkpointer:
         result = drive(
-            task, state, jr.key(seed), num_rounds, eval_every, finish, callback=callback,
+            task, state, key, num_rounds, eval_every, finish, callback=callback,
             checkpointer=checkpointer, checkpoint_every=checkpoint_every, identity=identity,
             resume_into=simulation.state_like(data.num_clients) if resume else None,
             on_restore=on_restore, checkpoint_seconds=checkpoint_seconds, phase=phase,
+            totals=totals,
         )  # fmt: skip
         if checkpointer is not None and result.status == "finished":
             checkpointer.keep_newest(keep_checkpoints)

@@ -122,6 +122,10 @@ class Option(NamedTuple):
         SCAFFOLD's option ``2`` to ``"II"``; raises ValueError saying why it refuses one).
       what: what a valid value is, in words, for messages (default: from the kind and
         range, :meth:`describe`).
+      tradeoff: whether the value is a cost the user trades against accuracy (a target
+        epsilon, a round deadline, FedBuff's concurrency) rather than a knob tuned for it:
+        a sweep reports one row per value of such an axis (the frontier) and picks its
+        best only over the other axes.
 
     Examples:
       >>> opt = Option(0.5, "Dirichlet concentration", "float", low=0.0, strict=True)
@@ -139,6 +143,7 @@ class Option(NamedTuple):
     argument: str | None = None
     normalize: Callable[[Any], Any] | None = None
     what: str | None = None
+    tradeoff: bool = False
 
     @property
     def is_switch(self) -> bool:

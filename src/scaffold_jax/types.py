@@ -32,6 +32,10 @@ class HParam(NamedTuple):
       allow_inf: whether +inf is allowed (a clip norm of inf: no clipping).
       minimum: the smallest value allowed (QSGD's ``compress_bits`` >= 2), or None.
       integer: whether only whole numbers are allowed (a number of bits).
+      tradeoff: whether the value is a cost the user trades against accuracy (privacy's
+        noise, compression's bits or fraction) rather than a knob tuned for it: a sweep
+        reports one row per value of such an axis (the frontier) and picks its best only
+        over the other axes, since less noise or compression is always "better".
     """
 
     default: float | None
@@ -41,6 +45,7 @@ class HParam(NamedTuple):
     allow_inf: bool = False
     minimum: float | None = None
     integer: bool = False
+    tradeoff: bool = False
 
 
 #: The step sizes every algorithm takes: η_l (no default) and η_g (1.0 in all of the

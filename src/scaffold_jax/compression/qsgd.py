@@ -21,6 +21,7 @@ HPARAMS = {
         maximum=16.0,
         minimum=2.0,
         integer=True,
+        tradeoff=True,
     )
 }
 

@@ -22,7 +22,10 @@ from scaffold_jax.types import HParam
 
 HPARAMS = {
     "compress_fraction": HParam(
-        0.01, "topk, randk: fraction of each leaf's entries sent, in (0, 1]", maximum=1.0
+        0.01,
+        "topk, randk: fraction of each leaf's entries sent, in (0, 1]",
+        maximum=1.0,
+        tradeoff=True,
     )
 }
 

@@ -7,6 +7,7 @@ line (:mod:`scaffold_jax.cli`) only parses into these calls.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import json
@@ -22,7 +23,12 @@ from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.data import assembly
 from scaffold_jax.experiments.build import build, built_summary
-from scaffold_jax.experiments.config import DEFAULT_MECHANISM, RunConfig, declared_options
+from scaffold_jax.experiments.config import (
+    DEFAULT_MECHANISM,
+    RunConfig,
+    declared_hparams,
+    declared_options,
+)
 from scaffold_jax.experiments.identity import RESUMABLE_CHANGES, canonical, short_digest
 from scaffold_jax.experiments.runner import Cell, CellResult, Grid, run_grid
 from scaffold_jax.privacy import MECHANISMS
@@ -353,6 +359,43 @@ def split_axes(
 EPSILON_AXIS = "dp_epsilon"
 
 
+def tradeoff_names() -> set[str]:
+    """The settings declared trade-offs (``tradeoff=True`` on their
+    :class:`~scaffold_jax.types.HParam` or :class:`~scaffold_jax.registry.Option`: privacy's
+    ε and noise, compression's bits and fraction, a deadline...): costs traded against
+    accuracy, not knobs tuned for it. A sweep reports one row per value of such an axis
+    and chooses only over the others. Read at each call: plugins may declare some."""
+    declared = {**declared_hparams(), **declared_options()}
+    return {name for name, entry in declared.items() if getattr(entry, "tradeoff", False)}
+
+
+def _metric_words(metric: str) -> str:
+    return metric.replace("_", " ")
+
+
+def with_epsilons(
+    cells: Mapping[str, CellResult], epsilons: Mapping[str, Mapping[float, float]]
+) -> dict[str, CellResult]:
+    """``cells`` with each config of a ``--grid dp_epsilon`` sweep holding its target
+    ``dp_epsilon`` first, the value the user gave (``epsilons``: per cell, noise multiplier
+    -> target; the configs hold the noise it was calibrated to)."""
+
+    def target(of: Mapping[float, float], noise: float | None) -> float | None:
+        # The noise as the config holds it (a part read back from JSON: the same float).
+        return next((t for z, t in of.items() if noise is not None and math.isclose(z, noise)),
+                    None)  # fmt: skip
+
+    out = dict(cells)
+    for key, of in epsilons.items():
+        if key in out:
+            configs = [
+                {EPSILON_AXIS: target(of, c.get("dp_noise_multiplier")), **c}
+                for c in out[key].configs
+            ]
+            out[key] = dataclasses.replace(out[key], configs=configs)
+    return out
+
+
 def _setting_label(setting: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={v:g}" for k, v in setting.items())
 
@@ -363,11 +406,12 @@ def sweep_grid(
     axes: Mapping[str, Sequence[float]],
     seeds: Sequence[int],
     target: float,
-) -> tuple[Grid, dict[str, dict[str, Any]]]:
+) -> tuple[Grid, dict[str, dict[str, Any]], dict[str, dict[float, float]]]:
     """The grid of a sweep: a cell per algorithm × data setting (outer product of the
     setting axes, first slowest), each with the hyper-parameter axes its algorithm
-    declares × ``seeds``; and each cell's setting by key. Every config is checked here,
-    before anything runs.
+    declares × ``seeds``; each cell's setting by key; and, for a ``dp_epsilon`` axis, per
+    cell the target ε of each noise multiplier it was calibrated to (else empty). Every
+    config is checked here, before anything runs.
 
     Raises:
       ConfigError: an unknown algorithm or axis, a value invalid for its config, or a
@@ -421,7 +465,7 @@ def sweep_grid(
             "target epsilon is calibrated to a noise multiplier)."
         )
     settings = [dict(zip(outer, c, strict=True)) for c in itertools.product(*outer.values())]
-    cells, setting_of = [], {}
+    cells, setting_of, epsilons = [], {}, {}
     for setting in settings:
         for name in names:
             spec = ALGORITHMS[name]
@@ -462,6 +506,8 @@ def sweep_grid(
             cells.append(Cell(key, config, cell_axes, tuple(seeds),
                               {"algorithm": name, **setting}))  # fmt: skip
             setting_of[key] = setting
+            if targets is not None:
+                epsilons[key] = dict(zip(swept["dp_noise_multiplier"], targets, strict=True))
     first = cells[0].config
     saved = {
         **first.to_dict(),
@@ -470,7 +516,7 @@ def sweep_grid(
         "grid": {**inner, **outer},
         "seeds": list(seeds),
     }
-    return Grid("sweep", cells, saved, (target,)), setting_of
+    return Grid("sweep", cells, saved, (target,)), setting_of, epsilons
 
 
 def sweep(
@@ -486,7 +532,14 @@ def sweep(
 ) -> dict[str, Any]:
     """Runs a sweep: every algorithm × data setting a program over its hyper-parameter
     axes × seeds; writes ``sweep.json``, ``sweep.csv``, ``summary.md`` (the chosen values
-    per algorithm, warnings for a choice at the edge of its grid) and two plots.
+    per algorithm, warnings for a choice at the edge of its grid) and the plots.
+
+    A trade-off axis (:func:`tradeoff_names`: ``dp_epsilon``, ``compress_fraction``,
+    ``round_deadline``, ...) is a cost, not a knob: the summary has one row per value of
+    it (its column as given, with the ε spent, the uplink bytes and the virtual time the
+    records carry), the choice is made per value, over the other axes, and
+    ``tradeoffs.png`` plots the curve. A problem without accuracy (the quadratics) is
+    ranked by its test loss, and no target applies to it (the summary says so).
 
     Args:
       config: the base config (data, model, plan, rounds...).
@@ -494,7 +547,8 @@ def sweep(
       axes: ``{name: values}``: hyper-parameters the algorithms declare (vmapped) and
         numeric data / shape settings (separate programs).
       seeds: the run seeds of every config.
-      target: the test accuracy the summary counts rounds to.
+      target: the test accuracy the summary counts rounds to (not used for a problem
+        without accuracy).
       out: the folder (default ``config.out``, else ``results/sweep-<dataset>-<digest>``:
         see :func:`default_folder`).
       quiet: print nothing but warnings.
@@ -504,20 +558,37 @@ def sweep(
     Returns:
       The summary.
     """
-    grid, setting_of = sweep_grid(config, algorithms, axes or {}, seeds, target)
+    grid, setting_of, epsilons = sweep_grid(config, algorithms, axes or {}, seeds, target)
     folder = Path(out or config.out or default_folder("sweep", config, grid.saved))
     edges: list[str] = []
     table = ""
+    hidden = tradeoff_names()
+    # The trade-off axes as the user gave them (dp_epsilon, not the noise it calibrates to).
+    swept = [name for name in (axes or {}) if name in hidden]
 
     def report(cells: Mapping[str, CellResult], writer: results.RunWriter) -> None:
         nonlocal table
-        summary = results.summarize(cells, target)
-        edges.extend(results.format_grid_edge(e) for e in results.grid_edges(cells, summary))
-        table = results.format_summary(summary)
+        cells = with_epsilons(cells, epsilons)
+        metric, higher = results.summary_metric(cells)
+        goal = target if metric == "test_accuracy" else None
+        split = results.split_tradeoffs(cells, swept, setting_of)
+        summary = results.summarize(split, goal, metric, higher)
+        for edge in results.grid_edges(split, summary, hidden):
+            edges.append(results.format_grid_edge(edge))
+        rows = results.frontier_rows(summary, split, swept, hidden, setting_of)
+        table = results.format_frontier(rows, swept)
         dataset = next(iter(cells.values())).info["dataset"]
+        if goal is None:
+            table = (
+                f"{dataset} has no test accuracy: each series' choice is by its lowest "
+                f"{_metric_words(metric)}, and no target applies (--target {target:g} is an "
+                "accuracy).\n\n" + table
+            )
         record = {
             "config": dict(grid.saved),
-            "target": target,
+            "target": goal,
+            "metric": metric,
+            "tradeoffs": swept,
             "dataset": dataset,
             "settings": setting_of,
             "results": {
@@ -535,20 +606,30 @@ def sweep(
         }
         # Strict JSON (NaN/Inf, e.g. a diverged config's loss, as null): any parser reads it.
         writer.write_text("sweep.json", json.dumps(strict_json(record), indent=1, allow_nan=False))
-        rows = results.sweep_table(cells, target, setting_of)
-        writer.write_text(SWEEP_CSV, results.csv_text(strict_json(rows)))
+        tidy = results.sweep_table(cells, goal, setting_of, metric, higher, swept)
+        writer.write_text(SWEEP_CSV, results.csv_text(strict_json(tidy)))
         warnings = "".join(f"\n- {line}" for line in edges)
+        head = f"Sweep on {dataset}" + ("" if goal is None else f", target {goal:g}")
         writer.write_text(
             "summary.md",
-            f"Sweep on {dataset}, target {target:g}\n\n{table}\n"
+            f"{head}\n\n{table}\n"
             + (f"\nChosen values at the edge of their grid:\n{warnings}\n" if edges else ""),
         )
-        for filename, plot in (
-            ("rounds_to_target.png", results.plot_rounds_to_target),
-            ("best_curves.png", results.plot_best_curves),
-        ):
-            writer.write_figure(filename, plot(cells, target))
-        writer.add(best={n: e["best"] for n, e in summary.items()}, edge_of_grid=edges)
+        # Rounds to a target only where one applies; the trade-off's curve where one is swept.
+        named = {"higher_is_better": higher}
+        if goal is not None:
+            figure = results.plot_rounds_to_target(split, goal, metric, **named)
+            writer.write_figure("rounds_to_target.png", figure)
+        writer.write_figure(
+            "best_curves.png", results.plot_best_curves(split, goal, metric, **named)
+        )
+        if swept:
+            writer.write_figure("tradeoffs.png", results.plot_tradeoffs(rows, swept))
+        writer.add(
+            best={n: e["best"] for n, e in summary.items()},
+            edge_of_grid=edges,
+            **({"tradeoffs": swept} if swept else {}),
+        )
 
     outcome = run_grid(grid, folder, report=report, quiet=quiet, **options)
     for line in edges:  # a warning, not a table: printed even with --quiet

@@ -401,11 +401,11 @@ _POLICY = {
     "round_deadline": Option(
         None, "virtual clock: a client slower than this many seconds is dropped and the "
         "round lasts at most this long (unset: no deadline)", "float", low=0.0, strict=True,
-        argument="deadline",
+        argument="deadline", tradeoff=True,
     ),
     "over_selection": Option(
         1.0, "virtual clock: sample ceil(f * S) clients and keep the S that finish first",
-        "float", low=1.0,
+        "float", low=1.0, tradeoff=True,
     ),
 }  # fmt: skip
 

@@ -57,6 +57,7 @@ MECHANISMS.register(
                 low=0.0,
                 strict=True,
                 argument="-",
+                tradeoff=True,
             ),
             "dp_delta": Option(
                 None,

@@ -66,7 +66,10 @@ HPARAMS: dict[str, HParam] = {
         allow_inf=True,
     ),
     "dp_noise_multiplier": HParam(
-        None, "DP noise multiplier z: the noise std on the sum is z C", allow_zero=True
+        None,
+        "DP noise multiplier z: the noise std on the sum is z C",
+        allow_zero=True,
+        tradeoff=True,
     ),
     "dp_target_quantile": HParam(
         0.5,

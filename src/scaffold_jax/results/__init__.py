@@ -36,7 +36,8 @@ One module per concern; every public name is re-exported here (``results.RunWrit
   best values, the step-size selection (:func:`select`, :func:`summarize`), a sweep's
   rows, a run folder's records and summary (:func:`read_records`, :func:`read_summary`);
 * :mod:`scaffold_jax.results.tables`: Markdown and CSV tables: a sweep's summary
-  (:func:`format_summary`) and tidy table (:func:`sweep_table`, :func:`csv_text`), the
+  (:func:`format_summary`; one row per value of a trade-off axis, :func:`split_tradeoffs`,
+  :func:`frontier_rows`) and tidy table (:func:`sweep_table`, :func:`csv_text`), the
   grid-edge warnings (:func:`grid_edges`), the paper's tables (:func:`rounds_table`,
   :func:`value_table`);
 * :mod:`scaffold_jax.results.plots`: every plot (matplotlib, imported by the plotting
@@ -80,6 +81,7 @@ from scaffold_jax.results.plots import (
     plot_G_vs_similarity,
     plot_gradient_fit,
     plot_rounds_to_target,
+    plot_tradeoffs,
     save_figure,
     style_axes,
 )
@@ -105,17 +107,24 @@ from scaffold_jax.results.records import (
     sweep_rows,
 )
 from scaffold_jax.results.tables import (
+    COSTS,
     Cell,
+    Series,
     csv_text,
+    format_bytes,
+    format_frontier,
     format_grid_edge,
     format_rounds,
     format_seconds,
     format_speedup,
     format_summary,
+    frontier_rows,
     grid_edges,
     markdown_table,
     rounds_cell,
     rounds_table,
+    split_tradeoffs,
+    summary_metric,
     sweep_table,
     value_table,
 )
@@ -142,17 +151,24 @@ __all__ = [
     "summarize",
     "sweep_rows",
     # tables
+    "COSTS",
     "Cell",
+    "Series",
     "csv_text",
+    "format_bytes",
+    "format_frontier",
     "format_grid_edge",
     "format_rounds",
     "format_seconds",
     "format_speedup",
     "format_summary",
+    "frontier_rows",
     "grid_edges",
     "markdown_table",
     "rounds_cell",
     "rounds_table",
+    "split_tradeoffs",
+    "summary_metric",
     "sweep_table",
     "value_table",
     # plots
@@ -167,6 +183,7 @@ __all__ = [
     "plot_drift",
     "plot_gradient_fit",
     "plot_rounds_to_target",
+    "plot_tradeoffs",
     "save_figure",
     "style_axes",
     # folder

@@ -273,16 +273,21 @@ def _label(name: str, hparams: Mapping[str, Any], show: Iterable[str]) -> str:
 
 def _x_axis(summary: Mapping[str, Mapping[str, Any]]) -> str:
     """The hyper-parameter a rounds-to-target plot puts on its x axis: the one with the
-    most values over every grid (η_l on a tie, then the first declared)."""
-    counts: dict[str, set] = {}
+    most values within a grid (η_l on a tie, then the first declared). Within: a
+    trade-off's value is one per series (:func:`~scaffold_jax.results.split_tradeoffs`),
+    however many the sweep has."""
+    counts: dict[str, int] = {}
     for entry in summary.values():
+        within: dict[str, set] = {}
         for group in entry["groups"]:
             for k, v in group["hparams"].items():
-                counts.setdefault(k, set()).add(v)
+                within.setdefault(k, set()).add(v)
+        for k, values in within.items():
+            counts[k] = max(counts.get(k, 0), len(values))
     if not counts:
         return "client_lr"
-    most = max(len(v) for v in counts.values())
-    ties = [k for k, v in counts.items() if len(v) == most]
+    most = max(counts.values())
+    ties = [k for k, v in counts.items() if v == most]
     return "client_lr" if "client_lr" in ties else ties[0]
 
 
@@ -421,6 +426,88 @@ def plot_best_curves(
         xlabel="communication rounds",
         ylabel=_metric_label(metric),
         title=f"The chosen config of each grid\nmean over {seeds} seeds, band ± 1 std",
+    )
+    return fig
+
+
+#: The costs :func:`plot_tradeoffs` puts on an x axis, by record field.
+_COST_LABELS = {
+    "dp_epsilon": "ε spent",
+    "bytes_up_total": "uplink bytes, total",
+    "virtual_time": "virtual time (s)",
+}
+
+
+def plot_tradeoffs(rows: Sequence[Mapping[str, Any]], axes: Sequence[str]):
+    """The curve of a trade-off sweep: each series' chosen config (the rows of
+    :func:`~scaffold_jax.results.frontier_rows`), its final metric (mean ± std over its
+    seeds) against the value of the first trade-off axis (``dp_epsilon``,
+    ``compress_fraction``...), and, in a panel each, against every cost its records carry
+    that differs between the values (ε spent, uplink bytes, virtual time). One line per
+    algorithm and setting (and value of the other trade-off axes).
+
+    Args:
+      rows: :func:`~scaffold_jax.results.frontier_rows` of the sweep.
+      axes: the trade-off axes swept (at least one).
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+    """
+    from matplotlib.ticker import FixedLocator
+
+    x_name = axes[0]
+    metric = rows[0]["metric"] if rows else "test_accuracy"
+    lines: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        others = tuple((a, r["values"].get(a)) for a in axes[1:])
+        lines.setdefault((r["label"], others), []).append(r)
+    # A cost gets a panel where it moves along a line (the uplink of a compression sweep),
+    # not where it only tells the algorithms apart.
+    panels = [x_name]
+    for field in _COST_LABELS:
+        seen = [[r["costs"].get(field) for r in members] for members in lines.values()]
+        moves = any(len(set(values)) > 1 for values in seen)
+        if field != x_name and moves and all(None not in values for values in seen):
+            panels.append(field)
+    fig, axs = new_figure(
+        len(panels), legend="below" if len(panels) > 1 else "right", legend_rows=len(lines)
+    )
+    for i, (ax, field) in enumerate(zip(axs, panels, strict=True)):
+        xs = []
+        for (label, others), members in lines.items():
+
+            def x_of(r, field=field):
+                return r["values"].get(field) if field == x_name else r["costs"].get(field)
+
+            members = sorted((r for r in members if x_of(r) is not None), key=x_of)
+            xs += [x_of(r) for r in members]
+            name = " ".join([label, *(f"{a}={v:g}" for a, v in others if v is not None)])
+            ax.errorbar(
+                [x_of(r) for r in members],
+                [r["group"]["final_value_mean"] for r in members],
+                yerr=[r["group"]["final_value_std"] or 0.0 for r in members],
+                marker="o",
+                capsize=3,
+                label=name if i == 0 else None,  # one legend, under the first panel
+            )
+        if xs and all(x > 0 for x in xs) and max(xs) > 3 * min(xs):
+            if field == x_name:
+                _log_axis(ax, xs)  # ticked at the values swept
+            else:
+                ax.set_xscale("log")
+        elif field == x_name and xs:
+            ax.xaxis.set_major_locator(FixedLocator(sorted(set(xs))))
+        style_axes(
+            ax,
+            xlabel=x_name if field == x_name else _COST_LABELS[field],
+            ylabel=f"final {_metric_label(metric)}",
+            legend="below" if len(panels) > 1 else "right",
+            ncol=1 if len(panels) == 1 else min(3, max(1, len(lines))),
+        )
+    fig.suptitle(
+        f"Trade-off: final {_metric_label(metric)} of each value's chosen config\n"
+        "(mean ± std over seeds)",
+        fontsize=10,
     )
     return fig
 

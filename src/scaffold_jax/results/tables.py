@@ -9,48 +9,307 @@ not reached within the horizon.
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping, Sequence
+import dataclasses
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from scaffold_jax.results.records import _as_mapping, best_value, rounds_to_target, summarize
-
+from scaffold_jax.results.records import (
+    _as_mapping,
+    best_value,
+    is_finite_number,
+    rounds_to_target,
+    summarize,
+)
 
 # ----------------------------------------------------------------------------- sweeps
-def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
-    """A Markdown table of :func:`summarize`'s best configs, one row per algorithm."""
+#: What a sweep's summary reports of each series beside its metric, when its records
+#: measure it: the record field, its column and how a value reads. Each is the last
+#: record's, the mean over the chosen group's seeds.
+COSTS = (
+    ("dp_epsilon", "ε spent", lambda v: f"{v:.3g}"),
+    ("bytes_up_total", "uplink", lambda v: format_bytes(v)),
+    ("virtual_time", "virtual time", lambda v: format_seconds(v)),
+)
+#: The costs a run measures only when asked to (privacy, a clock), shown whenever measured;
+#: the uplink, counted for every run, is shown beside a trade-off axis.
+_OPTED_IN = ("dp_epsilon", "virtual_time")
+
+
+@dataclasses.dataclass
+class Series:
+    """Some configs of a sweep's grid read as a grid of their own (what
+    :func:`summarize`, :func:`sweep_table`, :func:`grid_edges` and the plots read of a
+    :class:`~scaffold_jax.sweep.SweepResult`): the configs of one value of its trade-off
+    axes (:func:`split_tradeoffs`).
+
+    Attributes:
+      algorithm: the grid's algorithm.
+      configs, records, diverged_round: those of these configs.
+      indices: each config's index in the grid it was taken from.
+      parent: that grid's key.
+      tradeoff: the trade-off values these configs share, ``{axis: value}`` (the grid's
+        settings among them too).
+      settings: per config, what places its records (None: unknown).
+    """
+
+    algorithm: str
+    configs: list[dict[str, Any]]
+    records: list[list[dict[str, Any]]]
+    diverged_round: list[int]
+    indices: list[int]
+    parent: str
+    tradeoff: dict[str, Any]
+    settings: list[dict[str, Any]] | None = None
+
+    @property
+    def diverged(self) -> list[bool]:
+        return [int(r) >= 0 for r in self.diverged_round]
+
+
+def summary_metric(results: Mapping[str, Any] | Any) -> tuple[str, bool]:
+    """What a sweep's summary ranks by: ``("test_accuracy", True)`` when its records
+    measure an accuracy, else ``("test_loss", False)``: a problem without one (the
+    quadratics) is ranked by its loss, and no accuracy target applies to it.
+
+    Examples:
+      >>> class Grid:
+      ...     records = [[{"round": 0, "test_loss": 1.0}]]
+      >>> summary_metric({"sgd": Grid()})
+      ('test_loss', False)
+    """
+    for result in _as_mapping(results).values():
+        if any("test_accuracy" in r for recs in result.records for r in recs):
+            return "test_accuracy", True
+    return "test_loss", False
+
+
+def split_tradeoffs(
+    results: Mapping[str, Any] | Any,
+    axes: Sequence[str],
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Each grid cut into one :class:`Series` per value of its trade-off axes.
+
+    A trade-off axis (privacy's ε or noise, compression's fraction or bits, a deadline,
+    FedBuff's concurrency: a setting declared ``tradeoff=True``) is a cost, not a knob:
+    less noise is always more accurate, so a choice over it says nothing. Each of its
+    values is a series of its own, over whose configs the tuning knobs (step sizes...)
+    are chosen.
+
+    Args:
+      results: ``{grid name: SweepResult}`` or one SweepResult.
+      axes: the trade-off axes swept: hyper-parameters of the configs (``dp_epsilon``
+        where a config holds it) or settings of a grid (``settings``).
+      settings: per grid name, its data and shape settings.
+
+    Returns:
+      ``{series name: grid}``: without ``axes``, ``results`` as they are; else a Series
+      per grid and value of its axes among the configs, named ``"<grid> <axis>=<value>"``
+      (the grid's name alone when its configs share their values), in order.
+
+    Examples:
+      >>> class Grid:
+      ...     algorithm = "fedavg"
+      ...     configs = [{"client_lr": lr, "compress_fraction": f, "seed": 0}
+      ...                for f in (0.01, 0.1) for lr in (0.1, 1.0)]
+      ...     records = [[] for _ in configs]
+      >>> split = split_tradeoffs({"fedavg": Grid()}, ["compress_fraction"])
+      >>> {k: s.indices for k, s in split.items()}
+      {'fedavg compress_fraction=0.01': [0, 1], 'fedavg compress_fraction=0.1': [2, 3]}
+    """
+    results = _as_mapping(results)
+    if not axes:
+        return dict(results)
+    out: dict[str, Any] = {}
+    for key, result in results.items():
+        outer = {a: v for a, v in (settings or {}).get(key, {}).items() if a in axes}
+        inner = [a for a in axes if a not in outer and any(a in c for c in result.configs)]
+        parts: dict[tuple, list[int]] = {}
+        for j, config in enumerate(result.configs):
+            parts.setdefault(tuple(config.get(a) for a in inner), []).append(j)
+        n = len(result.configs)
+        diverged = [int(r) for r in getattr(result, "diverged_round", [-1] * n)]
+        placed = getattr(result, "settings", None)
+        for values, idx in parts.items():
+            name = key
+            if len(parts) > 1:
+                name += " " + " ".join(f"{a}={v:g}" for a, v in zip(inner, values, strict=True))
+            out[name] = Series(
+                algorithm=result.algorithm,
+                configs=[result.configs[j] for j in idx],
+                records=[result.records[j] for j in idx],
+                diverged_round=[diverged[j] for j in idx],
+                indices=idx,
+                parent=key,
+                tradeoff={**outer, **dict(zip(inner, values, strict=True))},
+                settings=None if placed is None else [placed[j] for j in idx],
+            )
+    return out
+
+
+def frontier_rows(
+    summary: Mapping[str, Mapping[str, Any]],
+    results: Mapping[str, Any] | None = None,
+    axes: Sequence[str] = (),
+    hidden: Iterable[str] = (),
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per series of :func:`summarize`: its trade-off values, the tuned values it
+    chose and what the chosen group measured (the frontier of a trade-off sweep).
+
+    Args:
+      summary: :func:`summarize` of ``results``.
+      results: the series (:func:`split_tradeoffs`); None: no costs are read.
+      axes: the trade-off axes swept (each a column).
+      hidden: the names not listed among the chosen hyper-parameters (the trade-offs,
+        shown as their columns, or fixed).
+      settings: per grid name, its settings (the series' label drops the trade-offs).
+
+    Returns:
+      Dicts with ``series``, ``label`` (the series without its trade-off values),
+      ``values`` (``{axis: value}``), ``hparams`` (the chosen values of the step sizes
+      and of the other knobs the sweep varied), ``group`` (the chosen group,
+      :func:`~scaffold_jax.results.group_runs`), ``target``, ``metric``, ``costs`` (per
+      field of :data:`COSTS` the records carry, its mean final value over the group's
+      seeds), ``time_to_target`` and ``bytes_up_to_target`` (means; None unless every
+      seed reached the target).
+    """
+    hidden = set(hidden) | set(axes)
+    # The knobs a reader compares: the step sizes and whatever the sweep varied (a fixed
+    # value, e.g. the clip norm given once, is the config's: config.json has it).
+    values: dict[str, set] = {}
+    for entry in summary.values():
+        for g in entry["groups"]:
+            for name, value in g["hparams"].items():
+                values.setdefault(name, set()).add(value)
+    varied = {"client_lr", "server_lr"} | {k for k, v in values.items() if len(v) > 1}
+    rows = []
+    for name, entry in summary.items():
+        g = entry["best"]
+        result = None if results is None else results[name]
+        values = dict(getattr(result, "tradeoff", {}) or {})
+        parent = getattr(result, "parent", name)
+        label = name
+        if axes and result is not None:
+            own = {k: v for k, v in (settings or {}).get(parent, {}).items() if k not in hidden}
+            label = " ".join([result.algorithm, *(f"{k}={v:g}" for k, v in own.items())])
+        runs = [] if result is None else [result.records[j] for j in g["configs"]]
+        costs, to_target = {}, {}
+        for field, *_ in COSTS:
+            finals = [recs[-1].get(field) for recs in runs if recs]
+            if finals and all(is_finite_number(v) for v in finals):
+                costs[field] = statistics.fmean(finals)
+        for field, total in (("time_to_target", "virtual_time"), ("bytes_up_to_target",
+                                                                   "bytes_up_total")):  # fmt: skip
+            if total in costs and entry.get("target") is not None:
+                at = [
+                    next((r.get(total) for r in recs if r["round"] == reached), None)
+                    for recs, reached in zip(runs, g["rounds_to_target"], strict=True)
+                ]
+                ok = all(is_finite_number(v) for v in at)
+                to_target[field] = statistics.fmean(at) if ok else None
+        rows.append(
+            {
+                "series": name,
+                "label": label,
+                "values": {a: values.get(a) for a in axes},
+                "hparams": {
+                    k: v for k, v in g["hparams"].items() if k in varied and k not in hidden
+                },
+                "group": g,
+                "target": entry.get("target"),
+                "metric": entry.get("metric", "test_accuracy"),
+                "costs": costs,
+                **to_target,
+            }
+        )
+    return rows
+
+
+def format_frontier(rows: Sequence[Mapping[str, Any]], axes: Sequence[str] = ()) -> str:
+    """A Markdown table of :func:`frontier_rows`, one row per series: the trade-off
+    values (a column each), the chosen hyper-parameters, rounds to the target and how
+    many seeds reached it (only when a target applies), the best and final metric, the
+    final loss, the costs the records carry (ε spent and virtual time; with trade-off
+    axes, the uplink and the uplink to the target too), the time to the target (where a
+    clock runs) and divergences."""
 
     def fmt(mean, std, digits):
         return "not reached" if mean is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
-    rows = []
-    for name, entry in summary.items():
-        g = entry["best"]
-        hp = ", ".join(f"{k}={v:g}" for k, v in g["hparams"].items())
-        best = "—" if g["best_value_mean"] is None else f"{g['best_value_mean']:.4f}"
-        rows.append(
-            [
-                name,
-                hp,
-                "—" if entry.get("target") is None else fmt(g["rounds_mean"], g["rounds_std"], 1),
-                f"{g['reached']}/{len(g['seeds'])}",
-                best,
-                fmt(g["final_value_mean"], g["final_value_std"], 4),
-                f"{g['final_loss_mean']:.4g}",
-                f"{g['num_diverged']}/{len(g['seeds'])}",
-            ]
-        )
-    metric = next(iter(summary.values()), {}).get("metric", "test_accuracy")
-    header = [
-        "algorithm",
-        "hparams",
-        "rounds to target",
-        "reached",
-        f"best {metric}",
-        f"final {metric}",
-        "final loss",
-        "diverged",
+    first = rows[0] if rows else {}
+    metric = first.get("metric", "test_accuracy")
+    targeted = any(r["target"] is not None for r in rows)
+    shown = [
+        (field, head, show)
+        for field, head, show in COSTS
+        if any(field in r["costs"] for r in rows) and (axes or field in _OPTED_IN)
     ]
-    return markdown_table(header, rows)
+    timed = targeted and any("time_to_target" in r for r in rows)
+    # What reaching the target sent: the measure of a compression sweep.
+    sent = targeted and bool(axes) and any("bytes_up_to_target" in r for r in rows)
+    body = []
+    for r in rows:
+        g = r["group"]
+        seeds = len(g["seeds"])
+        line = [r["label"], *(_value(r["values"].get(a)) for a in axes)]
+        line.append(", ".join(f"{k}={v:g}" for k, v in r["hparams"].items()) or "—")
+        if targeted:
+            line.append(fmt(g["rounds_mean"], g["rounds_std"], 1))
+            line.append(f"{g['reached']}/{seeds}")
+        line.append("—" if g["best_value_mean"] is None else f"{g['best_value_mean']:.4f}")
+        line.append(fmt(g["final_value_mean"], g["final_value_std"], 4))
+        line.append(f"{g['final_loss_mean']:.4g}")
+        line += [show(r["costs"][f]) if f in r["costs"] else "—" for f, _, show in shown]
+        if sent:
+            b = r.get("bytes_up_to_target")
+            line.append("not reached" if b is None else format_bytes(b))
+        if timed:
+            t = r.get("time_to_target")
+            line.append("not reached" if t is None else format_seconds(t))
+        line.append(f"{g['num_diverged']}/{seeds}")
+        body.append(line)
+    header = ["algorithm", *axes, "hparams"]
+    if targeted:
+        header += ["rounds to target", "reached"]
+    header += [f"best {metric}", f"final {metric}", "final loss", *(h for _, h, _ in shown)]
+    if sent:
+        header.append("uplink to target")
+    if timed:
+        header.append("time to target")
+    header.append("diverged")
+    return markdown_table(header, body)
+
+
+def format_summary(
+    summary: Mapping[str, Mapping[str, Any]],
+    results: Mapping[str, Any] | None = None,
+    axes: Sequence[str] = (),
+    hidden: Iterable[str] = (),
+) -> str:
+    """A Markdown table of :func:`summarize`'s best configs, one row per series (an
+    algorithm and setting, and each value of a trade-off axis): :func:`format_frontier`
+    of :func:`frontier_rows`. Without a target (None: a problem without accuracy) the
+    rounds-to-target columns are left out."""
+    return format_frontier(frontier_rows(summary, results, axes, hidden), axes)
+
+
+def _value(value: Any) -> str:
+    return "—" if value is None else f"{value:g}"
+
+
+def format_bytes(count: float) -> str:
+    """A byte count in the unit that reads best (powers of 1000).
+
+    Examples:
+      >>> format_bytes(960), format_bytes(17_600_000), format_bytes(2.5e9)
+      ('960 B', '17.6 MB', '2.5 GB')
+    """
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count:.3g} B"
 
 
 # Keys of a sweep's record that are not measurements (see scaffold_jax.sweep.SweepResult).
@@ -63,6 +322,7 @@ def sweep_table(
     settings: Mapping[str, Mapping[str, Any]] | None = None,
     metric: str = "test_accuracy",
     higher_is_better: bool = True,
+    tradeoffs: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """A sweep as a tidy table: one row per config (hyper-parameters × seed) of every grid.
 
@@ -72,25 +332,42 @@ def sweep_table(
     ``status``, ``diverged_round``, ``rounds`` (the last evaluated round); ``final_<m>``
     for every metric of the last records; ``best_<metric>``; ``target`` and
     ``rounds_to_target`` (:func:`rounds_to_target`; blank if not reached) and ``chosen``
-    (the config belongs to its grid's choice, :func:`summarize`).
+    (the config belongs to its grid's choice, :func:`summarize`: one per value of the
+    trade-off axes, :func:`split_tradeoffs`). ``bytes_up_to_target`` and
+    ``time_to_target`` where the records carry the totals; with ``target`` None (a
+    problem without accuracy) the target columns are left out.
 
     Args:
       results: ``{grid name: SweepResult}`` or one SweepResult.
-      target: the target of ``metric``.
+      target: the target of ``metric``, or None.
       settings: per grid name, its data and shape settings (e.g. ``{"similarity": 0}``).
       metric: the record field of ``best_<metric>`` and the target.
       higher_is_better: True for accuracies.
+      tradeoffs: the trade-off axes swept: the choice is made per value of them.
 
     Returns:
       The rows, as dicts of plain values (None for a blank cell).
     """
     results = _as_mapping(results)
     settings = settings or {}
-    summary = summarize(results, target, metric, higher_is_better)
+    split = split_tradeoffs(results, tradeoffs, settings)
+    summary = summarize(split, target, metric, higher_is_better)
+    chosen_of: dict[str, set[int]] = {}
+    for name, part in split.items():
+        indices = getattr(part, "indices", None)
+        best = summary[name]["best"]["configs"]
+        chosen_of.setdefault(getattr(part, "parent", name), set()).update(
+            best if indices is None else (indices[j] for j in best)
+        )
     setting_names = list(dict.fromkeys(k for s in settings.values() for k in s))
     hparam_names = list(
         dict.fromkeys(k for r in results.values() for c in r.configs for k in c if k != "seed")
     )
+    # A record also holds the values that place it (its grid's settings and config): they
+    # are columns already, not measurements.
+    placed = {
+        k for r in results.values() for labels in getattr(r, "settings", None) or () for k in labels
+    }
     metric_names = list(
         dict.fromkeys(
             k
@@ -98,13 +375,14 @@ def sweep_table(
             for recs in r.records
             for k, v in recs[-1].items()
             if k not in _SWEEP_RECORD_KEYS
+            and k not in placed
             and isinstance(v, (int, float))
             and not isinstance(v, bool)
         )
     )
     rows = []
     for key, result in results.items():
-        chosen = set(summary[key]["best"]["configs"])
+        chosen = chosen_of[key]
         diverged = list(getattr(result, "diverged_round", [-1] * len(result.configs)))
         for j, config in enumerate(result.configs):
             records = result.records[j]
@@ -118,20 +396,17 @@ def sweep_table(
             row["rounds"] = last.get("round")
             row.update({f"final_{m}": last.get(m) for m in metric_names})
             row[f"best_{metric}"] = best_value(records, metric, higher_is_better)
-            row["target"] = target
-            reached = (
-                None
-                if target is None
-                else rounds_to_target(records, target, metric, higher_is_better)
-            )
-            row["rounds_to_target"] = reached
-            at = {r["round"]: r for r in records}
-            # What reaching it sent (engine.communication) and took (participation.clock).
-            for name, total in (("bytes_up", "bytes_up_total"), ("time", "virtual_time")):
-                if total in last:
-                    row[f"{name}_to_target"] = (
-                        None if reached is None else at[reached].get(total, 0)
-                    )
+            if target is not None:
+                row["target"] = target
+                reached = rounds_to_target(records, target, metric, higher_is_better)
+                row["rounds_to_target"] = reached
+                at = {r["round"]: r for r in records}
+                # What reaching it sent (engine.communication) and took (participation.clock).
+                for name, total in (("bytes_up", "bytes_up_total"), ("time", "virtual_time")):
+                    if total in last:
+                        row[f"{name}_to_target"] = (
+                            None if reached is None else at[reached].get(total, 0)
+                        )
             row["chosen"] = j in chosen
             rows.append(row)
     return rows
@@ -150,23 +425,22 @@ def csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
     return out.getvalue()
 
 
-#: Axes that set a budget rather than tune accuracy: less noise is always "best", so the
-#: edge of their grid says nothing about where an optimum lies.
-BUDGETS = ("dp_noise_multiplier",)
-
-
 def grid_edges(
-    results: Mapping[str, Any] | Any, summary: Mapping[str, Mapping[str, Any]]
+    results: Mapping[str, Any] | Any,
+    summary: Mapping[str, Mapping[str, Any]],
+    tradeoffs: Iterable[str] = (),
 ) -> list[dict[str, Any]]:
     """The chosen values that lie at the edge of their grid: the optimum may lie beyond.
 
     For every grid of a sweep and every hyper-parameter it swept (two values or more), the
     chosen group's value (:func:`summarize`) is checked against the smallest and largest
-    value of that axis.
+    value of that axis. A trade-off (``tradeoffs``: a cost such as privacy's noise, where
+    less is always more accurate) has no optimum to lie beyond: it is never checked.
 
     Args:
       results: ``{grid name: SweepResult}`` or one SweepResult.
       summary: :func:`summarize` of ``results``.
+      tradeoffs: the names declared trade-offs.
 
     Returns:
       One dict per value at an edge: ``series`` (the grid name), ``name``, ``value``,
@@ -180,10 +454,11 @@ def grid_edges(
       [('client_lr', 1.0, 'largest')]
     """
     out = []
+    tradeoffs = set(tradeoffs)
     for key, result in _as_mapping(results).items():
         for name, value in summary[key]["best"]["hparams"].items():
             axis = sorted({c[name] for c in result.configs if name in c})
-            if name in BUDGETS or len(axis) < 2 or value not in (axis[0], axis[-1]):
+            if name in tradeoffs or len(axis) < 2 or value not in (axis[0], axis[-1]):
                 continue
             edge = "smallest" if value == axis[0] else "largest"
             out.append({"series": key, "name": name, "value": value, "edge": edge, "grid": axis})

@@ -41,9 +41,10 @@ rounds = {ROUNDS}
 eval_every = 1
 targets = [0.5, 0.7]
 """
-#: The same run asynchronous (FedBuff: 6 clients in flight, steps of 3 arrivals).
+#: The same run asynchronous (FedBuff: 6 clients in flight, steps of 3 arrivals; no S,
+#: which FedBuff refuses: M and B say how many clients train).
 FEDBUFF = (
-    TINY
+    TINY.replace("clients_per_round = 5\n", "")
     + """
 profiles = "lognormal"
 execution = "fedbuff"

@@ -280,7 +280,7 @@ def test_a_resume_with_another_concurrency_or_profile_is_refused(
         )
     other = tmp_path / "other.csv"
     other.write_text("seconds_per_example,down_bytes_per_s,up_bytes_per_s\n0.5,64,32\n")
-    with pytest.raises(ValueError, match="values_sha256"):
+    with pytest.raises(ValueError, match="rows_sha256"):
         _simulation(sj.fedavg(problem.loss_fn), problem, str(other), 4, 2).run(
             data, hp, num_rounds=4, checkpoint_dir=folder, resume=True
         )
@@ -303,8 +303,7 @@ def test_fedbuff_from_the_command_line_and_a_changed_concurrency_refused(tmp_pat
     from scaffold_jax.cli import main
 
     out = str(tmp_path / "run")
-    argv = ["run", "--dataset", "quadratic", "--num-clients", "8", "--clients-per-round", "2",
-            "--local-steps", "2", "--profiles", "lognormal", "--execution", "fedbuff",
+    argv = ["run", "--dataset", "quadratic", "--num-clients", "8", "--local-steps", "2", "--profiles", "lognormal", "--execution", "fedbuff",
             "--concurrency", "4", "--buffer-size", "2", "--eval-every", "2", "--quiet",
             "--out", out]  # fmt: skip
     assert main([*argv, "--rounds", "4"]) == 0

@@ -320,11 +320,14 @@ EXECUTIONS.register(
     ModelSpec(
         FedBuff,
         {
+            # Trade-offs (more in flight or a bigger buffer costs bytes and staleness):
+            # a sweep reports a row per value, not a "best".
             "concurrency": Option(
-                10, "FedBuff: clients in flight at all times (M)", "int", low=1,
+                10, "FedBuff: clients in flight at all times (M)", "int", low=1, tradeoff=True,
             ),
             "buffer_size": Option(
                 5, "FedBuff: arrivals per server step (B <= M; 1: FedAsync)", "int", low=1,
+                tradeoff=True,
             ),
             "staleness": Option(
                 "sqrt", "FedBuff: staleness weight s(tau) of an update", "str",

@@ -393,9 +393,12 @@ def private(
         },
         linear_aggregate=True,
         report=report,
+        # Clipping scales what the inner transforms send (a compressor's message), so the
+        # bytes sent are theirs.
         messages=MessageTransform(
             (lambda params: None) if inner.messages is None else inner.messages.init,
             clip_and_noise,
+            None if inner.messages is None else inner.messages.sizes,
         ),
         # What the algorithm's clients receive, and the clip norm's factor they clip with.
         downlink=lambda state: (

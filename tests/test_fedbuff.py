@@ -303,9 +303,9 @@ def test_fedbuff_from_the_command_line_and_a_changed_concurrency_refused(tmp_pat
     from scaffold_jax.cli import main
 
     out = str(tmp_path / "run")
-    argv = ["run", "--dataset", "quadratic", "--num-clients", "8", "--local-steps", "2", "--profiles", "lognormal", "--execution", "fedbuff",
-            "--concurrency", "4", "--buffer-size", "2", "--eval-every", "2", "--quiet",
-            "--out", out]  # fmt: skip
+    argv = ["run", "--dataset", "quadratic", "--num-clients", "8", "--local-steps", "2",
+            "--profiles", "lognormal", "--execution", "fedbuff", "--concurrency", "4",
+            "--buffer-size", "2", "--eval-every", "2", "--quiet", "--out", out]  # fmt: skip
     assert main([*argv, "--rounds", "4"]) == 0
     import json
     from pathlib import Path

@@ -136,8 +136,9 @@ def assert_resumes_for_one_more_round(argv, out):
         ),
         ({"dataset": "shakespeare", "min_client_examples": 0},
          r"min_client_examples = 0 is invalid"),
-        ({"dataset": "shakspeare"}, r"dataset = 'shakspeare' is invalid: it must be one of .*"
-                                    r"fashion_mnist.*(shakespeare, femnist|femnist, shakespeare)"),
+        ({"dataset": "shakspeare"},
+         r"dataset = 'shakspeare' is invalid: it must be one of .*fashion_mnist.*"
+         r"('shakespeare', 'femnist'|'femnist', 'shakespeare')"),
         ({"model": "resnet18", "resnet_width": 0}, r"resnet_width = 0 is invalid"),
         ({"model": "resnet18", "resnet_norm": "layer"}, r"resnet_norm = 'layer' is invalid"),
         ({"model": "cnn", "state_policy": "local"},

@@ -128,4 +128,6 @@ def test_unknown_plugins_and_algorithms_are_named_errors(tmp_path, capsys):
     assert "plugin 'no_such_module_xyz' cannot be imported" in capsys.readouterr().err
     assert main(["run", "--algorithm", "damped_fedavgg", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "algorithm = 'damped_fedavgg' is invalid" in err and "--plugin" in err
+    # One line with the hint; how plugins register is in --plugin's help, not repeated.
+    assert "algorithm = 'damped_fedavgg' is invalid" in err
+    assert "(did you mean 'damped_fedavg'?)" in err and len(err.strip().splitlines()) == 1

@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 
+from scaffold_jax.participation.base import constants_key
 from scaffold_jax.sampling import uniform
 
 
@@ -59,8 +59,11 @@ def participation_key(round_key: jax.Array, stream: int) -> jax.Array:
     return jr.fold_in(jr.fold_in(round_key, 4), stream)
 
 
-def constants_key(key: jax.Array) -> jax.Array:
-    """A key of the run that no round's key equals (the rounds fold in their index, which
-    never reaches 2³² − 1): for what a participation model fixes per client for the whole
-    run, such as a straggler's device speed."""
-    return jr.fold_in(key, np.uint32(2**32 - 1))
+__all__ = [
+    "client_keys",
+    "constants_key",
+    "participation_key",
+    "round_key_and_ids",
+    "server_key",
+    "shared_key",
+]

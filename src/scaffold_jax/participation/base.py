@@ -14,8 +14,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 
 from scaffold_jax.registry import Option
+
+
+def constants_key(key: jax.Array) -> jax.Array:
+    """A key of the run that no round's key equals (the rounds fold in their index, which
+    never reaches 2³² − 1): for what a participation model fixes per client for the whole
+    run, such as a straggler's device speed or a client's device profile. Here, below the
+    engine, so that a model can say on the host what the engine will draw."""
+    return jr.fold_in(key, np.uint32(2**32 - 1))
 
 
 class ModelSpec(NamedTuple):

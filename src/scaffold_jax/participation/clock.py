@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax.participation.base import ModelSpec
+from scaffold_jax.participation.base import ModelSpec, constants_key
 from scaffold_jax.registry import Option, Registry
 
 #: The columns of a profile file, in this order (its header).
@@ -258,8 +258,6 @@ class LogNormal(_Clock):
         return _lognormal(seed_key, jnp.asarray(ids, jnp.int32), median, sigma)
 
     def values(self, seed: int, ids: np.ndarray) -> tuple[np.ndarray, ...]:
-        from scaffold_jax.engine.keys import constants_key  # the engine imports this module
-
         sigma = np.asarray([self.compute_sigma, self.bandwidth_sigma, self.bandwidth_sigma])
         median = np.asarray([self.seconds_per_example, self.down_bytes_per_s, self.up_bytes_per_s])
         key = constants_key(jr.key(seed))

@@ -532,3 +532,24 @@ def test_skewed_clients_sorted_into_chunks_equal_the_padded_round():
         assert_trees_close(result.state.server.control, c, rtol=1e-5, atol=1e-6)
         table = jax.tree.map(lambda *rows: np.stack(rows), *c_i)
         assert_trees_close(result.state.clients.control, table, rtol=1e-5, atol=1e-6)
+
+
+def test_init_builds_its_program_once_per_simulation(small_data, small_problem):
+    """Simulation.init keeps its jitted programs (the state's, a warm start's): a second
+    call, as a notebook's second run() makes, traces nothing again; the states are equal
+    and independent (the first is not donated by the second)."""
+    traces = []
+    base = sj.scaffold(small_problem.loss_fn, warm_controls=True)
+
+    def counting_init(params):
+        traces.append(1)
+        return base.init(params)
+
+    plan = sj.BatchPlan.fixed(batch_size=4, num_steps=3)
+    sim = sj.Simulation(base._replace(init=counting_init), small_problem, plan, 3)
+    first = sim.init(small_data)
+    traced = len(traces)
+    second = sim.init(small_data)
+    assert len(traces) == traced
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

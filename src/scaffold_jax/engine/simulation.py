@@ -21,7 +21,7 @@ from scaffold_jax.engine.checks import check_count, check_simulation
 from scaffold_jax.engine.evaluation import DEFAULT_EVALUATORS, TRAIN_EVAL_EXAMPLES
 from scaffold_jax.engine.phases import full_data_pass
 from scaffold_jax.engine.round import round_fn
-from scaffold_jax.engine.state import init_state, initial_state
+from scaffold_jax.engine.state import init_program, initial_state
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import takes
 from scaffold_jax.participation import Participation
@@ -387,20 +387,28 @@ class Simulation:
         """Checks the set-up against ``data`` and returns the initial :class:`SimState`,
         placed in this simulation's layout."""
         self.check(data)
-        state = init_state(
-            self.algorithm,
-            self.problem.params,
-            data.num_clients,
-            self.layout,
-            self.problem,
-            self.participation,
-            self.execution,
-        )
-        if self.algorithm.warm_start is None:
-            return state
-        shardings = self.layout.state_shardings(state)  # reads only the structure
-        warm = jax.jit(self.warm_start_fn, donate_argnums=(0,), out_shardings=shardings)
-        return warm(state, data)
+        # The programs are kept per population size: a notebook calling run() again pays
+        # for neither tracing nor compiling them twice.
+        programs = self.__dict__.setdefault("_init_programs", {})
+        if data.num_clients not in programs:
+            build = init_program(
+                self.algorithm,
+                self.problem.params,
+                data.num_clients,
+                self.layout,
+                self.problem,
+                self.participation,
+                self.execution,
+            )
+            warm = None
+            if self.algorithm.warm_start is not None:
+                like = jax.eval_shape(build, self.problem.params)
+                shardings = self.layout.state_shardings(like)  # reads only the structure
+                warm = jax.jit(self.warm_start_fn, donate_argnums=(0,), out_shardings=shardings)
+            programs[data.num_clients] = (build, warm)
+        build, warm = programs[data.num_clients]
+        state = build(self.problem.params)
+        return state if warm is None else warm(state, data)
 
     def state_like(self, num_clients: int) -> SimState:
         """The state's shapes, dtypes and (in a client mesh) shardings for ``num_clients``:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -75,6 +76,24 @@ def init_state(
       ValueError: the layout cannot hold ``num_clients`` rows (not a multiple of its
         devices).
     """
+    program = init_program(
+        algorithm, params, num_clients, layout, problem, participation, execution
+    )
+    return program(params)
+
+
+def init_program(
+    algorithm: Algorithm,
+    params: PyTree,
+    num_clients: int,
+    layout: Any = None,
+    problem: Problem | None = None,
+    participation: Participation | None = None,
+    execution: Any = None,
+) -> Callable[[PyTree], SimState]:
+    """The jitted ``program(params) -> SimState`` of :func:`init_state` (``params`` of the
+    structure given; in several processes, these params themselves, baked in), to keep and
+    call again: a caller that wraps a new closure every time compiles it every time."""
     layout = SingleDevice() if layout is None else layout
     layout.check_num_clients(num_clients)
 
@@ -83,8 +102,9 @@ def init_state(
 
     shardings = layout.state_shardings(jax.eval_shape(build, params))
     if jax.process_count() == 1:
-        return jax.jit(build, out_shardings=shardings)(params)
+        return jax.jit(build, out_shardings=shardings)
     # Several processes: the params are numpy constants closed over, so the program has no
     # inputs to place and every process runs it alike on the global mesh.
     constants = jax.tree.map(np.asarray, params)
-    return jax.jit(lambda: build(constants), out_shardings=shardings)()
+    program = jax.jit(lambda: build(constants), out_shardings=shardings)
+    return lambda params: program()

@@ -391,15 +391,9 @@ class Simulation:
         # for neither tracing nor compiling them twice.
         programs = self.__dict__.setdefault("_init_programs", {})
         if data.num_clients not in programs:
-            build = init_program(
-                self.algorithm,
-                self.problem.params,
-                data.num_clients,
-                self.layout,
-                self.problem,
-                self.participation,
-                self.execution,
-            )
+            build = init_program(self.algorithm, self.problem.params, data.num_clients,
+                                 self.layout, self.problem, self.participation,
+                                 self.execution)  # fmt: skip
             warm = None
             if self.algorithm.warm_start is not None:
                 like = jax.eval_shape(build, self.problem.params)

@@ -495,21 +495,32 @@ def test_client_sampling_is_uniform_over_subsets(n, s):
 @pytest.mark.parametrize(("n", "s"), [(7, 2), (10, 3), (50, 20), (200, 60), (1000, 100)])
 def test_the_parallel_sampler_is_floyds_sequential_algorithm_bit_for_bit(n, s):
     """sample_clients (S draws at once, collisions settled in a few [S, S] passes) against
-    Floyd's algorithm written as the plain loop of S dependent steps, with the same key
-    per step: the same ids for 300 keys, so every seed samples what it always did. The
-    sizes reach chains of collisions (S = 60 of 200)."""
+    Floyd's algorithm written as the plain loop of S dependent steps over the same draws
+    (step i's j_i from the i-th key of ``split(key, S)``): the same ids for 200 keys, so
+    every seed samples what it always did. The sizes reach chains of collisions (S = 60
+    of 200). The draws are made per key, eagerly, for the first key."""
 
-    def floyd(key):
-        keys, chosen = jr.split(key, s), []
+    def draws(key):
+        last = jnp.arange(n - s, n, dtype=jnp.int32)
+        return jax.vmap(lambda k, t: jr.randint(k, (), 0, t + 1, dtype=jnp.int32))(
+            jr.split(key, s), last
+        )
+
+    def floyd(j):
+        chosen = []
         for i in range(s):
             t = n - s + i
-            j = int(jr.randint(keys[i], (), 0, t + 1, dtype=jnp.int32))
-            chosen.append(t if j in chosen else j)
+            chosen.append(t if int(j[i]) in chosen else int(j[i]))
         return chosen
 
-    sample = jax.jit(lambda k: sample_clients(k, n, s))
-    for key in jr.split(jr.key(n + s), 300 if n < 1000 else 20):
-        assert np.asarray(sample(key)).tolist() == floyd(key)
+    keys = jr.split(jr.key(n + s), 200)
+    first = [int(jr.randint(k, (), 0, n - s + i + 1, dtype=jnp.int32))
+             for i, k in enumerate(jr.split(keys[0], s))]  # fmt: skip
+    assert np.asarray(draws(keys[0])).tolist() == first
+    all_draws = np.asarray(jax.jit(jax.vmap(draws))(keys))
+    sampled = np.asarray(jax.jit(jax.vmap(lambda k: sample_clients(k, n, s)))(keys))
+    for j, ids in zip(all_draws, sampled, strict=True):
+        assert ids.tolist() == floyd(j)
 
 
 def test_skewed_clients_sorted_into_chunks_equal_the_padded_round():

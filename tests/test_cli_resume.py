@@ -353,6 +353,7 @@ def _steps(folder) -> list[int]:
     return sorted(int(p.name) for p in Path(folder).iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow  # two command-line processes; the quick tier has test_checkpoint.py's
 def test_a_finished_run_keeps_its_final_checkpoint_unless_told(env, reference, tmp_path):
     """Checkpointed every round, a finished run leaves its final state only (all that
     --resume with more rounds needs: test_more_rounds_and_another_cadence_are_allowed);
@@ -369,6 +370,7 @@ def test_a_finished_run_keeps_its_final_checkpoint_unless_told(env, reference, t
     assert _steps(out / experiments.CHECKPOINTS) == [6]
 
 
+@pytest.mark.slow  # a sweep of two cells; the quick tier has test_checkpoint.py's
 def test_a_finished_sweep_keeps_one_checkpoint_per_chunk(env, tmp_path):
     root, _ = env
     out = tmp_path / "sweep"

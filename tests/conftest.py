@@ -116,6 +116,18 @@ def small_problem():
     return sj.models.logistic_regression((5,), 3, zero_init=False, key=jax.random.key(3))
 
 
+def binary_clients(sizes, seed: int):
+    """Clients of ``sizes`` examples: 3 standard-normal features, labels 0/1 at random (the
+    clock's, FedBuff's and the continued runs' tests)."""
+    rng = np.random.default_rng(seed)
+    return sj.data.from_client_arrays(
+        [
+            {"x": rng.normal(size=(n, 3)).astype("float32"), "y": rng.integers(0, 2, n)}
+            for n in sizes
+        ]
+    )
+
+
 def quadratic_clients(num_clients=4, dim=3, seed=0):
     """Heterogeneous quadratics f_i(x) = ½ xᵀA_i x − b_iᵀx, one "example" per client.
 

@@ -16,6 +16,7 @@ import scaffold_jax as sj
 from scaffold_jax import participation
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.participation.clock import FileProfiles, LogNormal, load_profiles
+from tests.conftest import binary_clients
 
 HEADER = "seconds_per_example,down_bytes_per_s,up_bytes_per_s\n"
 
@@ -75,14 +76,8 @@ def test_examples_are_the_plans_unmasked_slots(plan):
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(0)
     sizes = [4, 8, 4, 12, 4, 8, 4, 4]
-    return sj.data.from_client_arrays(
-        [
-            {"x": rng.normal(size=(n, 3)).astype("float32"), "y": rng.integers(0, 2, n)}
-            for n in sizes
-        ]
-    )
+    return binary_clients(sizes, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 
 import scaffold_jax as sj
 from scaffold_jax import participation
+from tests.conftest import binary_clients
 
 TOTALS = ("bytes_down_total", "bytes_up_total", "virtual_time")
 HP = sj.hparams(client_lr=0.5)
@@ -18,14 +19,8 @@ HP = sj.hparams(client_lr=0.5)
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(3)
     sizes = [4, 4, 8, 4, 8, 4, 12, 4, 8, 4]
-    return sj.data.from_client_arrays(
-        [
-            {"x": rng.normal(size=(n, 3)).astype("float32"), "y": rng.integers(0, 2, n)}
-            for n in sizes
-        ]
-    )
+    return binary_clients(sizes, seed=3)
 
 
 @pytest.fixture(scope="module")

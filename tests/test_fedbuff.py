@@ -24,20 +24,15 @@ from conftest import reference_grad
 import scaffold_jax as sj
 from scaffold_jax import participation
 from scaffold_jax.engine import buffered
+from tests.conftest import binary_clients
 
 K, LR = 2, 0.5
 
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(3)
     sizes = [4, 4, 8, 4, 8, 4, 12, 4, 8, 4]  # equal sizes: ties in finish times
-    return sj.data.from_client_arrays(
-        [
-            {"x": rng.normal(size=(n, 3)).astype("float32"), "y": rng.integers(0, 2, n)}
-            for n in sizes
-        ]
-    )
+    return binary_clients(sizes, seed=3)
 
 
 @pytest.fixture(scope="module")

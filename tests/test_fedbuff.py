@@ -113,7 +113,7 @@ def _check_against_reference(kind, problem, data, profile_file, concurrency, siz
     ref = Reference(kind, problem, data, sim, staleness)
 
     # Time 0: the engine's M clients, trained from x^0.
-    ids = [int(i) for i in buffered.initial_clients(key, data.num_clients, concurrency)]
+    ids = buffered.first_clients(sim.participation, key, data.num_clients, concurrency)
     assert len(set(ids)) == concurrency
     slots = {}
     heap = []

@@ -166,3 +166,68 @@ def chunk_shape(num_seeds: int, group_size: int, max_configs: int) -> tuple[int,
     g = min(num_seeds, max(1, max_configs // m))
     g = math.ceil(num_seeds / math.ceil(num_seeds / g))
     return g, m
+
+
+# ------------------------------------------------------- the round's chunks of clients on CPU
+def _has_primitive(jaxpr, name: str) -> bool:
+    """Whether ``jaxpr`` or any jaxpr nested in its equations (custom_vjp, pjit, scan...)
+    applies the primitive ``name``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return True
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr holds a Jaxpr
+                if hasattr(inner, "eqns") and _has_primitive(inner, name):
+                    return True
+    return False
+
+
+def _batch_like(data, plan):
+    """One local step's batch of client 0, as shapes (nothing is read or allocated)."""
+    import jax.numpy as jnp
+    import jax.random as jr
+
+    return jax.eval_shape(lambda: data.client_batches(jnp.int32(0), jr.key(0), plan))[0]
+
+
+def one_client_at_a_time(problem, plan, data) -> bool:
+    """Whether the loss contains a convolution or a loop (a recurrent model), read from its
+    jaxpr. On CPU such models run one client at a time: vmapped clients, each with its own
+    kernels, make every convolution a grouped one and every recurrent matmul a batched
+    one, which XLA's CPU backend runs several times slower than one client's own
+    (benchmarks/README.md, W4 and W5)."""
+    batches = _batch_like(data, plan)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batches)
+    jaxpr = jax.make_jaxpr(problem.loss_fn)(problem.params, batch).jaxpr
+    return any(_has_primitive(jaxpr, name) for name in ("conv_general_dilated", "scan", "while"))
+
+
+def client_bytes(problem, plan, data) -> int:
+    """The working set of one sampled client's local steps, in bytes: its ``[K, B, ...]``
+    batches, one step's batch in float32 and four params-sized buffers."""
+    batches = _batch_like(data, plan)
+    params = jax.tree.leaves(problem.params)
+    return sum(
+        math.prod(a.shape) * a.dtype.itemsize + 4 * math.prod(a.shape[1:])
+        for a in jax.tree.leaves(batches)
+    ) + 4 * sum(4 * math.prod(getattr(a, "shape", ())) for a in params)
+
+
+def client_chunk(setting, num_sampled: int, splits_clients: bool, one_at_a_time: bool,
+                 per_client_bytes) -> int | None:  # fmt: skip
+    """How many sampled clients one vmapped chunk of a round runs (None: all of them), for
+    ``client_chunk`` = ``setting`` (see :meth:`Simulation.resolve_client_chunk
+    <scaffold_jax.engine.Simulation.resolve_client_chunk>`): "auto" picks None on an
+    accelerator or a layout that ``splits_clients`` over devices, one client at a time
+    for ``one_at_a_time`` models on CPU, and otherwise as many clients as fit
+    :data:`CLIENT_CHUNK_BYTES` (``per_client_bytes()`` each), balanced."""
+    if setting is None or splits_clients:
+        return None
+    if setting != "auto":
+        return None if setting >= num_sampled else setting
+    if jax.default_backend() != "cpu":
+        return None
+    if one_at_a_time:
+        return 1
+    return balanced_chunk(num_sampled, max(1, CLIENT_CHUNK_BYTES // per_client_bytes()))

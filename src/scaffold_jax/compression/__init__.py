@@ -62,7 +62,9 @@ class Compressor(NamedTuple):
       apply: ``apply(v, key, residual, hparams) -> (sent, residual)``: ``v`` float32
         ``[n]``, ``residual`` float32 ``[n]`` (None without error feedback; return None).
       bits: ``bits(size, hparams) -> int``, the bits a sent leaf of ``size`` entries
-        costs, with one config's hyper-parameters as plain floats.
+        costs, with one config's hyper-parameters as plain floats (an exact int), or as
+        the program's traced values (float32: the virtual clock times what is sent; see
+        :func:`whole`).
       error_feedback: whether it keeps a residual per client and leaf.
     """
 
@@ -220,12 +222,19 @@ def compression(
             leaves = jax.tree.leaves(tree)
             if name in names:
                 bits = [compressor.bits(math.prod(s.shape), hparams) for s in leaves]
-                out[name] = sum(math.ceil(b / 8) for b in bits)
+                out[name] = sum(jnp.ceil(b / 8) if isinstance(b, jax.Array) else -(-b // 8)
+                                for b in bits)  # fmt: skip
             else:
                 out[name] = tree_bytes(tree)
         return out
 
     return MessageTransform(init, apply, sizes)
+
+
+def whole(value):
+    """A count for :attr:`Compressor.bits`: an exact Python int on the host, float32 in the
+    program (a traced count times bits per entry can pass int32)."""
+    return value.astype(jnp.float32) if isinstance(value, jax.Array) else int(value)
 
 
 def register(name: str, compressor: Compressor | None, hparams: Mapping[str, HParam], help: str):
@@ -249,4 +258,5 @@ __all__ = [
     "compression",
     "fraction_count",
     "register",
+    "whole",
 ]

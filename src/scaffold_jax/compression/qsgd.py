@@ -8,6 +8,7 @@ Q(v)_j = ‖v‖·sign(v_j)·(ℓ_j + ξ_j)/s, ξ_j ~ Bernoulli(s|v_j|/‖v‖ �
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 
@@ -42,7 +43,8 @@ def apply(v, key, residual, hparams):
 
 
 def bits(size, hparams):
-    return 32 + round(hparams["compress_bits"]) * size
+    b = hparams["compress_bits"]
+    return 32 + (jnp.round(b) if isinstance(b, jax.Array) else round(b)) * size
 
 
 register("qsgd", Compressor(apply, bits), HPARAMS, "QSGD, unbiased (compress_bits b)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import jax.random as jr
 
-from scaffold_jax.compression import Compressor, fraction_count, register
+from scaffold_jax.compression import Compressor, fraction_count, register, whole
 from scaffold_jax.compression.topk import HPARAMS, keep_largest
 
 
@@ -25,7 +25,7 @@ def apply(v, key, residual, hparams):
 
 
 def bits(size, hparams):
-    return 32 * int(fraction_count(hparams["compress_fraction"], size)) + 64
+    return 32 * whole(fraction_count(hparams["compress_fraction"], size)) + 64
 
 
 register("randk", Compressor(apply, bits), HPARAMS, "random-k, unbiased (compress_fraction)")

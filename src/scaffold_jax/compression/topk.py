@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from scaffold_jax.compression import Compressor, fraction_count, register
+from scaffold_jax.compression import Compressor, fraction_count, register, whole
 from scaffold_jax.types import HParam
 
 HPARAMS = {
@@ -56,7 +56,7 @@ def apply(v, key, residual, hparams):
 
 
 def bits(size, hparams):
-    k = int(fraction_count(hparams["compress_fraction"], size))
+    k = whole(fraction_count(hparams["compress_fraction"], size))
     return k * (32 + math.ceil(math.log2(size)))
 
 

@@ -12,7 +12,7 @@ import optax
 
 from scaffold_jax.engine.axes import over_clients
 from scaffold_jax.engine.communication import check_uplink
-from scaffold_jax.engine.phases import Cohort, Draw, keep_absent
+from scaffold_jax.engine.phases import Cohort, Draw, Rows, keep_absent
 from scaffold_jax.local import takes
 from scaffold_jax.messages import MessageContext
 from scaffold_jax.tree import all_finite, masked_mean, set_rows, sq_norm, weighted_mean
@@ -22,28 +22,29 @@ from scaffold_jax.types import ClientOutput, ModelState, ServerOutput, SimState
 class Round(NamedTuple):
     """What the server side reads of the round's shared phases (the same for every config
     of a sweep's group): the sample, the cohort, the server's keywords (``cohort_size``,
-    ``key``), the client chunk, and whether the state keeps model statistics."""
+    ``key``), the round counter, and ``scale`` (None, or ``[S]`` factors of the sent Δy_i
+    before aggregation: FedBuff's staleness weights s(τ_j))."""
 
     draw: Draw
     cohort: Cohort
     aggregation: dict[str, jax.Array]
-    chunk: int | None
-    stateful_model: bool
+    round: jax.Array
+    scale: jax.Array | None = None
 
 
-def model_statistics(sim, rnd: Round, outputs: ClientOutput, model, stats):
+def model_statistics(ctx, rnd: Round, outputs: ClientOutput, model, stats):
     """The running statistics after the round: averaged into the server's with the round's
     weights, or each reporting client's own row (``Problem.state_policy``)."""
-    if not rnd.stateful_model:
+    if not ctx.stateful_model:
         return outputs, None
     if not isinstance(outputs.model_state, ModelState):
         raise ValueError(
-            f"{sim.algorithm.name}'s client_update took model_state but returned no "
+            f"{ctx.algorithm.name}'s client_update took model_state but returned no "
             "ClientOutput.model_state: pass it to local_update / local_sgd (which "
             "return it advanced) and put that in the output."
         )
     present = rnd.cohort.present
-    stats_out = sim.layout.constrain(
+    stats_out = ctx.layout.constrain(
         keep_absent(present, outputs.model_state.value, stats), "replicated"
     )
     if "server" in model:
@@ -53,27 +54,37 @@ def model_statistics(sim, rnd: Round, outputs: ClientOutput, model, stats):
     return outputs._replace(model_state=None), new_model
 
 
-def client_messages(sim, hparams, server_in, outputs, states, rnd: Round):
+def client_messages(ctx, hparams, server_in, outputs, states, rnd: Round):
     """The clients' messages through the algorithm's message transforms
     (:mod:`scaffold_jax.messages`): what the server aggregates, the transforms'
     new states and what they release to the server."""
     # (At trace time, free: the message must be what the algorithm states it sends.)
     row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), outputs.message)
-    check_uplink(sim.algorithm, sim.problem.params, row)
-    transform = sim.algorithm.messages
-    if transform is None:
-        return outputs, states, {}
-    context = MessageContext(
-        hparams, server_in, rnd.aggregation["cohort_size"], rnd.aggregation["key"]
-    )
-    return transform.apply(outputs, states, context)
+    check_uplink(ctx.algorithm, ctx.problem.params, row)
+    transform = ctx.algorithm.messages
+    sent, states, released = outputs, states, {}
+    if transform is not None:
+        context = MessageContext(
+            hparams, server_in, rnd.aggregation["cohort_size"], rnd.aggregation["key"]
+        )
+        sent, states, released = transform.apply(outputs, states, context)
+    return scaled(sent, rnd.scale), states, released
 
 
-def aggregate(sim, hparams, server_in, outputs, rnd: Round, released):
+def scaled(outputs: ClientOutput, scale: jax.Array | None) -> ClientOutput:
+    """``outputs`` with each client's Δy_i times its ``scale`` (None: unchanged)."""
+    if scale is None:
+        return outputs
+    return outputs._replace(delta_params=jax.tree.map(
+        lambda a: a * scale.reshape(scale.shape + (1,) * (a.ndim - 1)), outputs.delta_params
+    ))  # fmt: skip
+
+
+def aggregate(ctx, hparams, server_in, outputs, rnd: Round, released):
     """The algorithm's ``server_update``: the new server state and its metrics. A server
     update may also take the round's expected cohort S, its own key and what the message
     transforms released."""
-    update = sim.algorithm.server_update
+    update = ctx.algorithm.server_update
     extra = {k: v for k, v in rnd.aggregation.items() if takes(update, k)}
     if takes(update, "released"):
         extra["released"] = released
@@ -83,26 +94,26 @@ def aggregate(sim, hparams, server_in, outputs, rnd: Round, released):
     return server, {}
 
 
-def client_sync(sim, hparams, server_in, server, new_rows, outputs, rnd: Round):
+def client_sync(ctx, hparams, server_in, server, new_rows, outputs):
     """The sampled clients' step after aggregation (Scaffnew), where their rows still are
     (split over devices like their local work) and before they are written back."""
-    sync = sim.algorithm.client_sync
+    sync = ctx.algorithm.client_sync
     if sync is not None:
 
         def one(row, output):
             return sync(hparams, server_in, server, row, output)
 
-        synced = (new_rows, sim.layout.constrain(outputs, "sampled"))
-        new_rows = over_clients(one, synced, rnd.chunk)
+        synced = (new_rows, ctx.layout.constrain(outputs, "sampled"))
+        new_rows = over_clients(one, synced, ctx.chunk)
     # A masked row's new values are dropped by the scatter (set_rows' `write`).
-    return sim.layout.constrain(new_rows, "replicated")
+    return ctx.layout.constrain(new_rows, "replicated")
 
 
-def round_metrics(sim, outputs, server, server_metrics, rnd: Round):
+def round_metrics(ctx, outputs, server, server_metrics, rnd: Round):
     """The round's metrics: the clients' own (averaged over those who report), who took
     part, client drift, the update's norm, whether the new server state is finite, and
     the server update's."""
-    present, part = rnd.cohort.present, sim.participation
+    present, part = rnd.cohort.present, ctx.participation
     if present is None:
         mean = jnp.mean
     else:
@@ -140,7 +151,7 @@ def round_metrics(sim, outputs, server, server_metrics, rnd: Round):
     taken = sorted(set(server_metrics) & {*metrics, "finite"})
     if taken:
         raise ValueError(
-            f"{sim.algorithm.name}'s server_update reports the metric(s) {', '.join(taken)}, "
+            f"{ctx.algorithm.name}'s server_update reports the metric(s) {', '.join(taken)}, "
             "which the clients or the engine already report: rename them."
         )
     metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
@@ -170,10 +181,10 @@ def freeze(metrics, diverged, before: tuple, after: tuple, present):
     )
 
 
-def scatter(sim, rnd: Round, round, tables: tuple, new: tuple) -> SimState:
+def scatter(ctx, rnd: Round, rows: Rows, new: tuple) -> SimState:
     """The new state: the reporting clients' rows (and statistics and message states)
     written back to their tables, the round counter advanced."""
-    clients, model, messages = tables
+    clients, model, messages = rows.clients, rows.model, rows.table
     server, new_rows, new_model, new_messages = new
     ids, present = rnd.draw.ids, rnd.cohort.present
     clients = set_rows(clients, ids, new_rows, present)
@@ -184,29 +195,32 @@ def scatter(sim, rnd: Round, round, tables: tuple, new: tuple) -> SimState:
     new_state = SimState(
         server=server,
         clients=clients,
-        round=round + 1,
+        round=rnd.round + 1,
         model=new_model,
         participation=rnd.draw.participation,
         messages=messages,
     )
-    return sim.layout.constrain(new_state, "state")
+    return ctx.layout.constrain(new_state, "state")
 
 
-def server_side(sim, rnd: Round, round, hparams, server_in, server_before, outputs, new_rows,
-                rows, clients, model, stats, messages, table, diverged):  # fmt: skip
+def server_side(ctx, rnd: Round, hparams, server_in, server_before, rows: Rows, outputs,
+                new_rows, diverged):  # fmt: skip
     """The rest of the round for one config, from the clients' outputs to the new state
-    and the round's metrics: ``rows``, ``stats`` and ``messages`` are the sampled rows of
-    the tables ``clients``, ``model`` and ``table`` (the message transforms' states)."""
+    and the round's metrics (``rows``: the tables the round updates and their sampled
+    rows, :class:`~scaffold_jax.engine.phases.Rows`)."""
     outputs = outputs._replace(weight=rnd.cohort.weights)
-    outputs, new_model = model_statistics(sim, rnd, outputs, model, stats)
-    sent, new_messages, released = client_messages(sim, hparams, server_in, outputs, messages, rnd)
-    server, server_metrics = aggregate(sim, hparams, server_in, sent, rnd, released)
-    new_rows = client_sync(sim, hparams, server_in, server, new_rows, outputs, rnd)
-    metrics = round_metrics(sim, outputs, server, server_metrics, rnd)
+    outputs, new_model = model_statistics(ctx, rnd, outputs, rows.model, rows.stats)
+    sent, new_messages, released = client_messages(
+        ctx, hparams, server_in, outputs, rows.messages, rnd
+    )
+    server, server_metrics = aggregate(ctx, hparams, server_in, sent, rnd, released)
+    new_rows = client_sync(ctx, hparams, server_in, server, new_rows, outputs)
+    metrics = round_metrics(ctx, scaled(outputs, rnd.scale), server, server_metrics, rnd)
     new = (server, new_rows, new_model, new_messages)
     if diverged is not None:
-        kept = {"server": model["server"]} if "server" in model else {"clients": stats}
-        before = (server_before, rows, None if new_model is None else kept, messages)
+        model = rows.model
+        kept = {"server": model["server"]} if "server" in model else {"clients": rows.stats}
+        before = (server_before, rows.rows, None if new_model is None else kept, rows.messages)
         new = freeze(metrics, diverged, before, new, rnd.cohort.present)
-    new_state = scatter(sim, rnd, round, (clients, model, table), new)
-    return new_state, sim.layout.constrain(metrics, "replicated")
+    new_state = scatter(ctx, rnd, rows, new)
+    return new_state, ctx.layout.constrain(metrics, "replicated")

@@ -59,15 +59,20 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax.engine import aggregation
-from scaffold_jax.engine.axes import over_clients
-from scaffold_jax.engine.keys import client_keys, constants_key, server_key
+from scaffold_jax.engine import aggregation, phases
+from scaffold_jax.engine.axes import at_once
+from scaffold_jax.engine.keys import (
+    AVAILABILITY_STREAM,
+    client_keys,
+    participation_key,
+    server_key,
+)
 from scaffold_jax.engine.phases import Cohort, Draw
 from scaffold_jax.participation.base import ModelSpec
 from scaffold_jax.registry import Option, Registry, factory_kwargs, resolve_options
 from scaffold_jax.sampling import sample_available
 from scaffold_jax.tree import all_finite, take_rows
-from scaffold_jax.types import ClientOutput, PyTree, SimState
+from scaffold_jax.types import ClientOutput, ModelState, PyTree, SimState
 
 
 def asynchronous_algorithms() -> list[str]:
@@ -109,6 +114,13 @@ class FedBuff:
                 f"staleness = {self.staleness!r} is invalid: use one of {', '.join(STALENESS)}."
             )
 
+    name = "fedbuff"
+
+    def step(self, ctx, hparams, state: SimState, data, key: jax.Array, diverged=None,
+             configs=None):  # fmt: skip
+        """One server step (:func:`server_steps`): the execution mode's round."""
+        return server_steps(ctx, self, hparams, state, data, key, diverged, configs)
+
     def weight(self, staleness: jax.Array) -> jax.Array:
         """s(τ) (float32)."""
         if self.staleness == "constant":
@@ -118,8 +130,12 @@ class FedBuff:
 
 class InFlight(NamedTuple):
     """The in-flight table: ``[M]`` slots, each a client training since ``start`` from the
-    model of ``version``, arriving at ``finish`` with ``outputs`` (its Δy_i and message)
-    and its new client row ``rows``; ``now`` the virtual time of the last step."""
+    model of ``version``, whose upload is due at ``finish`` with ``outputs`` (its Δy_i and
+    message), its new client row ``rows`` and its model's running statistics ``stats``
+    (None without them). ``active``: a client holds the slot (an availability model may
+    leave none to start); ``reported``: its upload will count (not dropped, not timed
+    out). ``now``: the virtual time of the last step; ``downloads`` / ``uploads``: the
+    clients started and the uploads counted so far (the byte accounting's totals)."""
 
     ids: jax.Array
     version: jax.Array
@@ -128,73 +144,51 @@ class InFlight(NamedTuple):
     outputs: ClientOutput
     rows: PyTree
     now: jax.Array
+    active: jax.Array
+    reported: jax.Array
+    stats: PyTree
+    downloads: jax.Array
+    uploads: jax.Array
 
 
-def initial_inflight(algorithm, params, client_row, concurrency: int) -> InFlight:
-    """An empty table of ``concurrency`` slots (filled by the first step)."""
-    row = jax.tree.map(lambda a: jnp.zeros((concurrency, *jnp.shape(a)), jnp.result_type(a)),
-                       client_row)  # fmt: skip
+def initial_inflight(algorithm, params, client_row, concurrency: int, stats=None) -> InFlight:
+    """An empty table of ``concurrency`` slots (filled by the first step); ``stats``: the
+    model's running statistics of one client, for a model that keeps them."""
+    def zeros(tree, dtype=None):
+        return jax.tree.map(
+            lambda a: jnp.zeros((concurrency, *jnp.shape(a)), dtype or jnp.result_type(a)), tree
+        )
+
     like = {} if algorithm.uplink is None else algorithm.uplink(params)
-    zeros = lambda tree: jax.tree.map(  # noqa: E731
-        lambda a: jnp.zeros((concurrency, *jnp.shape(a)), jnp.float32), tree
-    )
-    outputs = ClientOutput(zeros(params), jnp.zeros((concurrency,), jnp.float32), {}, zeros(like))
+    outputs = ClientOutput(
+        zeros(params, jnp.float32), jnp.zeros((concurrency,), jnp.float32), {},
+        zeros(like, jnp.float32),
+    )  # fmt: skip
+    slots = jnp.zeros((concurrency,), jnp.int32)
+    never = jnp.zeros((concurrency,), bool)
     return InFlight(
-        ids=jnp.zeros((concurrency,), jnp.int32),
-        version=jnp.zeros((concurrency,), jnp.int32),
-        start=jnp.zeros((concurrency,), jnp.float32),
-        finish=jnp.zeros((concurrency,), jnp.float32),
-        outputs=outputs,
-        rows=row,
-        now=jnp.zeros((), jnp.float32),
-    )
+        ids=slots, version=slots, start=slots.astype(jnp.float32),
+        finish=slots.astype(jnp.float32), outputs=outputs, rows=zeros(client_row),
+        now=jnp.zeros((), jnp.float32), active=never, reported=never,
+        stats=None if stats is None else zeros(stats), downloads=jnp.zeros((), jnp.int32),
+        uploads=jnp.zeros((), jnp.int32),
+    )  # fmt: skip
 
 
 def running_totals(execution: FedBuff, state: SimState) -> dict[str, float]:
     """The running totals of the records (``scaffold_jax.loop.RUNNING_TOTALS``) that a
-    FedBuff state says itself after t steps: M + B·t clients downloaded (the M started at
-    time 0, then B a step), B·t uploaded, and the clock's ``now`` seconds. ``{}`` at t = 0.
-    A run continuing a state it did not return reads them here."""
-    steps = int(state.round)
-    if steps == 0:
+    FedBuff state says itself after t steps: the clients started (downloaded) and the
+    uploads counted, from its own counters, and the clock's ``now`` seconds. ``{}`` at
+    t = 0. A run continuing a state it did not return reads them here."""
+    del execution
+    if int(state.round) == 0:
         return {}
-    size = execution.buffer_size
+    table = state.inflight
     return {
-        "downloads": float(execution.concurrency + size * steps),
-        "uploads": float(size * steps),
-        "round_duration": float(state.inflight.now),
+        "downloads": float(table.downloads),
+        "uploads": float(table.uploads),
+        "round_duration": float(table.now),
     }
-
-
-def _train(sim, hparams, servers, clients, ids, key, run_key, data, start):
-    """The clients ``ids`` trained from their ``servers`` (one server state per client,
-    stacked) and their rows of ``clients``, with keys from ``key``: their outputs, new
-    rows and finish times (``start`` plus their duration on their device, whose profile
-    is drawn from the run's key ``run_key``, as a synchronous round's is)."""
-    algorithm, plan = sim.algorithm, sim.plan
-    keys = client_keys(key, ids)
-    rows_in = take_rows(clients, ids)
-
-    def work(client_id, client_key, row, server):
-        batches, mask = data.client_batches(client_id, client_key, plan)
-        return algorithm.client_update(hparams, server, row, batches, mask, client_key)
-
-    chunk = sim.resolve_client_chunk(data)
-    if chunk is not None and chunk >= ids.shape[0]:
-        chunk = None
-    new_rows, outputs = over_clients(work, (ids, keys, rows_in, servers), chunk)
-    counts = data.counts[ids]
-    examples = plan.examples(counts, plan.local_steps(counts))
-    profiles = sim.participation.profiles
-    per_client = sim.traffic()
-    profile = profiles.profile(constants_key(run_key), ids)
-    durations = profiles.durations(profile, per_client.down, per_client.up, examples)
-    outputs = outputs._replace(metrics={}, model_state=None)
-    return outputs, new_rows, start + durations
-
-
-def _broadcast(server, count: int):
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (count, *jnp.shape(a))), server)
 
 
 def start_key(key: jax.Array) -> jax.Array:
@@ -203,112 +197,208 @@ def start_key(key: jax.Array) -> jax.Array:
     return jr.fold_in(key, np.uint32(2**32 - 2))
 
 
-def initial_clients(key: jax.Array, num_clients: int, concurrency: int) -> jax.Array:
-    """The M clients in flight at time 0, uniformly without replacement (int32 ``[M]``)."""
-    ids, _ = sample_available(start_key(key), jnp.ones((num_clients,), bool), concurrency)
-    return ids
+def initial_clients(key: jax.Array, num_clients: int, concurrency: int, available=None):
+    """The M clients in flight at time 0, uniformly without replacement among the
+    ``available`` ones (bool ``[N]``; None: all): ``(ids, present)``, int32 and bool
+    ``[M]`` (``present`` false for a slot no available client is left for)."""
+    if available is None:
+        available = jnp.ones((num_clients,), bool)
+    return sample_available(start_key(key), available, concurrency)
 
 
-def _start(sim, hparams, state: SimState, data, key) -> SimState:
-    """Fills the table: M clients sampled at time 0, trained from x^0 (version 0)."""
-    concurrency = sim.execution.concurrency
-    ids = initial_clients(key, data.num_clients, concurrency)
-    outputs, rows, finish = _train(
-        sim, hparams, _broadcast(state.server, concurrency), state.clients, ids,
-        start_key(key), key, data, jnp.zeros((concurrency,), jnp.float32),
+def first_clients(participation, key: jax.Array, num_clients: int, concurrency: int) -> list:
+    """The ids of the M clients the first step starts at time 0 (-1: a slot left free),
+    as :func:`server_step` draws them: for the records, on the host."""
+    available = None
+    model = participation.availability
+    if model is not None:
+        _, available = model.step(
+            model.init(num_clients),
+            participation_key(jr.fold_in(key, 0), AVAILABILITY_STREAM),
+            jnp.zeros((), jnp.int32),
+            num_clients,
+        )
+    ids, present = initial_clients(key, num_clients, concurrency, available)
+    return np.where(np.asarray(present), np.asarray(ids), -1).tolist()
+
+
+class Started(NamedTuple):
+    """Clients started on their local work: what the in-flight table keeps of them and
+    the start's metrics (``dropped``, ``late``: uploads that will be lost)."""
+
+    outputs: ClientOutput
+    rows: PyTree
+    stats: PyTree
+    finish: jax.Array
+    active: jax.Array
+    reported: jax.Array
+    steps: jax.Array | None
+    metrics: dict[str, jax.Array]
+
+
+def start_clients(ctx, hparams, servers, state: SimState, work, data, start) -> Started:
+    """The clients of ``work`` = ``(ids, present, key, run_key)`` started at times ``start``
+    from their ``servers`` (one server state per client, stacked; with the server's
+    running statistics ``servers_stats``, where kept) and their rows of ``state``'s tables:
+    the synchronous round's phases for them (stragglers' steps, dropouts, the local work)
+    and the clock's finish times, a client slower than the deadline timing out at
+    start + D."""
+    (ids, present, key, run_key), (servers, server_stats) = work, servers
+    draw = phases.draw_of(ctx, key, ids, present, state.participation, {})
+    cohort = phases.drop_out(ctx, draw, phases.cohort(ctx, data, draw, run_key))
+    model = {} if server_stats is None else {"server": server_stats}
+    own = None
+    if state.model is not None and "clients" in state.model:
+        own = take_rows(state.model["clients"], ids)
+    rows_in = take_rows(state.clients, ids)
+    rows = phases.Rows(state.clients, rows_in, rows_in, model, own, own, None, None)
+    new_rows, outputs = phases.local_work(ctx, hparams, servers, rows, draw, cohort, data,
+                                          None, per_client=True)  # fmt: skip
+    spent = phases.durations(ctx, hparams, data, draw, cohort, run_key)
+    deadline = ctx.participation.profiles.deadline
+    reported = jnp.ones(ids.shape, bool) if cohort.present is None else cohort.present
+    metrics = dict(cohort.metrics)
+    if deadline is not None:
+        late = spent > jnp.float32(deadline)
+        metrics["late"] = jnp.sum(reported & late).astype(jnp.float32)
+        reported = reported & ~late
+        spent = jnp.minimum(spent, jnp.float32(deadline))
+    active = jnp.ones(ids.shape, bool) if present is None else present
+    stats = None if outputs.model_state is None else outputs.model_state.value
+    outputs = outputs._replace(metrics={}, model_state=None)
+    # A slot no client could start in stays free until the next step (``finish`` = now).
+    finish = jnp.where(active, start + spent, start)
+    steps = cohort.planned if ctx.participation.stragglers is not None else None
+    return Started(outputs, new_rows, stats, finish, active, reported, steps, metrics)
+
+
+def _broadcast(tree, count: int):
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (count, *jnp.shape(a))), tree)
+
+
+def _server_stats(state: SimState):
+    return None if state.model is None else state.model.get("server")
+
+
+def _fill(ctx, hparams, state: SimState, data, key, available) -> SimState:
+    """Fills the table: M clients sampled at time 0 among the available, from x^0."""
+    concurrency = state.inflight.ids.shape[0]
+    ids, present = initial_clients(key, data.num_clients, concurrency, available)
+    present = None if available is None else present
+    servers = (_broadcast(state.server, concurrency),
+               None if _server_stats(state) is None else _broadcast(_server_stats(state),
+                                                                    concurrency))  # fmt: skip
+    work = (ids, present, start_key(key), key)
+    new = start_clients(ctx, hparams, servers, state, work, data,
+                        jnp.zeros((concurrency,), jnp.float32))  # fmt: skip
+    table = state.inflight._replace(
+        ids=ids, version=jnp.zeros((concurrency,), jnp.int32),
+        start=jnp.zeros((concurrency,), jnp.float32), finish=new.finish,
+        outputs=new.outputs, rows=new.rows, active=new.active, reported=new.reported,
+        stats=new.stats, downloads=jnp.sum(new.active).astype(jnp.int32),
     )  # fmt: skip
-    table = InFlight(
-        ids=ids,
-        version=jnp.zeros((concurrency,), jnp.int32),
-        start=jnp.zeros((concurrency,), jnp.float32),
-        finish=finish,
-        outputs=outputs,
-        rows=rows,
-        now=jnp.zeros((), jnp.float32),
-    )
     return state._replace(inflight=table)
 
 
-def server_step(sim, hparams, state: SimState, data, key: jax.Array):
+def server_step(ctx, execution: FedBuff, hparams, state: SimState, data, key: jax.Array):
     """One server step of FedBuff (see the module docstring): ``(state, metrics)``."""
-    buff = sim.execution
-    size, concurrency = buff.buffer_size, buff.concurrency
+    size = execution.buffer_size
+    part_state, available, part_metrics = phases.availability(ctx, state, data, key)
     first = state.round == 0
-    state = jax.lax.cond(first, lambda s: _start(sim, hparams, s, data, key), lambda s: s, state)
+    state = jax.lax.cond(
+        first, lambda s: _fill(ctx, hparams, s, data, key, available), lambda s: s, state
+    )
     table, version = state.inflight, state.round
     step_key = jr.fold_in(key, version)
 
-    # 1. The B earliest arrivals (a stable sort: ties go to the lower slot).
+    # 1. The B earliest events (a stable sort: ties go to the lower slot): uploads that
+    # arrive, and uploads lost (a dropout, a timeout, a slot left free), which count nothing.
     slots = jnp.argsort(table.finish, stable=True)[:size]
     arrived = table.ids[slots]
     staleness = version - table.version[slots]
     arrival_time = table.finish[slots]
+    reported = table.reported[slots]
     outputs = jax.tree.map(lambda a: a[slots], table.outputs)
-    outputs = outputs._replace(
-        delta_params=jax.tree.map(
-            lambda a: a * buff.weight(staleness).reshape((size,) + (1,) * (a.ndim - 1)),
-            outputs.delta_params,
+    if table.stats is not None:
+        outputs = outputs._replace(
+            model_state=ModelState(jax.tree.map(lambda a: a[slots], table.stats), None)
         )
-    )
     new_rows = jax.tree.map(lambda a: a[slots], table.rows)
 
-    # 2. The algorithm's server update on them as a cohort of B; their rows written back.
-    draw = Draw(step_key, arrived, arrived, client_keys(step_key, arrived), None,
-                state.participation, {})  # fmt: skip
-    # The simulation's weighting, as a synchronous round's (uniform: 1 each, of N;
-    # num_examples: n_i, of Σ n_j), so the update averages by p_j and c moves by
-    # Σ p_j Δc_j / Σ_all p_i: c stays the weighted mean of the c_i.
-    weights, total_weight = sim.weights(data, arrived)
-    cohort = Cohort(None, weights, total_weight, None, {})
+    # 2. The algorithm's server update on them as a cohort of B (the simulation's
+    # weighting, as a synchronous round's: uniform 1 each of N, or n_i of Σ n_j, so c
+    # stays the weighted mean of the c_i), through the same server side as a round.
+    weights, total_weight = ctx.weights(data, arrived)
+    losing = ctx.participation.availability is not None or ctx.participation.dropouts is not None
+    present = reported if losing or ctx.participation.profiles.deadline is not None else None
+    if present is not None:
+        weights = jnp.where(present, weights, 0.0)
+    draw = Draw(step_key, arrived, arrived, client_keys(step_key, arrived), None, part_state,
+                {})  # fmt: skip
+    cohort = Cohort(present, weights, total_weight, None, dict(part_metrics))
     shared = {"cohort_size": jnp.float32(size), "key": server_key(step_key)}
-    rnd = aggregation.Round(draw, cohort, shared, None, False)
-    rows = take_rows(state.clients, arrived)
+    rnd = aggregation.Round(draw, cohort, shared, state.round, execution.weight(staleness))
+    rows = phases.gather(ctx, state, arrived, at_once, freeze=False)
     stepped, metrics = aggregation.server_side(
-        sim, rnd, state.round, hparams, state.server, state.server, outputs, new_rows, rows,
-        state.clients, None, None, None, None, None,
-    )  # fmt: skip
+        ctx, rnd, hparams, state.server, state.server, rows, outputs, new_rows, None
+    )
 
-    # 3. B replacements among the clients not in flight; the first B - 1 from x^t, the
-    # B-th from x^{t+1}.
-    staying = jnp.ones((concurrency,), bool).at[slots].set(False)
+    # 3. B replacements among the available clients not in flight; the first B - 1 from
+    # x^t, the B-th from x^{t+1}.
+    staying = jnp.ones(table.ids.shape, bool).at[slots].set(False) & table.active
     busy = jnp.zeros((data.num_clients,), bool).at[table.ids].max(staying)
-    started, _ = sample_available(jr.fold_in(step_key, 5), ~busy, size)
+    free = ~busy if available is None else available & ~busy
+    started, found = sample_available(jr.fold_in(step_key, 5), free, size)
     last = jnp.arange(size) == size - 1
 
     def per_replacement(old, new):
-        return jnp.where(last.reshape((size,) + (1,) * jnp.ndim(old)), new[None], old[None])
+        if old is None:
+            return None
+        return jax.tree.map(
+            lambda a, b: jnp.where(last.reshape((size,) + (1,) * jnp.ndim(a)), b[None], a[None]),
+            old, new,
+        )  # fmt: skip
 
-    servers = jax.tree.map(per_replacement, state.server, stepped.server)
-    new_outputs, new_rows, finish = _train(
-        sim, hparams, servers, stepped.clients, started, step_key, key, data, arrival_time
-    )
-    versions = jnp.where(jnp.arange(size) == size - 1, version + 1, version)
+    servers = (per_replacement(state.server, stepped.server),
+               per_replacement(_server_stats(state), _server_stats(stepped)))  # fmt: skip
+    work = (started, None if available is None else found, step_key, key)
+    new = start_clients(ctx, hparams, servers, stepped, work, data, arrival_time)
+    versions = jnp.where(last, version + 1, version)
     now = jnp.maximum(table.now, jnp.max(arrival_time))
 
     def put(a, b):
         return a.at[slots].set(b)
 
+    downloads = jnp.sum(new.active).astype(jnp.int32)
+    uploads = jnp.sum(reported & table.active[slots]).astype(jnp.int32)
     new_table = InFlight(
-        ids=put(table.ids, started),
-        version=put(table.version, versions),
-        start=put(table.start, arrival_time),
-        finish=put(table.finish, finish),
-        outputs=jax.tree.map(put, table.outputs, new_outputs),
-        rows=jax.tree.map(put, table.rows, new_rows),
-        now=now,
-    )
+        ids=put(table.ids, started), version=put(table.version, versions),
+        start=put(table.start, arrival_time), finish=put(table.finish, new.finish),
+        outputs=jax.tree.map(put, table.outputs, new.outputs),
+        rows=jax.tree.map(put, table.rows, new.rows), now=now,
+        active=put(table.active, new.active), reported=put(table.reported, new.reported),
+        stats=None if table.stats is None else jax.tree.map(put, table.stats, new.stats),
+        downloads=table.downloads + downloads, uploads=table.uploads + uploads,
+    )  # fmt: skip
+    metrics.update(new.metrics)
+    if new.steps is not None:
+        metrics["started_steps"] = new.steps.astype(jnp.float32)
+    filled = jnp.where(first, table.downloads, 0).astype(jnp.float32)
     metrics.update(
-        arrived_ids=arrived,
+        arrived_ids=jnp.where(table.active[slots], arrived, -1),
         arrival_staleness=staleness,
-        started_ids=started,
+        started_ids=jnp.where(new.active, started, -1),
         staleness_mean=jnp.mean(staleness.astype(jnp.float32)),
         staleness_max=jnp.max(staleness).astype(jnp.float32),
         version=(version + 1).astype(jnp.float32),
         round_duration=now - table.now,
-        downloads=jnp.float32(size) + jnp.where(first, jnp.float32(concurrency), 0.0),
+        downloads=downloads.astype(jnp.float32) + filled,
+        uploads=uploads.astype(jnp.float32),
     )
+    if present is not None:
+        metrics["reported"] = present
     new_state = stepped._replace(inflight=new_table)
-    return sim.layout.constrain(new_state, "state"), metrics
+    return ctx.layout.constrain(new_state, "state"), metrics
 
 
 #: How rounds run (``execution``, ``--execution``): ``sync`` (the paper's synchronous
@@ -348,33 +438,36 @@ def make_execution(name: str, options=None) -> FedBuff | None:
     return spec.build(**factory_kwargs(spec.options, values))
 
 
-def server_steps(sim, hparams, state: SimState, data, key, diverged=None, configs=None):
+def server_steps(ctx, execution: FedBuff, hparams, state: SimState, data, key, diverged=None,
+                 configs=None):  # fmt: skip
     """:func:`server_step` as ``Simulation.round_fn`` runs it: for one config, or for a
     sweep's group of ``configs`` (vmapped: each config its own server, table and
-    in-flight table; the step counter shared). Which clients start and when does not
-    depend on a config's hyper-parameters (their durations do not), so the configs of a
-    seed see the same clients, as a synchronous sweep's do. With ``diverged`` (the sweep's
-    freeze policy) a step whose new server state or new updates hold a NaN/Inf is not
-    applied, nor any once the config diverged; the metrics gain ``finite``."""
+    in-flight table; the step counter and the availability model shared). Which clients
+    start and when does not depend on a config's step sizes (a compressor's sizes change
+    the durations: each config times its own), so the configs of a seed see the same
+    clients, as a synchronous sweep's do. With ``diverged`` (the sweep's freeze policy) a
+    step whose new server state or new updates hold a NaN/Inf is not applied, nor any once
+    the config diverged; the metrics gain ``finite``."""
 
     def one(hparams, state, diverged):
-        new, metrics = server_step(sim, hparams, state, data, key)
+        new, metrics = server_step(ctx, execution, hparams, state, data, key)
         if diverged is None:
             return new, metrics
         finite = metrics["server_finite"] & all_finite(new.inflight.outputs)
         keep = finite & ~diverged
+        fields = ("server", "clients", "inflight", "model", "messages")
         kept = jax.tree.map(
             lambda a, b: jnp.where(keep, a, b),
-            (new.server, new.clients, new.inflight),
-            (state.server, state.clients, state.inflight),
+            tuple(getattr(new, f) for f in fields),
+            tuple(getattr(state, f) for f in fields),
         )
         metrics["finite"] = finite
-        return new._replace(server=kept[0], clients=kept[1], inflight=kept[2]), metrics
+        return new._replace(**dict(zip(fields, kept, strict=True))), metrics
 
     if not configs:
         return one(hparams, state, diverged)
-    per_config = SimState(server=0, clients=0, round=None, model=None, participation=None,
-                          messages=None, inflight=0)  # fmt: skip
+    per_config = SimState(server=0, clients=0, round=None, model=0, participation=None,
+                          messages=0, inflight=0)  # fmt: skip
     axes = (0, per_config, None if diverged is None else 0)
     return jax.vmap(one, in_axes=axes, out_axes=(per_config, 0), axis_size=configs)(
         hparams, state, diverged

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from scaffold_jax import resources
+from scaffold_jax import compatibility, resources
 from scaffold_jax.engine.state import initial_state
 from scaffold_jax.local import takes
 from scaffold_jax.sampling import check_sampler, privacy_sampling, takes_availability, uniform
@@ -128,9 +128,7 @@ def _check_participation(sim, num_clients: int) -> None:
 
 
 def _check_clock(sim, num_clients: int) -> None:
-    """Refuses a virtual clock this simulation cannot time: more clients over-selected
-    than there are, or an uplink whose size is a hyper-parameter (a compressor's bits or
-    fraction: the compiled round times one size)."""
+    """Refuses a virtual clock that would over-select more clients than there are."""
     profiles = sim.participation.profiles
     if profiles is None:
         return
@@ -140,12 +138,6 @@ def _check_clock(sim, num_clients: int) -> None:
             f"over_selection = {profiles.over_selection} samples ceil(f * S) = {sampled} "
             f"clients a round, more than the N = {num_clients} there are: use a smaller "
             "over_selection or S."
-        )
-    if getattr(sim.algorithm.messages, "sizes", None) is not None:
-        raise ValueError(
-            "the virtual clock (profiles) does not time compressed uplinks yet: their size "
-            "is a hyper-parameter (bits, fraction) the compiled round does not know. Use "
-            "compression = 'none' with profiles, or profiles = 'none' with compression."
         )
 
 
@@ -176,27 +168,10 @@ def _check_execution(sim, num_clients: int) -> None:
             "FedBuff needs device profiles to time its clients (profiles = 'lognormal' or "
             "'file'; Python: participation.make(profiles=...))."
         )
-    if part.profiles.drops:
-        raise ValueError(
-            "FedBuff has no round to close: round_deadline and over_selection do not apply "
-            "(its buffer of B arrivals is its policy); unset them."
-        )
-    models = [k for k in ("availability", "stragglers", "dropouts") if getattr(part, k)]
-    if models:
-        raise ValueError(
-            f"FedBuff with the participation model(s) {', '.join(models)}: not supported yet "
-            "(the in-flight clients' draws are FedBuff's own); use FedBuff without them."
-        )
-    if sim.algorithm.messages is not None:
-        raise ValueError(
-            "FedBuff with a message transform (differential privacy, compression): not "
-            "supported yet (their accounting and residuals assume rounds); use neither."
-        )
-    if sim.problem.model_state is not None:
-        raise ValueError(
-            "FedBuff with a model that keeps running statistics (BatchNorm): not supported "
-            "yet; use a model without them (GroupNorm)."
-        )
+    why = compatibility.refusal("fedbuff", compatibility.features_of(sim.algorithm, part,
+                                                                     sim.problem))  # fmt: skip
+    if why is not None:
+        raise ValueError(why)
 
 
 def _check_model_state(sim) -> None:

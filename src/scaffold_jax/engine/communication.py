@@ -83,6 +83,14 @@ def traffic(
     return Traffic(down, sum(entries.values()), pre_round, entries)
 
 
+def uplink_bytes(algorithm: Algorithm, params: PyTree, hparams) -> jax.Array:
+    """:attr:`Traffic.up` in the program: the bytes a reporting client sends with one
+    config's traced ``hparams`` (a compressor's bits or fraction), float32, the same sizes
+    :func:`traffic` counts exactly on the host (what the virtual clock times)."""
+    sizes = algorithm.messages.sizes(uplink_like(algorithm, params), hparams)
+    return sum(jnp.asarray(n, jnp.float32) for n in sizes.values())
+
+
 def check_uplink(algorithm: Algorithm, params: PyTree, message: PyTree) -> None:
     """Raises ValueError when a client's ``ClientOutput.message`` (one client's, traced)
     is not the structure its algorithm states in ``uplink`` (the accounting and the

@@ -80,7 +80,7 @@ class Rows(NamedTuple):
     """The gathered rows of the tables the round updates: ``clients`` (the table itself),
     ``rows`` (the sampled rows; ``rows_in`` as the clients' work reads them), ``model`` (the
     running statistics), ``stats`` / ``stats_in`` (their sampled rows, per client policy)
-    and ``messages`` (the message transforms' sampled states)."""
+    and ``messages`` (the sampled rows of ``table``, the message transforms' states)."""
 
     clients: PyTree
     rows: PyTree
@@ -89,6 +89,7 @@ class Rows(NamedTuple):
     stats: PyTree
     stats_in: PyTree
     messages: PyTree
+    table: PyTree
 
 
 class Cohort(NamedTuple):
@@ -113,31 +114,42 @@ def keep_absent(present: jax.Array | None, new: PyTree, old: PyTree) -> PyTree:
     )
 
 
-def sample(sim, state: SimState, data, key: jax.Array) -> Draw:
-    part, metrics = sim.participation, {}
-    part_state, available = state.participation, None
-    if part.availability is not None:
-        part_state, available = part.availability.step(
-            part_state,
-            participation_key(jr.fold_in(key, state.round), AVAILABILITY_STREAM),
-            state.round,
-            data.num_clients,
-        )
-        metrics["available"] = jnp.sum(available).astype(jnp.float32)
-    round_key, drawn = round_key_and_ids(
-        key, state.round, data.num_clients, part.sampled(sim.clients_per_round), sim.sampler,
-        available,
-    )  # fmt: skip
-    ids, sampled = split_sample(drawn)
+def availability(ctx, state: SimState, data, key: jax.Array):
+    """The availability model's step of round (or server step) ``state.round``: its new
+    state, the clients available (bool ``[N]``; None: all) and the round's metrics."""
+    model = ctx.participation.availability
+    if model is None:
+        return state.participation, None, {}
+    part_state, available = model.step(
+        state.participation,
+        participation_key(jr.fold_in(key, state.round), AVAILABILITY_STREAM),
+        state.round,
+        data.num_clients,
+    )
+    return part_state, available, {"available": jnp.sum(available).astype(jnp.float32)}
+
+
+def draw_of(ctx, round_key, ids, sampled, part_state, metrics) -> Draw:
+    """The :class:`Draw` of clients ``ids`` with their keys from ``round_key``."""
     # The table is read and written with the REPLICATED ids; the clients' work is split
     # over devices by position in the sampled set (no-ops on one device).
-    ids = sim.layout.constrain(ids, "replicated")
+    ids = ctx.layout.constrain(ids, "replicated")
     keys = client_keys(round_key, ids)
-    work_ids, keys = sim.layout.constrain((ids, keys), "sampled")
+    work_ids, keys = ctx.layout.constrain((ids, keys), "sampled")
     return Draw(round_key, ids, work_ids, keys, sampled, part_state, metrics)
 
 
-def gather(sim, state: SimState, ids: jax.Array, per_config, freeze: bool) -> Rows:
+def sample(ctx, state: SimState, data, key: jax.Array) -> Draw:
+    part_state, available, metrics = availability(ctx, state, data, key)
+    round_key, drawn = round_key_and_ids(
+        key, state.round, data.num_clients,
+        ctx.participation.sampled(ctx.clients_per_round), ctx.sampler, available,
+    )  # fmt: skip
+    ids, sampled = split_sample(drawn)
+    return draw_of(ctx, round_key, ids, sampled, part_state, metrics)
+
+
+def gather(ctx, state: SimState, ids: jax.Array, per_config, freeze: bool) -> Rows:
     rows = per_config(take_rows, (0, None))(state.clients, ids)
     clients = state.clients
     if freeze:
@@ -155,22 +167,22 @@ def gather(sim, state: SimState, ids: jax.Array, per_config, freeze: bool) -> Ro
     messages = None
     if state.messages is not None:
         messages = per_config(take_rows, (0, None))(state.messages, ids)
-    layout = sim.layout
+    layout = ctx.layout
     return Rows(
         clients, rows, layout.constrain(rows, "sampled"), model, stats,
-        layout.constrain(stats, "sampled"), messages,
+        layout.constrain(stats, "sampled"), messages, state.messages,
     )  # fmt: skip
 
 
-def cohort(sim, data, draw: Draw, key: jax.Array, chunk: int | None) -> Cohort:
-    part = sim.participation
+def cohort(ctx, data, draw: Draw, key: jax.Array) -> Cohort:
+    part, chunk = ctx.participation, ctx.chunk
     # The clients' local steps where chunks are sorted by them (see `local_work`): by data
     # size under an epochs plan, each straggler's completed steps K_i <= planned, or
     # constant when only the rows an availability model or dropouts mask out go last.
     planned = None
     masked_last = part.availability is not None or part.dropouts is not None
-    if part.stragglers is not None or (chunk is not None and (sim.plan.steps_vary or masked_last)):
-        planned = sim.plan.local_steps(data.counts[draw.work_ids])
+    if part.stragglers is not None or (chunk is not None and (ctx.plan.steps_vary or masked_last)):
+        planned = ctx.plan.local_steps(data.counts[draw.work_ids])
     if part.stragglers is not None:
         # The step mask of a straggler is cut after its K_i steps (local_work), and the
         # local loop stops there.
@@ -180,13 +192,13 @@ def cohort(sim, data, draw: Draw, key: jax.Array, chunk: int | None) -> Cohort:
             draw.ids,
             planned,
         )
-    weights, total_weight = sim.weights(data, draw.ids)
+    weights, total_weight = ctx.weights(data, draw.ids)
     if draw.sampled is not None:
         weights = jnp.where(draw.sampled, weights, 0.0)
     return Cohort(draw.sampled, weights, total_weight, planned, dict(draw.metrics))
 
 
-def full_data_pass(sim, full_pass, server, rows, ids, weights, data, chunk, aggregation=None):
+def full_data_pass(full_pass, server, rows, ids, weights, data, chunk, aggregation=None):
     """Runs a :class:`~scaffold_jax.types.FullDataPass` for clients ``ids`` (rows
     ``rows``): each on ALL its examples as one batch; returns the new rows and the server
     state the pass's server function makes from the weighted mean message.
@@ -208,27 +220,27 @@ def full_data_pass(sim, full_pass, server, rows, ids, weights, data, chunk, aggr
     return rows, full_pass.server(server, weighted_mean(messages, weights))
 
 
-def pre_round(sim, hparams, server, rows_in, draw, cohort, aggregation, data, chunk, per_config):
+def pre_round(ctx, hparams, server, rows_in, draw, cohort, aggregation, data, per_config):
     """The algorithm's pass over each sampled client's whole data before the local work
     (Mime's full-batch gradient at x): new rows and server state; unchanged without one."""
-    full_pass = sim.algorithm.pre_round
+    full_pass = ctx.algorithm.pre_round
     if full_pass is None:
         return rows_in, server
 
     def one_config(hparams, server, rows):
         return full_data_pass(
-            sim, full_pass, server, rows, draw.work_ids, cohort.weights, data, chunk,
+            full_pass, server, rows, draw.work_ids, cohort.weights, data, ctx.chunk,
             {**aggregation, "hparams": hparams},
         )  # fmt: skip
 
     return per_config(one_config)(hparams, server, rows_in)
 
 
-def drop_out(sim, draw: Draw, cohort: Cohort) -> Cohort:
+def drop_out(ctx, draw: Draw, cohort: Cohort) -> Cohort:
     """A client that drops after its local work is lost to the round: from here on it is a
     masked row (after the pre-round pass, which it did send). Its work could change
     nothing, so the chunks of dropped rows are skipped."""
-    dropouts = sim.participation.dropouts
+    dropouts = ctx.participation.dropouts
     if dropouts is None:
         return cohort
     dropped = dropouts.dropped(participation_key(draw.round_key, DROPOUT_STREAM), draw.ids)
@@ -240,25 +252,31 @@ def drop_out(sim, draw: Draw, cohort: Cohort) -> Cohort:
     return cohort._replace(present=present, weights=weights, metrics=metrics)
 
 
-def clock(sim, data, draw: Draw, cohort: Cohort, key: jax.Array) -> Cohort:
-    """The virtual clock (:mod:`scaffold_jax.participation.clock`): each taking-part
-    client's duration from its device profile, its bytes and the examples its local steps
-    (and a pre-round pass) process; the S earliest within the deadline report, the others
-    become masked rows (``late``), and the round lasts ``round_duration`` seconds."""
-    profiles = sim.participation.profiles
-    if profiles is None:
-        return cohort
+def durations(ctx, hparams, data, draw: Draw, cohort: Cohort, key: jax.Array) -> jax.Array:
+    """Each client's duration on its device (float32 ``[S]``, seconds;
+    :mod:`scaffold_jax.participation.clock`): its download, the examples its local steps
+    (and a pre-round pass) process, and its upload at the size it is sent (compressed
+    with one config's ``hparams`` where compressed)."""
+    profiles = ctx.participation.profiles
     counts = data.counts[draw.work_ids]
-    steps = cohort.planned if cohort.planned is not None else sim.plan.local_steps(counts)
-    examples = sim.plan.examples(counts, steps)
-    per_client = sim.traffic()
-    if sim.algorithm.pre_round is not None:  # a pass over all its data, then its message
+    steps = cohort.planned if cohort.planned is not None else ctx.plan.local_steps(counts)
+    examples = ctx.plan.examples(counts, steps)
+    if ctx.algorithm.pre_round is not None:  # a pass over all its data, then its message
         examples = examples + counts
     profile = profiles.profile(constants_key(key), draw.work_ids)
-    durations = profiles.durations(
-        profile, per_client.down, per_client.up + per_client.pre_round, examples
-    )
-    kept, duration = profiles.select(durations, cohort.present, sim.clients_per_round)
+    up = ctx.up_bytes(hparams) + ctx.traffic.pre_round
+    return profiles.durations(profile, ctx.traffic.down, up, examples)
+
+
+def clock(ctx, hparams, data, draw: Draw, cohort: Cohort, key: jax.Array) -> Cohort:
+    """The virtual clock of a synchronous round: from each taking-part client's
+    :func:`durations`, the S earliest within the deadline report, the others become
+    masked rows (``late``), and the round lasts ``round_duration`` seconds."""
+    profiles = ctx.participation.profiles
+    if profiles is None:
+        return cohort
+    spent = durations(ctx, hparams, data, draw, cohort, key)
+    kept, duration = profiles.select(spent, cohort.present, ctx.clients_per_round)
     taking = jnp.ones(kept.shape, bool) if cohort.present is None else cohort.present
     metrics = {
         **cohort.metrics,
@@ -271,18 +289,20 @@ def clock(sim, data, draw: Draw, cohort: Cohort, key: jax.Array) -> Cohort:
     return cohort._replace(present=kept, weights=weights, metrics=metrics)
 
 
-def local_work(sim, hparams, server_in, state, rows, draw, cohort, data, chunk, configs):
+def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, data, configs,
+               per_client: bool = False):  # fmt: skip
     """Every sampled client's ``client_update``: new rows and outputs, ``[S, ...]`` (for a
-    sweep's group ``[S, M, ...]``, the configs inside each client's work)."""
-    algorithm, layout, plan = sim.algorithm, sim.layout, sim.plan
+    sweep's group ``[S, M, ...]``, the configs inside each client's work).
+
+    ``per_client``: ``server_in`` (and the server's running statistics) are stacked, one
+    per client (FedBuff: each client trains from the model current when it started)."""
+    algorithm, plan = ctx.algorithm, ctx.plan
     per_config = partial(over_configs, configs) if configs else at_once
-    config_by_config = configs and sim.configs_one_at_a_time(data)
     common = {}
     if takes(algorithm.client_update, "round_key"):
         common["round_key"] = shared_key(draw.round_key)
-    server_stats = rows.model.get("server")
 
-    def client_work(client_id, client_key, row, stats, steps=None):
+    def client_work(client_id, client_key, row, stats, server, server_stats, steps=None):
         # Batches are drawn inside each client's work so that a chunk gathers only its own
         # clients' examples (the working set stays chunk-sized).
         batches, mask = data.client_batches(client_id, client_key, plan)
@@ -293,9 +313,9 @@ def local_work(sim, hparams, server_in, state, rows, draw, cohort, data, chunk, 
 
         def update(hparams, server_in, row, stats, server_stats):
             extra = dict(common)
-            if state.model is not None:
+            if ctx.stateful_model:
                 stats = server_stats if stats is None else stats
-                extra["model_state"] = ModelState(stats, sim.problem.update_state)
+                extra["model_state"] = ModelState(stats, ctx.problem.update_state)
             return algorithm.client_update(
                 hparams, server_in, row, batches, mask, client_key, **extra
             )
@@ -303,18 +323,29 @@ def local_work(sim, hparams, server_in, state, rows, draw, cohort, data, chunk, 
         # Every config of a group on the same batches, inside this client's work: side by
         # side (their dots one wider dot), or one after another where side by side makes
         # every convolution a grouped one (`configs_one_at_a_time`).
-        over = one_after_another if config_by_config else per_config
-        return over(update)(hparams, server_in, row, stats, server_stats)
+        over = one_after_another if ctx.configs_one_at_a_time else per_config
+        return over(update)(hparams, server, row, stats, server_stats)
 
     to_clients = partial(swap_leading, configs)
-    work = (draw.work_ids, draw.keys, to_clients(rows.rows_in), to_clients(rows.stats_in))
-    if sim.participation.stragglers is not None:
-        work = (*work, layout.constrain(cohort.planned, "sampled"))
+    server_stats = rows.model.get("server")
+    if per_client:
+        work = (draw.work_ids, draw.keys, rows.rows_in, rows.stats_in, server_in, server_stats)
+        one = client_work
+    else:
+        work = (draw.work_ids, draw.keys, to_clients(rows.rows_in), to_clients(rows.stats_in))
+
+        def one(client_id, client_key, row, stats, steps=None):
+            return client_work(client_id, client_key, row, stats, server_in, server_stats, steps)
+
+    if ctx.participation.stragglers is not None:
+        work = (*work, ctx.layout.constrain(cohort.planned, "sampled"))
     # Clients of similar step counts side by side: a vmapped chunk's local loop runs as
     # long as its longest client (local_sgd stops after the last non-empty step), so
     # sorting by steps keeps the padded steps few (benchmarks/README.md, W6). Clients run
     # one at a time, or all in one vmap, gain nothing from it.
-    present = cohort.present
+    chunk, present = ctx.chunk, cohort.present
+    if chunk is not None and chunk >= draw.ids.shape[0]:
+        chunk = None
     sort = chunk is not None and chunk > 1 and cohort.planned is not None
     active = present
     if sort:
@@ -324,7 +355,7 @@ def local_work(sim, hparams, server_in, state, rows, draw, cohort, data, chunk, 
         order = jnp.argsort(-steps, stable=True)
         work = jax.tree.map(lambda a: a[order], work)
         active = None if present is None else present[order]
-    new_rows, outputs = over_clients(client_work, work, chunk, active)
+    new_rows, outputs = over_clients(one, work, chunk, active)
     if sort:
         back = jnp.argsort(order)
         new_rows, outputs = jax.tree.map(lambda a: a[back], (new_rows, outputs))

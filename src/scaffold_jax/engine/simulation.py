@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import numpy as np
 
 from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.engine import communication, evaluation
 from scaffold_jax.engine.axes import repeat_rounds
-from scaffold_jax.engine.buffered import FedBuff, server_steps
+from scaffold_jax.engine.buffered import FedBuff
 from scaffold_jax.engine.checks import check_count, check_simulation
+from scaffold_jax.engine.context import RoundContext
 from scaffold_jax.engine.evaluation import DEFAULT_EVALUATORS, TRAIN_EVAL_EXAMPLES
 from scaffold_jax.engine.phases import full_data_pass
-from scaffold_jax.engine.round import round_fn
+from scaffold_jax.engine.round import SYNCHRONOUS
 from scaffold_jax.engine.state import init_program, initial_state
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.local import takes
@@ -29,20 +28,6 @@ from scaffold_jax.sampling import Sampler, privacy_sampling, uniform
 from scaffold_jax.types import Algorithm, HParams, Problem, PyTree, SimState, resolve_hparams
 from scaffold_jax.weighting import WEIGHTINGS
 from scaffold_jax.weighting import make as make_weighting
-
-
-def _has_primitive(jaxpr, name: str) -> bool:
-    """Whether ``jaxpr`` or any jaxpr nested in its equations (custom_vjp, pjit, scan...)
-    applies the primitive ``name``."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            return True
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr holds a Jaxpr
-                if hasattr(inner, "eqns") and _has_primitive(inner, name):
-                    return True
-    return False
 
 
 class Simulation:
@@ -160,6 +145,8 @@ class Simulation:
                 f"{type(execution).__name__}."
             )
         self.execution = execution
+        # The execution mode, chosen once: its ``step`` is the round.
+        self.mode = SYNCHRONOUS if execution is None else execution
         self.evaluators = tuple(evaluators)
         self.train_eval_examples = (
             None
@@ -212,9 +199,8 @@ class Simulation:
         metrics of a ``server_update`` that returns a
         :class:`~scaffold_jax.types.ServerOutput`.
         """
-        if self.execution is not None:  # FedBuff: a server step is the round
-            return server_steps(self, hparams, state, data, key, diverged, configs)
-        return round_fn(self, hparams, state, data, key, diverged, configs)
+        return self.mode.step(self.context(data, configs), hparams, state, data, key, diverged,
+                              configs)  # fmt: skip
 
     def report(self, hparams: Mapping[str, Any], rounds: int, num_clients: int) -> dict:
         """The algorithm's host-side numbers for a record after ``rounds`` rounds with one
@@ -255,7 +241,7 @@ class Simulation:
         weights, _ = self.weights(data, ids)
         chunk = self.resolve_client_chunk(data) or min(self.clients_per_round, data.num_clients)
         clients, server = full_data_pass(
-            self, warm, state.server, state.clients, ids, weights, data, chunk
+            warm, state.server, state.clients, ids, weights, data, chunk
         )
         return state._replace(server=server, clients=clients)
 
@@ -277,18 +263,11 @@ class Simulation:
         block) share the budget: a sweep asks for its chunk here and runs the round of
         ``replace(client_chunk=...)``.
         """
-        num_sampled = self.participation.sampled(self.clients_per_round)
-        if self.client_chunk is None or not self.layout.allows_client_chunks:
-            return None
-        if self.client_chunk != "auto":
-            return None if self.client_chunk >= num_sampled else self.client_chunk
-        if jax.default_backend() != "cpu":
-            return None
-        if self.one_client_at_a_time(data):
-            return 1
-        per_client = self.client_bytes(data) * configs
-        budget = resources.CLIENT_CHUNK_BYTES
-        return resources.balanced_chunk(num_sampled, max(1, budget // per_client))
+        return resources.client_chunk(
+            self.client_chunk, self.participation.sampled(self.clients_per_round),
+            not self.layout.allows_client_chunks, self.one_client_at_a_time(data),
+            lambda: self.client_bytes(data) * configs,
+        )  # fmt: skip
 
     def one_client_at_a_time(self, data) -> bool:
         """Whether the loss contains a convolution or a loop (a recurrent model), read from
@@ -297,14 +276,7 @@ class Simulation:
         matmul a batched one, which XLA's CPU backend runs several times slower than one
         client's own (benchmarks/README.md, W4 and W5)."""
         if not hasattr(self, "_one_at_a_time"):
-            batches, _ = jax.eval_shape(
-                lambda: data.client_batches(jnp.int32(0), jr.key(0), self.plan)
-            )
-            batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batches)
-            jaxpr = jax.make_jaxpr(self.problem.loss_fn)(self.problem.params, batch).jaxpr
-            self._one_at_a_time = any(
-                _has_primitive(jaxpr, name) for name in ("conv_general_dilated", "scan", "while")
-            )
+            self._one_at_a_time = resources.one_client_at_a_time(self.problem, self.plan, data)
         return self._one_at_a_time
 
     def configs_one_at_a_time(self, data) -> bool:
@@ -317,20 +289,27 @@ class Simulation:
 
     def traffic(self):
         """The bytes a participating client receives and sends per round
-        (:func:`scaffold_jax.engine.communication.traffic`), as the virtual clock times
-        them (:mod:`scaffold_jax.participation.clock`)."""
+        (:func:`scaffold_jax.engine.communication.traffic`; a compressor's with its
+        declared default bits or fraction)."""
         if not hasattr(self, "_traffic"):
-            self._traffic = communication.traffic(self.algorithm, self.problem.params)
+            defaults = {k: h.default for k, h in self.algorithm.hparams.items()
+                        if h.default is not None}  # fmt: skip
+            self._traffic = communication.traffic(self.algorithm, self.problem.params, defaults)
         return self._traffic
+
+    def context(self, data, configs: int | None = None) -> RoundContext:
+        """The round's frozen context for ``data`` (:mod:`scaffold_jax.engine.context`)."""
+        return RoundContext(
+            self.algorithm, self.problem, self.plan, self.participation, self.sampler,
+            self.layout, self.clients_per_round, self.resolve_client_chunk(data),
+            bool(configs) and self.configs_one_at_a_time(data), self.traffic(),
+            None if self.equal_weights else self._weigh,
+        )  # fmt: skip
 
     def client_bytes(self, data) -> int:
         """The working set of one sampled client's local steps, in bytes (see
         :meth:`resolve_client_chunk`)."""
-        batches, _ = jax.eval_shape(lambda: data.client_batches(jnp.int32(0), jr.key(0), self.plan))
-        return sum(
-            math.prod(a.shape) * a.dtype.itemsize + 4 * math.prod(a.shape[1:])
-            for a in jax.tree.leaves(batches)
-        ) + 4 * sum(4 * math.prod(jnp.shape(a)) for a in jax.tree.leaves(self.problem.params))
+        return resources.client_bytes(self.problem, self.plan, data)
 
     def run_rounds_fn(
         self, hparams: HParams, state: SimState, data, key, num_rounds: int, stop=None

@@ -35,7 +35,7 @@ def initial_state(
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), tree)
 
     server, client = algorithm.init(params)
-    model = None
+    model = stats = None
     if problem is not None and problem.model_state is not None:
         stats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), problem.model_state)
         model = (
@@ -45,7 +45,7 @@ def initial_state(
     messages = None if algorithm.messages is None else algorithm.messages.init(params)
     inflight = None
     if execution is not None:
-        inflight = initial_inflight(algorithm, params, client, execution.concurrency)
+        inflight = initial_inflight(algorithm, params, client, execution.concurrency, stats)
     return SimState(
         server=jax.tree.map(jnp.asarray, server),
         clients=table(client),

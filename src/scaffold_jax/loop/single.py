@@ -130,8 +130,10 @@ class _SingleRun:
         if execution is not None and round == 0:
             # FedBuff's first step starts M clients at time 0 besides its B replacements:
             # the start's own started_ids, so the record says who trained when.
-            ids = buffered.initial_clients(self.key, self.data.num_clients, execution.concurrency)
-            entry["started_ids"] = np.asarray(ids).tolist()
+            entry["started_ids"] = buffered.first_clients(
+                self.simulation.participation, self.key, self.data.num_clients,
+                execution.concurrency,
+            )  # fmt: skip
         entry["seconds"] = seconds
         return [entry]
 

@@ -1329,12 +1329,14 @@ CASES = [
          lambda ctx: run(ctx, sim=simulation(
              ctx, algorithm=sj.mime(ctx.problem.loss_fn), execution=sj.FedBuff(4, 2),
              participation=sj.participation.make(profiles="lognormal")))),
-    Case("fedbuff-with-deadline", "--execution fedbuff --round-deadline 5", "RunConfig.validate",
-         ConfigError,
-         "invalid config: execution = 'fedbuff' has no round to close: round_deadline does not "
-         "apply (its buffer of buffer_size arrivals is its policy); remove it.",
+    Case("fedbuff-with-over-selection", "--execution fedbuff --over-selection 2",
+         "RunConfig.validate", ConfigError,
+         "invalid config: FedBuff with over-selection (sample ceil(f S), keep the S first): "
+         "over-selection keeps the S first of a synchronous cohort, and FedBuff has no cohort "
+         "(its buffer of B arrivals is its policy): unset over_selection, or use synchronous "
+         "rounds.",
          lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff",
-                               round_deadline=5.0).validate()),
+                               over_selection=2.0).validate()),
     Case("clock-deadline-zero", "--profiles lognormal --round-deadline 0", "RunConfig.validate",
          ConfigError, "invalid config: round_deadline = 0.0 is invalid: it must be a number > 0.",
          lambda ctx: RunConfig(**DP_RUN, **TIMED, round_deadline=0.0).validate()),
@@ -1364,12 +1366,15 @@ CASES = [
          lambda ctx: RunConfig(**DP_RUN, profiles="file", profile_file=str(write(
              ctx.tmp / "devices.csv", b"seconds_per_example,down_bytes_per_s,up_bytes_per_s\n"
              b"0.1,100,100\n0.1,-5,100\n"))).validate()),
-    Case("clock-with-compression", "--profiles lognormal --compression qsgd",
+    Case("fedbuff-with-privacy", "--execution fedbuff --dp-noise-multiplier 1",
          "RunConfig.validate", ConfigError,
-         "invalid config: profiles = 'lognormal' with compression = 'qsgd': the virtual clock "
-         "does not time compressed uplinks yet (their size is a hyper-parameter the compiled "
-         "round does not know); use one or the other.",
-         lambda ctx: RunConfig(**DP_RUN, **TIMED, compression="qsgd").validate()),
+         "invalid config: FedBuff with user-level differential privacy (clip, Gaussian noise, "
+         "accountant): differential privacy's accountant covers rounds of uniformly sampled "
+         "clients; a FedBuff step's buffer holds whichever clients arrive first, so that "
+         "amplification by sampling does not apply and no accountant here covers it: use "
+         "synchronous rounds for a private run.",
+         lambda ctx: RunConfig(**DP_RUN, **TIMED, execution="fedbuff", privacy="gaussian",
+                               dp_noise_multiplier=1.0).validate()),
     # ----- settings that could not mean what the user wants, once accepted (exit 0)
     Case("clock-deadline-below-every-client", "--profiles lognormal --round-deadline 1e-9 "
          "(every round kept no client: the model never trained)", "RunConfig.validate",

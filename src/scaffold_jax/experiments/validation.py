@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from scaffold_jax import participation, sampling
+from scaffold_jax import compatibility, participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.data import assembly, natural
@@ -371,12 +371,6 @@ def _check_clock(config: ConfigFields, clock, errors: list[str]) -> None:
             clock.check(config.seed, config.num_clients, least, config.rounds)
         except ValueError as err:
             errors.append(str(err))
-    if config.compression != "none":
-        errors.append(
-            f"profiles = {config.profiles!r} with compression = {config.compression!r}: the "
-            "virtual clock does not time compressed uplinks yet (their size is a "
-            "hyper-parameter the compiled round does not know); use one or the other."
-        )
 
 
 def _check_execution(config: ConfigFields, errors: list[str]) -> None:
@@ -405,13 +399,6 @@ def _check_execution(config: ConfigFields, errors: list[str]) -> None:
             "(what a stale update does to its server state is not written): use algorithm = "
             f"{' | '.join(asynchronous_algorithms())}, or execution = 'sync'."
         )
-    policy = [k for k in ("round_deadline", "over_selection") if k in config.options]
-    if policy:
-        errors.append(
-            f"execution = 'fedbuff' has no round to close: {' and '.join(policy)} "
-            f"{'does' if len(policy) == 1 else 'do'} not apply (its buffer of buffer_size "
-            "arrivals is its policy); remove it."
-        )
     # FedBuff draws a new client each time one arrives, M in flight (concurrency) and a
     # step every buffer_size arrivals: a cohort's size S and its sampler mean nothing there.
     cohort = {k: getattr(config, k) for k in ("clients_per_round", "client_fraction")}
@@ -428,18 +415,14 @@ def _check_execution(config: ConfigFields, errors: list[str]) -> None:
             f"{'it' if len(cohort) == 1 else 'them'} and set concurrency or buffer_size "
             "(--concurrency, --buffer-size)."
         )
-    others = {k: getattr(config, k) for k in ("availability", "stragglers", "dropouts")}
-    others = {k: v for k, v in others.items() if v != participation.DEFAULTS[k]}
-    if config.privacy is not None:
-        others["privacy"] = config.privacy
-    if config.compression != "none":
-        others["compression"] = config.compression
-    if others:
-        said = ", ".join(f"{k} = {v!r}" for k, v in others.items())
-        errors.append(
-            f"execution = 'fedbuff' with {said}: not supported yet (the in-flight clients' "
-            "draws and messages are FedBuff's own); use FedBuff without them."
-        )
+    # What FedBuff composes with: the one compatibility matrix (the engine's checks read it).
+    on = [k for k in ("availability", "stragglers", "dropouts")
+          if getattr(config, k) != participation.DEFAULTS[k]]  # fmt: skip
+    on += ["over_selection"] if float(config.options.get("over_selection", 1.0)) > 1.0 else []
+    on += ["privacy"] if config.privacy is not None else []
+    why = compatibility.refusal(config.execution, on)
+    if why is not None:
+        errors.append(why)
 
 
 def _least_examples(config: ConfigFields) -> int | None:

@@ -35,6 +35,30 @@ from scaffold_jax.sweep import SweepCarry, check_seeds, config_bytes
 from scaffold_jax.types import HParams, PyTree
 
 
+def _check_timed_sizes(sim, host: dict[str, list[float]], seeds) -> None:
+    """Refuses a synchronous sweep whose configs of one seed send uplinks of different
+    sizes (a compressor's bits or fraction varied) under the virtual clock: the configs of
+    a seed share the round's cohort, so its clock times one size."""
+    if sim.execution is not None or sim.participation.profiles is None:
+        return
+    if getattr(sim.algorithm.messages, "sizes", None) is None:
+        return
+    sizes: dict[int, set[int]] = {}
+    for j, seed in enumerate(np.asarray(seeds).tolist()):
+        values = {k: v[j] for k, v in host.items()}
+        up = communication.traffic(sim.algorithm, sim.problem.params, values).up
+        sizes.setdefault(seed, set()).add(up)
+    varied = [seed for seed, ups in sizes.items() if len(ups) > 1]
+    if varied:
+        raise ValueError(
+            f"this sweep varies the compressed uplink's size (bytes {sorted(sizes[varied[0]])}) "
+            f"among the configs of seed {varied[0]}, but under the virtual clock (profiles) the "
+            "configs of a seed share the round's cohort and its clock: sweep the compressor's "
+            "values as separate runs (or separate sweeps), or give each value its own seed."
+        )
+
+
+
 @dataclasses.dataclass
 class SweepResult:
     """What :func:`sweep` returns: per-config results in the single-run record format.
@@ -198,6 +222,7 @@ class Sweep(_Program):
             for j in range(num_configs)
         ]
 
+        _check_timed_sizes(sim, host, seeds)
         if checkpoint_dir is not None and "data_fingerprint" not in (identity or {}):
             # Once for every chunk: a resume onto other data is refused.
             identity = {**dict(identity or {}), "data_fingerprint": data_fingerprint(data)}

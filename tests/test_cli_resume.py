@@ -52,6 +52,15 @@ concurrency = 6
 buffer_size = 3
 """
 )
+#: What FedBuff composes with (the manual's composition table), one at a time in the slow
+#: tier and all at once in the quick tier.
+COMPOSED = {
+    "topk": 'compression = "topk"\ncompress_fraction = 0.1\n',
+    "markov": 'availability = "markov"\navailability_rate = 0.6\n',
+    "dropouts": 'dropouts = "bernoulli"\ndropout_rate = 0.3\n',
+    "stragglers": 'stragglers = "uniform"\nstraggler_min_steps = 1\n',
+    "deadline": "round_deadline = 1.5\n",
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +69,9 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_resume")
     (root / "tiny.toml").write_text(TINY)
     (root / "fedbuff.toml").write_text(FEDBUFF)
+    (root / "fedbuff_all.toml").write_text(FEDBUFF + "".join(COMPOSED.values()))
+    for name, lines in COMPOSED.items():
+        (root / f"fedbuff_{name}.toml").write_text(FEDBUFF + lines)
     cache = root / "jax_cache"
     environment = {
         **os.environ,
@@ -181,30 +193,43 @@ def test_sigkill_then_resume_is_the_uninterrupted_run(env, reference, records, d
     assert _resume_matches(root, environment, tmp_path / "run", reference)
 
 
-@pytest.fixture(scope="module")
-def fedbuff_reference(env):
+def _killed_fedbuff_resumes(env, config, records, delay, tmp_path):
+    """The uninterrupted run of ``config``, then one killed after ``records`` records and
+    resumed: the same records, summary and final state bit for bit."""
     root, environment = env
-    out = root / "fedbuff_reference"
-    proc = _run(root, environment, out, config="fedbuff.toml")
+    proc = _run(root, environment, tmp_path / "reference", config=config)
     assert proc.returncode == 0, proc.stderr
-    return {"out": out, "state": _final_state(out), "compare": _comparable(out)}
+    reference = {"state": _final_state(tmp_path / "reference"),
+                 "compare": _comparable(tmp_path / "reference")}  # fmt: skip
+    out = tmp_path / "run"
+    code, _ = _kill_after(root, environment, out, records, delay, config=config)
+    assert code == -signal.SIGKILL
+    assert _resume_matches(root, environment, out, reference, config=config)
+    return results.read_records(out)
 
 
 @pytest.mark.parametrize(
     ("records", "delay"), [(5, 0.02), pytest.param(2, 0.0, marks=pytest.mark.slow)]
 )
-def test_a_killed_fedbuff_run_resumes_to_the_uninterrupted_one(
-    env, fedbuff_reference, records, delay, tmp_path
-):
-    """Asynchronous too: the in-flight table (who is training since when, on which
-    version, with which update) is in the checkpoint, so SIGKILL mid-run and --resume
-    give the uninterrupted FedBuff run bit for bit, virtual time included."""
-    root, environment = env
-    out = tmp_path / "run"
-    code, _ = _kill_after(root, environment, out, records, delay, config="fedbuff.toml")
-    assert code == -signal.SIGKILL
-    assert _resume_matches(root, environment, out, fedbuff_reference, config="fedbuff.toml")
-    assert all("virtual_time" in r for r in results.read_records(out)[1:])
+def test_a_killed_fedbuff_run_resumes_to_the_uninterrupted_one(env, records, delay, tmp_path):
+    """Asynchronous too, with every feature it composes with at once (top-k with error
+    feedback, Markov availability, dropouts, stragglers, a deadline): the in-flight table
+    (who is training since when, on which version, with which update, whether its upload
+    will count) is in the checkpoint, so SIGKILL mid-run and --resume give the
+    uninterrupted FedBuff run bit for bit, virtual time included."""
+    kept = _killed_fedbuff_resumes(env, "fedbuff_all.toml", records, delay, tmp_path)
+    assert all("virtual_time" in r for r in kept[1:])
+    assert sum(r["dropped"] + r["late"] for r in kept[1:]) > 0  # uploads were lost
+    assert min(r["available"] for r in kept[1:]) < 10  # and clients offline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("composed", sorted(COMPOSED))
+def test_each_fedbuff_composition_resumes_after_sigkill(env, composed, tmp_path):
+    """FedBuff SCAFFOLD with each feature alone, from the command line: it runs to the end
+    and a SIGKILL mid-run resumes to the uninterrupted run bit for bit."""
+    kept = _killed_fedbuff_resumes(env, f"fedbuff_{composed}.toml", 4, 0.01, tmp_path)
+    assert kept[-1]["round"] == ROUNDS and kept[-1]["virtual_time"] > 0
 
 
 @pytest.mark.slow

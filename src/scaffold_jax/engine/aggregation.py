@@ -132,7 +132,7 @@ def round_metrics(ctx, outputs, server, server_metrics, rnd: Round):
         metrics["reported"] = present
     if present is not None:
         metrics["participants"] = jnp.sum(taking_part)
-    if part.stragglers is not None:
+    if rnd.cohort.planned is not None and part.stragglers is not None:  # (FedBuff's: at starts)
         metrics["steps_taken"] = mean(rnd.cohort.planned.astype(jnp.float32))
     # For the communication accounting (scaffold_jax.engine.communication): who uploaded
     # (reported) and who downloaded (took part: a dropped client too).

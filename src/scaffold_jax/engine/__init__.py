@@ -28,7 +28,11 @@ has weight 0, keeps its rows and is left out of the metrics. Participation model
 :func:`~scaffold_jax.engine.keys.participation_key`. An algorithm's ``warm_start`` pass
 (SCAFFOLD's warm controls) runs once over all N clients when the initial state is built.
 
-Many rounds run as one loop (:func:`~scaffold_jax.engine.axes.repeat_rounds`) inside one
+The phases take a frozen :class:`~scaffold_jax.engine.context.RoundContext` (what they read
+and nothing changes), and an execution mode is a value with a ``step``: the synchronous
+round (:mod:`~scaffold_jax.engine.round`) or FedBuff's buffered server step
+(:mod:`~scaffold_jax.engine.buffered`), which trains its clients and aggregates them with
+the same phases. Many rounds run as one loop (:func:`~scaffold_jax.engine.axes.repeat_rounds`) inside one
 ``jit`` whose state argument is donated, so the ``[N, ...]`` client table is updated in
 place. Nothing per client or per step happens in Python. This package and
 :mod:`scaffold_jax.layout` are the only ones that know the client axis; the host loop that
@@ -62,7 +66,9 @@ from scaffold_jax.engine.keys import (
     server_key,
     shared_key,
 )
+from scaffold_jax.engine.context import RoundContext
 from scaffold_jax.engine.phases import FULL_DATA, keep_absent
+from scaffold_jax.engine.round import SYNCHRONOUS, Synchronous
 from scaffold_jax.engine.simulation import Simulation
 from scaffold_jax.engine.state import init_state, initial_state
 from scaffold_jax.messages import MessageContext, MessageTransform, chain, stateless
@@ -80,6 +86,9 @@ __all__ = [
     "TRAIN_EVAL_EXAMPLES",
     "MessageContext",
     "MessageTransform",
+    "RoundContext",
+    "SYNCHRONOUS",
+    "Synchronous",
     "Simulation",
     "chain",
     "check_count",

@@ -16,35 +16,43 @@ weight, so c = Σ_i p_i c_i / Σ_i p_i holds), and every arriving client writes 
 
 Vectorized: the in-flight table (:class:`InFlight`, ``[M, ...]``, in
 :attr:`SimState.inflight <scaffold_jax.types.SimState>`: checkpointed and resumed with the
-rest) holds each slot's client, start version, start and finish times and its computed
-update and new client row. A server step is ONE program, run where a synchronous round
-runs (``round_fn``; many of them fused into a block like rounds):
+rest) holds each slot's client, start version, start and finish times, its computed
+update, new client row and statistics, and whether its upload will count. A server step
+is ONE program, the execution mode's ``step`` (:class:`FedBuff`; many of them fused into
+a block like rounds), built from the synchronous round's own phases:
 
-1. the B slots with the earliest finish times arrive (ties: the lower slot);
-2. the algorithm's own ``server_update`` aggregates their staleness-weighted updates as a
-   cohort of B with their weights p_j, and their new rows are written to the client
-   table;
-3. B replacements are drawn uniformly without replacement among the clients not in
-   flight once the arrivals are out (the arrived clients are eligible again); the
-   replacement of the j-th arrival starts at that arrival's time, from x^t for the first
-   B − 1 and from x^{t+1} for the B-th (the step happens at the B-th arrival), and they
-   train vmapped in the same program;
-4. virtual time advances to the latest of the arrivals' finish times (never backwards: a
+1. the availability model steps (once per server step, as once per round);
+2. the B slots with the earliest finish times are the step's events (ties: the lower
+   slot): uploads that arrive, or uploads lost (a dropout, a timeout at start + D, a slot
+   no available client could start in), which count with weight 0;
+3. the round's server side (:func:`scaffold_jax.engine.aggregation.server_side`) runs on
+   them as a cohort of B with their weights p_j: the message pipeline (compression with
+   each client's residual), the staleness weights on the sent Δy_j, the algorithm's own
+   ``server_update``, the write-back of the reported clients' rows;
+4. B replacements are drawn uniformly without replacement among the available clients
+   not in flight once the events are out (their clients are eligible again); the
+   replacement of the j-th event starts at its time, from x^t for the first B − 1 and
+   from x^{t+1} for the B-th, and they train vmapped in the same program with the round's
+   own client work (:func:`start_clients`: stragglers' steps, dropouts, the local work,
+   the clock's durations at the size each upload is sent);
+5. virtual time advances to the latest of the events' times (never backwards: a
    replacement that would finish before it is counted in the next step's buffer).
 
-The first step first fills the table: M clients sampled at time 0, trained from x^0
-(:func:`initial_clients`; a single run's round-0 record reports them as its
-``started_ids``). Each step's metrics: ``arrived_ids``, ``arrival_staleness`` and
-``started_ids`` (``[B]``), ``staleness_mean``/``staleness_max``, ``version`` and the
-clock's ``round_duration`` (the seconds since the previous step); records carry
+The first step first fills the table: M clients sampled at time 0 among the available,
+trained from x^0 (:func:`first_clients`; a single run's round-0 record reports them as
+its ``started_ids``). Each step's metrics: ``arrived_ids`` (−1: a free slot),
+``arrival_staleness``, ``started_ids`` (−1: a slot left free) and, where uploads can be
+lost, ``reported`` (``[B]``), ``staleness_mean``/``staleness_max``, ``version``,
+``dropped``/``late`` (among the started), ``started_steps`` (stragglers) and the clock's
+``round_duration`` (the seconds since the previous step); records carry
 ``virtual_time``, the steps' durations summed: their state's clock ``InFlight.now`` (up to
 each duration's float32 rounding; :func:`running_totals`).
 
 Algorithms with an asynchronous contract (their registry entry says ``asynchronous``;
-:func:`asynchronous_algorithms`): FedAvg, FedProx and SCAFFOLD. Others are refused with
-the reason, as are the participation models, the clock's deadline and over-selection
-(FedBuff's own policy replaces them), message transforms (privacy, compression) and
-running model statistics. On a client mesh the
+:func:`asynchronous_algorithms`): FedAvg, FedProx and SCAFFOLD; others are refused with
+the reason. What FedBuff composes with is the compatibility matrix's
+(:mod:`scaffold_jax.compatibility`): everything but over-selection (no synchronous
+cohort) and differential privacy (no accountant covers buffers). On a client mesh the
 in-flight table's rows are split over the devices like the client table's (where M
 splits evenly; replicated otherwise).
 """
@@ -238,8 +246,8 @@ class Started(NamedTuple):
 
 def start_clients(ctx, hparams, servers, state: SimState, work, data, start) -> Started:
     """The clients of ``work`` = ``(ids, present, key, run_key)`` started at times ``start``
-    from their ``servers`` (one server state per client, stacked; with the server's
-    running statistics ``servers_stats``, where kept) and their rows of ``state``'s tables:
+    from ``servers`` = ``(server states, the server's running statistics or None)``, one
+    per client, stacked, and their rows of ``state``'s tables:
     the synchronous round's phases for them (stragglers' steps, dropouts, the local work)
     and the clock's finish times, a client slower than the deadline timing out at
     start + D."""

@@ -19,6 +19,7 @@ LAYERS = [
     ["types", "tree", "registry", "compilation_cache", "resources", "versions"],
     ["local", "messages", "optimizers", "sampling", "weighting", "layout", "data"],
     ["algorithms", "models", "privacy", "participation", "compression"],
+    ["wrappers"],
     ["engine"],
     ["checkpoint", "diagnostics", "sweep"],
     ["loop"],

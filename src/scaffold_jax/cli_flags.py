@@ -17,6 +17,7 @@ from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.experiments.commands import DATA_OWNERS
 from scaffold_jax.registry import PLUGIN_HINT
 from scaffold_jax.types import HParam
+from scaffold_jax.wrappers import outermost_first
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "ints": int, "floats": float, "strs": str}
 
@@ -68,6 +69,15 @@ def _usage_error(message: str) -> str:
     return message if message.endswith(".") else message + "."
 
 
+def _wrapper_groups() -> dict[str, tuple[str, ...]]:
+    """The wrappers' ``--help`` groups (:data:`~scaffold_jax.wrappers.WRAPPERS`: privacy,
+    communication), outermost first, each holding the fields that choose them."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for spec in outermost_first():
+        groups[spec.group] = (*groups.get(spec.group, ()), spec.field)
+    return groups
+
+
 #: The groups of a command's ``--help``, in this order, and the flags each holds, by name
 #: (a :class:`RunConfig` field, a declared hyper-parameter or option, or a command's own
 #: flag; ``client_lr`` for ``--client-lr``, ``experiment`` for reproduce's protocol), in
@@ -91,8 +101,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "sampling, participation and time": (
         "sampler", "availability", "stragglers", "dropouts", "profiles", "execution",
     ),
-    "privacy": ("privacy",),
-    "communication": ("compression",),
+    **_wrapper_groups(),
     "evaluation": (
         "eval_every", "train_eval_examples", "targets", "target", "gd_steps", "num_iters",
     ),
@@ -113,7 +122,7 @@ _OWNER_GROUPS: dict[str, str] = {
         ("sampler", "availability", "stragglers", "dropouts", "profiles", "execution"),
         "sampling, participation and time",
     ),
-    "privacy": "privacy", "compression": "communication",
+    **{spec.field: spec.group for spec in outermost_first()},
 }  # fmt: skip
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ import jax.random as jr
 
 from scaffold_jax.compression.fraction import fraction_count
 from scaffold_jax.messages import MessageTransform, chain, uplink_like
-from scaffold_jax.registry import Option, Registry
+from scaffold_jax.registry import Option, Registry, factory_kwargs
 from scaffold_jax.tree import decode_storage, encode_storage, tree_bytes
 from scaffold_jax.types import Algorithm, HParam, PyTree
 
@@ -140,6 +140,13 @@ def compressed(
         hparams={**algorithm.hparams, **spec.hparams},
         options=options,
     )
+
+
+def wrap(algorithm: Algorithm, compressor: str, options: Mapping[str, Any]) -> Algorithm:
+    """:func:`compressed` with a config's options (``compress_entries``...) by their keys:
+    compression's ``wrap`` in :data:`scaffold_jax.wrappers.WRAPPERS`."""
+    declared = COMPRESSORS[compressor].options
+    return compressed(algorithm, compressor, **factory_kwargs(declared, options))
 
 
 def chosen_entries(algorithm: Algorithm, entries: str) -> tuple[str, ...]:
@@ -259,4 +266,5 @@ __all__ = [
     "fraction_count",
     "register",
     "whole",
+    "wrap",
 ]

@@ -21,6 +21,7 @@ from scaffold_jax.experiments.resolve import make_algorithm
 from scaffold_jax.loop import Simulation
 from scaffold_jax.tree import tree_digest
 from scaffold_jax.types import Algorithm, HParams, Problem
+from scaffold_jax.wrappers import outermost_first
 
 
 class Built(NamedTuple):
@@ -135,13 +136,11 @@ def build(
     plan = resolved.plan
     # A problem brought by the data (a quadratic family's) is new at every build: it is the
     # same when its functions are and its initial params equal.
-    kinds = (
-        "algorithm", "weighting", "privacy", "compression", "sampler", *participation.KINDS,
-        "execution",
-    )  # fmt: skip
+    wrappers = [spec.field for spec in outermost_first()]
+    kinds = ("algorithm", "weighting", *wrappers, "sampler", *participation.KINDS, "execution")
     key = ("simulation", config.algorithm, repr(plan), resolved.clients_per_round,
-           config.weighting, config.train_eval_examples, config.sampler, config.privacy,
-           config.compression,
+           config.weighting, config.train_eval_examples, config.sampler,
+           *(getattr(config, field) for field in wrappers),
            config.availability, config.stragglers, config.dropouts, config.profiles,
            config.execution,
            *(_text(resolved.of(kind)) for kind in kinds), problem.loss_fn, problem.accuracy_fn,

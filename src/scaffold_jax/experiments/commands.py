@@ -35,6 +35,7 @@ from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.progress import Progress
 from scaffold_jax.registry import ConfigError
 from scaffold_jax.types import STEP_SIZES, format_hparams
+from scaffold_jax.wrappers import chosen_hparams
 
 
 # =====================================================================================
@@ -444,9 +445,7 @@ def sweep_grid(
     ):
         # An axis of privacy settings chooses a mechanism, as a --dp-* flag does.
         given = given.replace(privacy=DEFAULT_MECHANISM)
-    private = MECHANISMS[given.privacy].hparams if given.privacy in MECHANISMS else {}
-    if given.compression in COMPRESSORS:
-        private = {**private, **COMPRESSORS[given.compression].hparams}
+    private = chosen_hparams(given, strict=False)  # its wrappers': privacy's, compression's
     for table in ("hparams", "options"):
         for key in getattr(given, table):
             if table == "options" and key not in algorithm_options:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from scaffold_jax.algorithms import ALGORITHMS
-from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.experiments import resolve as resolution
 from scaffold_jax.experiments import validation
 
@@ -26,8 +25,8 @@ from scaffold_jax.experiments.schema import declared_hparams as declared_hparams
 from scaffold_jax.experiments.schema import declared_options as declared_options
 from scaffold_jax.experiments.validation import Checker as _Checker  # noqa: F401
 from scaffold_jax.experiments.validation import is_number as _is_number  # noqa: F401
-from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.registry import ConfigError
+from scaffold_jax.wrappers import outermost_first
 
 
 class RunConfig(ConfigFields):
@@ -138,8 +137,8 @@ def config_reference() -> str:
 
     for name, hparam in declared_hparams().items():
         owners = [f"`{n}`" for n, spec in ALGORITHMS.items() if name in spec.hparams]
-        owners += [f"privacy `{n}`" for n, spec in MECHANISMS.items() if name in spec.hparams]
-        owners += [f"compression `{n}`" for n, s in COMPRESSORS.items() if name in s.hparams]
+        owners += [f"{wrapper.field} `{n}`" for wrapper in outermost_first()
+                   for n, spec in wrapper.kinds.items() if name in spec.hparams]  # fmt: skip
         lines.append(
             f"| `{name}` | `--{name.replace('_', '-')}` | {cell(hparam.default)} | "
             f"{', '.join(owners)} | {text(hparam.help)} |"

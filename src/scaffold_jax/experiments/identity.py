@@ -113,9 +113,10 @@ def _compressed_entries(config: RunConfig, entries: Any) -> Any:
     given when it names none validly (validation says so)."""
     from scaffold_jax.compression import ALL, chosen_entries
     from scaffold_jax.experiments import resolve
+    from scaffold_jax.wrappers import turned_off
 
-    try:
-        plain = resolve.make_algorithm(config.replace(compression="none", privacy=None))
+    try:  # the algorithm's own clients' entries: every wrapper off
+        plain = resolve.make_algorithm(config.replace(**turned_off()))
         names = set(chosen_entries(plain, entries))
         sent = set(chosen_entries(plain, ALL))
     except (ValueError, TypeError, KeyError, AttributeError):

@@ -17,14 +17,14 @@ from typing import Any
 
 from scaffold_jax import participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
-from scaffold_jax.compression import COMPRESSORS, compressed
 from scaffold_jax.data import assembly, sources, synthetic
 from scaffold_jax.data.batching import PLANS, BatchPlan
 from scaffold_jax.data.partition import DEFAULT_PARTITIONER, PARTITIONERS
 from scaffold_jax.experiments.schema import DATASETS, OPTION_OWNERS, ConfigFields, partition_fields
-from scaffold_jax.privacy import ADAPTIVE_CLIP_LR, MECHANISMS, accounting
+from scaffold_jax.privacy import ADAPTIVE_CLIP_LR, accounting
 from scaffold_jax.registry import ConfigError, factory_kwargs
 from scaffold_jax.types import Algorithm, HParams, resolve_hparams
+from scaffold_jax.wrappers import WRAPPERS, chosen_hparams, outermost_first
 
 
 def canonical_dataset(config: ConfigFields) -> str | None:
@@ -47,14 +47,12 @@ def brings_problem(config: ConfigFields) -> bool:
 
 def chosen(config: ConfigFields) -> list[tuple[str, str, Mapping[str, Any]]]:
     """``(kind, name, declared options)`` of the entries the config chooses: its
-    algorithm, sampler, weighting, privacy mechanism, participation models, batch plan,
-    model, dataset and (for a pooled dataset) partitioner; unknown names are left out
-    (validation names them)."""
+    algorithm, sampler, weighting, wrappers (privacy mechanism, compressor), participation
+    models, batch plan, model, dataset and (for a pooled dataset) partitioner; unknown
+    names are left out (validation names them), and so is privacy's None."""
     out = []
     named = [(kind, getattr(config, kind)) for kind in ("algorithm", "sampler", "weighting")]
-    if config.privacy is not None:
-        named.append(("privacy", config.privacy))
-    named.append(("compression", config.compression))
+    named += [(spec.field, getattr(config, spec.field)) for spec in outermost_first()]
     named += [(kind, getattr(config, kind)) for kind in participation.KINDS]
     named.append(("execution", config.execution))
     if config.batch_plan is None or config.batch_plan in PLANS:
@@ -160,18 +158,14 @@ def _inspect_only(params: Any, batch: Any) -> Any:
 
 def make_algorithm(config: ConfigFields, loss_fn: Callable = _inspect_only) -> Algorithm:
     """The algorithm with the config's options for the problem's ``loss_fn``, wrapped by
-    its compressor and then by its privacy mechanism when it chooses them; without
-    ``loss_fn`` (before there is a problem), built to be inspected, not run."""
+    each wrapper the config turns on, in :data:`~scaffold_jax.wrappers.WRAPPERS`' order
+    (compression inside privacy: each client compresses, then clips what it sends);
+    without ``loss_fn`` (before there is a problem), built to be inspected, not run."""
     algorithm = ALGORITHMS[config.algorithm].build(loss_fn, **entry_options(config, "algorithm"))
-    # Compression inside privacy: each client compresses, then clips what it sends.
-    spec = COMPRESSORS[config.compression]
-    options = factory_kwargs(spec.options, entry_options(config, "compression"))
-    algorithm = compressed(algorithm, config.compression, **options)
-    if config.privacy is not None:
-        spec = MECHANISMS[config.privacy]
-        options = {k: v for k, v in entry_options(config, "privacy").items()
-                   if spec.options[k].argument != "-"}  # fmt: skip
-        algorithm = spec.wrap(algorithm, **factory_kwargs(spec.options, options))
+    for _, spec in WRAPPERS.items():
+        kind = getattr(config, spec.field)
+        if kind != spec.off:
+            algorithm = spec.wrap(algorithm, kind, entry_options(config, spec.field))
     return algorithm
 
 
@@ -192,10 +186,8 @@ def hparams(config: ConfigFields) -> HParams:
     if spec.declared_hparams is None:  # a plugin that declares none: built to read them
         declared: Any = make_algorithm(config)
     else:
-        mechanism = {} if config.privacy is None else MECHANISMS[config.privacy].hparams
-        compressor = COMPRESSORS[config.compression].hparams
         # The spec stands for the algorithm: resolve_hparams reads its name and hparams.
-        table = {**spec.hparams_for(entry_options(config, "algorithm")), **mechanism, **compressor}
+        table = {**spec.hparams_for(entry_options(config, "algorithm")), **chosen_hparams(config)}
         declared = spec._replace(name=spec.name or config.algorithm, declared_hparams=table)
     given = {k: v for k, v in config.hparams.items() if k in declared.hparams}
     steps = {"client_lr": config.client_lr, "server_lr": config.server_lr}

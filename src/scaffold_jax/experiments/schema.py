@@ -13,7 +13,6 @@ from typing import Any
 
 from scaffold_jax import participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
-from scaffold_jax.compression import COMPRESSORS
 from scaffold_jax.data import natural, sources, synthetic
 from scaffold_jax.data.batching import PLANS
 from scaffold_jax.data.partition import PARTITIONERS
@@ -23,6 +22,7 @@ from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.registry import ConfigError, Registry, RegistryUnion, load_plugins
 from scaffold_jax.types import STEP_SIZES, HParam
 from scaffold_jax.weighting import WEIGHTINGS
+from scaffold_jax.wrappers import WRAPPERS, outermost_first
 
 #: The privacy mechanism a config that sets any ``dp_*`` value without naming one gets.
 DEFAULT_MECHANISM = "gaussian"
@@ -32,11 +32,12 @@ TABLES = ("hparams", "options")
 
 
 def declared_hparams() -> dict[str, HParam]:
-    """Every hyper-parameter beyond the step sizes that a registered algorithm or privacy
-    mechanism declares (the first declaration of a name wins), read at each call: plugins
-    may add some."""
+    """Every hyper-parameter beyond the step sizes that a registered algorithm or a kind of
+    wrapper (privacy mechanism, compressor) declares (the first declaration of a name
+    wins), read at each call: plugins may add some."""
     out: dict[str, HParam] = {}
-    for _, spec in [*ALGORITHMS.items(), *MECHANISMS.items(), *COMPRESSORS.items()]:
+    kinds = [entry for wrapper in outermost_first() for entry in wrapper.kinds.items()]
+    for _, spec in [*ALGORITHMS.items(), *kinds]:
         for name, hparam in spec.hparams.items():
             if name not in STEP_SIZES:
                 out.setdefault(name, hparam)
@@ -51,7 +52,7 @@ DATASETS = RegistryUnion("dataset", sources.DATASETS, natural.NATURAL_DATASETS, 
 OPTION_OWNERS: dict[str, Registry] = {
     "algorithm": ALGORITHMS, "model": MODELS, "partition": PARTITIONERS, "dataset": DATASETS,
     "sampler": sampling.SAMPLERS, "batch_plan": PLANS, "weighting": WEIGHTINGS,
-    "privacy": MECHANISMS, "compression": COMPRESSORS, **participation.KINDS,
+    **{wrapper.field: wrapper.kinds for wrapper in outermost_first()}, **participation.KINDS,
     "execution": EXECUTIONS,
 }  # fmt: skip
 
@@ -108,6 +109,13 @@ def _opt(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def _wrapper_field(name: str):
+    """The config field that chooses the wrapper ``name`` (:data:`~scaffold_jax.wrappers.WRAPPERS`):
+    off by default, its help and kinds the table's."""
+    spec = WRAPPERS[name]
+    return _opt(spec.off, spec.help, "str", spec.kinds)
+
+
 @dataclasses.dataclass
 class ConfigFields:
     """The fields of a :class:`~scaffold_jax.experiments.RunConfig` (its docstring says
@@ -161,16 +169,8 @@ class ConfigFields:
         "which S clients take part in a round (uniform: S of N; poisson: each client with "
         "probability S/N)",
         "str", sampling.SAMPLERS)
-    privacy: str | None = _opt(
-        None,
-        "user-level differential privacy: gaussian (each client's whole message clipped to "
-        "dp_clip, Gaussian noise on the sum; any --dp-* setting chooses it)",
-        "str", MECHANISMS)
-    compression: str = _opt(
-        "none",
-        "compression of the clients' uplink: none, qsgd (compress_bits), topk and signef "
-        "(with error feedback), randk (compress_fraction)",
-        "str", COMPRESSORS)
+    privacy: str | None = _wrapper_field("privacy")
+    compression: str = _wrapper_field("compression")
     availability: str = _opt(
         participation.DEFAULTS["availability"],
         "which clients can be sampled in a round: always, cyclic (G groups in turn, "

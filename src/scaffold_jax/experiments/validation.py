@@ -27,6 +27,7 @@ from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.registry import ConfigError, Registry, did_you_mean, in_one_line
 from scaffold_jax.types import FLOAT32_TINY, STATE_POLICIES, STEP_SIZES, allowed_range
 from scaffold_jax.weighting import WEIGHTINGS
+from scaffold_jax.wrappers import chosen_hparams
 
 MAX_CLIENTS = 2**31 - 1  # client ids are int32
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -195,10 +196,7 @@ def _check_hparams(config: ConfigFields, check: Checker, errors: list[str]) -> N
     """The ``hparams`` table against what the algorithm declares."""
     declared_here = dict(ALGORITHMS[config.algorithm].hparams)
     everywhere = schema.declared_hparams()
-    if config.privacy in MECHANISMS:
-        declared_here.update(MECHANISMS[config.privacy].hparams)
-    if config.compression in COMPRESSORS:
-        declared_here.update(COMPRESSORS[config.compression].hparams)
+    declared_here.update(chosen_hparams(config, strict=False))
     if not check.type("hparams", config.hparams, Mapping, "a table of names and values"):
         return
     for name, value in config.hparams.items():

@@ -13,7 +13,7 @@ options and hyper-parameters like every other registry's; a plugin may add one.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from scaffold_jax.privacy import accounting
 from scaffold_jax.privacy.mechanism import (
@@ -22,7 +22,7 @@ from scaffold_jax.privacy.mechanism import (
     PrivateServerState,
     private,
 )
-from scaffold_jax.registry import Option, Registry
+from scaffold_jax.registry import Option, Registry, factory_kwargs
 from scaffold_jax.types import Algorithm, HParam
 
 
@@ -98,6 +98,16 @@ MECHANISMS.register(
     ),
 )
 
+
+def wrap(algorithm: Algorithm, mechanism: str, options: Mapping[str, Any]) -> Algorithm:
+    """The registered ``mechanism``'s private algorithm with a config's options by their
+    keys, less the run-level settings it resolves itself (``argument="-"``): privacy's
+    ``wrap`` in :data:`scaffold_jax.wrappers.WRAPPERS`."""
+    spec = MECHANISMS[mechanism]
+    passed = {k: v for k, v in options.items() if spec.options[k].argument != "-"}
+    return spec.wrap(algorithm, **factory_kwargs(spec.options, passed))
+
+
 #: The adaptive clip norm's geometric step when ``dp_adaptive_quantile`` turns it on
 #: (Andrew et al.'s η_C).
 ADAPTIVE_CLIP_LR = 0.2
@@ -110,4 +120,5 @@ __all__ = [
     "PrivateServerState",
     "accounting",
     "private",
+    "wrap",
 ]

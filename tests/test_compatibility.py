@@ -25,7 +25,8 @@ def _setting(feature: str, mode: str):
     if feature == "model_statistics":
         problem, data = make_problem(), make_data(sizes=(3, 7, 5, 9, 4, 6))[1]
     else:
-        problem, data = sj.models.logistic_regression((3,), 2), binary_clients([4, 6, 3, 5, 8, 4], 1)
+        problem = sj.models.logistic_regression((3,), 2)
+        data = binary_clients([4, 6, 3, 5, 8, 4], 1)
     algorithm = sj.scaffold(problem.loss_fn)
     hparams = {"client_lr": 0.1}
     models, options = {}, {}

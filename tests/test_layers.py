@@ -16,7 +16,7 @@ PACKAGE = Path(scaffold_jax.__file__).parent
 # Bottom to top. A module may import modules of its own layer or below; within a layer the
 # graph must still be free of circles. A sub-package's modules share its layer.
 LAYERS = [
-    ["types", "tree", "registry", "compilation_cache", "resources", "versions"],
+    ["types", "tree", "registry", "compilation_cache", "resources", "versions", "compatibility"],
     ["local", "messages", "optimizers", "sampling", "weighting", "layout", "data"],
     ["algorithms", "models", "privacy", "participation", "compression"],
     ["wrappers"],

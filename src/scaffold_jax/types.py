@@ -474,7 +474,7 @@ class SimState(NamedTuple):
       messages: the message transforms' per-client states
         (:mod:`scaffold_jax.messages`), a table with a leading ``[N, ...]`` client
         axis like ``clients``; None when no transform keeps any.
-      inflight: FedBuff's in-flight table (:class:`scaffold_jax.engine.buffered.InFlight`,
+      inflight: FedBuff's in-flight table (:class:`scaffold_jax.engine.inflight.InFlight`,
         ``[M, ...]``); None in synchronous rounds.
     """
 

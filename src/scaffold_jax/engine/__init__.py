@@ -32,11 +32,12 @@ The phases take a frozen :class:`~scaffold_jax.engine.context.RoundContext` (wha
 and nothing changes), and an execution mode is a value with a ``step``: the synchronous
 round (:mod:`~scaffold_jax.engine.round`) or FedBuff's buffered server step
 (:mod:`~scaffold_jax.engine.buffered`), which trains its clients and aggregates them with
-the same phases. Many rounds run as one loop (:func:`~scaffold_jax.engine.axes.repeat_rounds`) inside one
-``jit`` whose state argument is donated, so the ``[N, ...]`` client table is updated in
-place. Nothing per client or per step happens in Python. This package and
-:mod:`scaffold_jax.layout` are the only ones that know the client axis; the host loop that
-runs these programs is :mod:`scaffold_jax.loop`.
+the same phases. Many rounds run as one loop
+(:func:`~scaffold_jax.engine.axes.repeat_rounds`) inside one ``jit`` whose state argument
+is donated, so the ``[N, ...]`` client table is updated in place. Nothing per client or
+per step happens in Python. This package and :mod:`scaffold_jax.layout` are the only ones
+that know the client axis; the host loop that runs these programs is
+:mod:`scaffold_jax.loop`.
 """
 
 from scaffold_jax.engine.axes import one_after_another, over_clients, repeat_rounds
@@ -48,6 +49,7 @@ from scaffold_jax.engine.checks import (
     check_count,
     check_rounds_fit,
 )
+from scaffold_jax.engine.context import RoundContext
 from scaffold_jax.engine.evaluation import (
     DEFAULT_EVALUATORS,
     TRAIN_EVAL_EXAMPLES,
@@ -66,7 +68,6 @@ from scaffold_jax.engine.keys import (
     server_key,
     shared_key,
 )
-from scaffold_jax.engine.context import RoundContext
 from scaffold_jax.engine.phases import FULL_DATA, keep_absent
 from scaffold_jax.engine.round import SYNCHRONOUS, Synchronous
 from scaffold_jax.engine.simulation import Simulation

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scaffold_jax.engine.buffered import initial_inflight
+from scaffold_jax.engine.inflight import initial_inflight
 from scaffold_jax.layout import SingleDevice
 from scaffold_jax.participation import Participation
 from scaffold_jax.types import Algorithm, Problem, PyTree, SimState

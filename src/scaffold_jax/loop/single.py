@@ -24,6 +24,7 @@ from scaffold_jax.engine import (
     check_count,
     check_rounds_fit,
     communication,
+    inflight,
 )
 from scaffold_jax.loop.driver import (
     Diverged,
@@ -278,7 +279,7 @@ def run(
     if state is not None:  # looked up by the state's own arrays, before placing them
         totals = carried_totals(state.round, int(state.round))
         if totals is None and simulation.execution is not None:
-            totals = buffered.running_totals(simulation.execution, state)
+            totals = inflight.running_totals(simulation.execution, state)
     if not resume:
         state = simulation.init(data) if state is None else layout.place_state(state)
     key = jr.key(seed)

@@ -58,7 +58,6 @@ def _check_timed_sizes(sim, host: dict[str, list[float]], seeds) -> None:
         )
 
 
-
 @dataclasses.dataclass
 class SweepResult:
     """What :func:`sweep` returns: per-config results in the single-run record format.

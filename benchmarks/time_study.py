@@ -1,6 +1,7 @@
 """The time study's table and figure (docs/results/time.md), from the sweep folders its
 commands write: results/time-{sync, deadline, over, fedbuff20, fedbuff50, fedbuff20-avail,
-fedbuff20-avail-topk} (the folders found; the others are left out).
+fedbuff20-avail-topk, sync-avail, sync-avail-topk} (the folders found; the others are
+left out).
 
 For every setting and algorithm it takes the step size the sweep chose (its ``chosen`` row
 in sweep.csv: the fewest rounds or server steps to the target; within a setting every
@@ -29,6 +30,8 @@ SETTINGS = {
     "over": "synchronous, 1.3x over-selection",
     "fedbuff20": "FedBuff M = 20, B = 10",
     "fedbuff50": "FedBuff M = 50, B = 10",
+    "sync-avail": "synchronous, available 1/3",
+    "sync-avail-topk": "synchronous, available 1/3, top-k 10%",
     "fedbuff20-avail": "FedBuff M = 20, B = 10, available 1/3",
     "fedbuff20-avail-topk": "FedBuff M = 20, B = 10, available 1/3, top-k 10%",
 }

@@ -79,6 +79,14 @@ def refusal(mode: str, features: list[str]) -> str | None:
     return None
 
 
+def summary(mode: str) -> str:
+    """One line for ``--help``: what ``mode`` does not compose with."""
+    refused = [feature for feature in FEATURES if MATRIX[mode][feature] is not None]
+    if not refused:
+        return "composes with every feature"
+    return f"composes with every feature but {' and '.join(refused)}"
+
+
 def table() -> str:
     """The matrix as a Markdown table (the manual's composition page)."""
     lines = ["| feature | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]

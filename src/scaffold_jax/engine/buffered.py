@@ -46,7 +46,7 @@ lost, ``reported`` (``[B]``), ``staleness_mean``/``staleness_max``, ``version``,
 ``dropped``/``late`` (among the started), ``started_steps`` (stragglers) and the clock's
 ``round_duration`` (the seconds since the previous step); records carry
 ``virtual_time``, the steps' durations summed: their state's clock ``InFlight.now`` (up to
-each duration's float32 rounding; :func:`running_totals`).
+each duration's float32 rounding; :func:`scaffold_jax.engine.inflight.running_totals`).
 
 Algorithms with an asynchronous contract (their registry entry says ``asynchronous``;
 :func:`asynchronous_algorithms`): FedAvg, FedProx and SCAFFOLD; others are refused with

@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scaffold_jax import participation, sampling
+from scaffold_jax import compatibility, participation, sampling
 from scaffold_jax.algorithms import ALGORITHMS
 from scaffold_jax.data import natural, sources, synthetic
 from scaffold_jax.data.batching import PLANS
@@ -195,7 +195,8 @@ class ConfigFields:
         "sync",
         "how rounds run: sync (the paper's synchronous rounds) or fedbuff (asynchronous "
         "buffered aggregation, Nguyen et al. 2022: concurrency, buffer_size, staleness; "
-        "a round is a server step; needs profiles)",
+        "a round is a server step; needs profiles; "
+        + compatibility.summary("fedbuff") + ")",
         "str", EXECUTIONS)
     client_fraction: float | None = _opt(
         None, "fraction of clients sampled per round (default 0.2)", "float")

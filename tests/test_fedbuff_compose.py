@@ -459,7 +459,7 @@ def _bn_simulation(policy, profile_file, **names_and_options):
 @pytest.mark.parametrize(
     ("policy", "availability"),
     # Each client's own statistics under an availability model (lost events, free slots);
-    # the server's averaged ones with every upload counted (a lost one: see the xfail below).
+    # the server's averaged ones with every upload counted (a lost one: the test below).
     [("local", "markov"), ("average", "always")],
 )
 def test_fedbuff_with_running_statistics_moves_them_and_resumes_bit_for_bit(
@@ -518,15 +518,6 @@ def test_fedbuff_with_running_statistics_moves_them_and_resumes_bit_for_bit(
     assert whole.records[-1]["test_loss"] == resumed.records[-1]["test_loss"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="engine bug: under state_policy='average' a step that can lose an upload (dropouts, "
-    "availability, a deadline) fails to trace: aggregation.model_statistics calls "
-    "phases.keep_absent(present, stats, rows.stats) with rows.stats None (only the 'clients' "
-    "policy gathers rows): 'pytree structure error: different types at key path'. The "
-    "synchronous round fails the same way (it did before ab7541e too).",
-)
 def test_fedbuff_with_averaged_running_statistics_and_dropouts_runs(profile_file):
     sim, data, problem = _bn_simulation(
         "average", profile_file, dropouts="bernoulli", options={"dropout_rate": 0.5}

@@ -326,3 +326,28 @@ def test_resume_restores_the_statistics(tmp_path):
     assert resumed.resumed_from == 2
     jax.tree.map(np.testing.assert_array_equal, resumed.state.model, whole.state.model)
     assert resumed.records[-1]["test_loss"] == whole.records[-1]["test_loss"]
+
+
+def test_averaged_statistics_with_dropouts_average_the_reporting_clients_only():
+    """Under ``state_policy="average"`` with dropouts, the server's statistics after a round
+    are the mean of the REPORTING clients' (a dropped client's weigh 0), and stay as they
+    were in a round where nobody reported."""
+    _, data = make_data(sizes=(3, 7, 5, 9, 4, 6))
+    problem = make_problem("average")
+    part = sj.participation.make(dropouts="bernoulli", options={"dropout_rate": 0.6})
+    sim = sj.Simulation(sj.fedavg(problem.loss_fn), problem, PLAN, 3, participation=part)
+    hparams, key = sim.resolve_hparams(sj.hparams(client_lr=LR)), jr.key(2)
+    state, seen = sim.init(data), set()
+    for _ in range(12):
+        before = jax.device_get(state.model["server"])
+        state, metrics = sim.round(hparams, state, data, key)
+        after = jax.device_get(state.model["server"])
+        reported = int(np.sum(metrics["reported"]))
+        seen.add(reported)
+        flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
+        assert np.all(np.isfinite(flat(after)))
+        if reported == 0:
+            np.testing.assert_array_equal(flat(after), flat(before))
+        else:
+            assert not np.array_equal(flat(after), flat(before))
+    assert 0 in seen and len(seen) > 1  # both kinds of round happened

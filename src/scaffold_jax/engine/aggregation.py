@@ -43,14 +43,16 @@ def model_statistics(ctx, rnd: Round, outputs: ClientOutput, model, stats):
             "ClientOutput.model_state: pass it to local_update / local_sgd (which "
             "return it advanced) and put that in the output."
         )
-    present = rnd.cohort.present
-    stats_out = ctx.layout.constrain(
-        keep_absent(present, outputs.model_state.value, stats), "replicated"
-    )
+    present, value = rnd.cohort.present, outputs.model_state.value
     if "server" in model:
-        new_model = {"server": weighted_mean(stats_out, outputs.weight)}
+        # A row that does not report weighs 0; with none reporting the statistics stay.
+        mean = weighted_mean(ctx.layout.constrain(value, "replicated"), outputs.weight)
+        if present is not None:
+            mean = optax.tree.where(jnp.any(present), mean, model["server"])
+        new_model = {"server": mean}
     else:
-        new_model = {"clients": stats_out}
+        new_model = {"clients": ctx.layout.constrain(keep_absent(present, value, stats),
+                                                     "replicated")}  # fmt: skip
     return outputs._replace(model_state=None), new_model
 
 
@@ -189,7 +191,9 @@ def scatter(ctx, rnd: Round, rows: Rows, new: tuple) -> SimState:
     ids, present = rnd.draw.ids, rnd.cohort.present
     clients = set_rows(clients, ids, new_rows, present)
     if new_model is not None and "clients" in new_model:
-        new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"])}
+        # Masked rows are not written: a FedBuff step's free slot may hold the id of a
+        # client that reports in the same step.
+        new_model = {"clients": set_rows(model["clients"], ids, new_model["clients"], present)}
     if new_messages is not None:
         messages = set_rows(messages, ids, new_messages, present)
     new_state = SimState(
@@ -203,11 +207,11 @@ def scatter(ctx, rnd: Round, rows: Rows, new: tuple) -> SimState:
     return ctx.layout.constrain(new_state, "state")
 
 
-def server_side(ctx, rnd: Round, hparams, server_in, server_before, rows: Rows, outputs,
-                new_rows, diverged):  # fmt: skip
-    """The rest of the round for one config, from the clients' outputs to the new state
-    and the round's metrics (``rows``: the tables the round updates and their sampled
-    rows, :class:`~scaffold_jax.engine.phases.Rows`)."""
+def server_side(ctx, rnd: Round, hparams, server_in, server_before, rows: Rows, work, diverged):
+    """The rest of the round for one config, from the clients' work ``(new rows, outputs)``
+    to the new state and the round's metrics (``rows``: the tables the round updates and
+    their sampled rows, :class:`~scaffold_jax.engine.phases.Rows`)."""
+    new_rows, outputs = work
     outputs = outputs._replace(weight=rnd.cohort.weights)
     outputs, new_model = model_statistics(ctx, rnd, outputs, rows.model, rows.stats)
     sent, new_messages, released = client_messages(

@@ -177,14 +177,14 @@ def start_clients(ctx, hparams, servers, state: SimState, work, data, start) -> 
     (ids, present, key, run_key), (servers, server_stats) = work, servers
     draw = phases.draw_of(ctx, key, ids, present, state.participation, {})
     cohort = phases.drop_out(ctx, draw, phases.cohort(ctx, data, draw, run_key))
-    model = {} if server_stats is None else {"server": server_stats}
     own = None
     if state.model is not None and "clients" in state.model:
         own = take_rows(state.model["clients"], ids)
     rows_in = take_rows(state.clients, ids)
-    rows = phases.Rows(state.clients, rows_in, rows_in, model, own, own, None, None)
-    new_rows, outputs = phases.local_work(ctx, hparams, servers, rows, draw, cohort, data,
-                                          None, per_client=True)  # fmt: skip
+    rows = phases.Rows(state.clients, rows_in, rows_in, {}, own, own, None, None)
+    from_servers = phases.PerClient(servers, server_stats)
+    new_rows, outputs = phases.local_work(ctx, hparams, from_servers, rows, draw, cohort, data,
+                                          None)  # fmt: skip
     spent = phases.durations(ctx, hparams, data, draw, cohort, run_key)
     deadline = ctx.participation.profiles.deadline
     reported = jnp.ones(ids.shape, bool) if cohort.present is None else cohort.present
@@ -271,7 +271,7 @@ def server_step(ctx, execution: FedBuff, hparams, state: SimState, data, key: ja
     rnd = aggregation.Round(draw, cohort, shared, state.round, execution.weight(staleness))
     rows = phases.gather(ctx, state, arrived, at_once, freeze=False)
     stepped, metrics = aggregation.server_side(
-        ctx, rnd, hparams, state.server, state.server, rows, outputs, new_rows, None
+        ctx, rnd, hparams, state.server, state.server, rows, (new_rows, outputs), None
     )
 
     # 3. B replacements among the available clients not in flight; the first B - 1 from

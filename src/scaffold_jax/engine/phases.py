@@ -50,6 +50,7 @@ from scaffold_jax.engine.keys import (
     constants_key,
     participation_key,
     round_key_and_ids,
+    server_key,
     shared_key,
 )
 from scaffold_jax.local import takes
@@ -220,12 +221,19 @@ def full_data_pass(full_pass, server, rows, ids, weights, data, chunk, aggregati
     return rows, full_pass.server(server, weighted_mean(messages, weights))
 
 
-def pre_round(ctx, hparams, server, rows_in, draw, cohort, aggregation, data, per_config):
+def shared(ctx, draw: Draw) -> dict[str, jax.Array]:
+    """The keywords every config's server functions may take: the round's expected cohort
+    S (``cohort_size``) and the server's key of the round (``key``)."""
+    return {"cohort_size": jnp.float32(ctx.clients_per_round), "key": server_key(draw.round_key)}
+
+
+def pre_round(ctx, hparams, server, rows_in, draw, cohort, data, per_config):
     """The algorithm's pass over each sampled client's whole data before the local work
     (Mime's full-batch gradient at x): new rows and server state; unchanged without one."""
     full_pass = ctx.algorithm.pre_round
     if full_pass is None:
         return rows_in, server
+    aggregation = shared(ctx, draw)
 
     def one_config(hparams, server, rows):
         return full_data_pass(
@@ -289,13 +297,18 @@ def clock(ctx, hparams, data, draw: Draw, cohort: Cohort, key: jax.Array) -> Coh
     return cohort._replace(present=kept, weights=weights, metrics=metrics)
 
 
-def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, data, configs,
-               per_client: bool = False):  # fmt: skip
-    """Every sampled client's ``client_update``: new rows and outputs, ``[S, ...]`` (for a
-    sweep's group ``[S, M, ...]``, the configs inside each client's work).
+class PerClient(NamedTuple):
+    """Server states stacked one per client (FedBuff: each client trains from the model
+    current when it started), with the server's running statistics likewise (None)."""
 
-    ``per_client``: ``server_in`` (and the server's running statistics) are stacked, one
-    per client (FedBuff: each client trains from the model current when it started)."""
+    server: PyTree
+    stats: PyTree = None
+
+
+def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, data, configs):
+    """Every sampled client's ``client_update``: new rows and outputs, ``[S, ...]`` (for a
+    sweep's group ``[S, M, ...]``, the configs inside each client's work). ``server_in``:
+    the server state every client starts from, or a :class:`PerClient` of one each."""
     algorithm, plan = ctx.algorithm, ctx.plan
     per_config = partial(over_configs, configs) if configs else at_once
     common = {}
@@ -328,8 +341,8 @@ def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, 
 
     to_clients = partial(swap_leading, configs)
     server_stats = rows.model.get("server")
-    if per_client:
-        work = (draw.work_ids, draw.keys, rows.rows_in, rows.stats_in, server_in, server_stats)
+    if isinstance(server_in, PerClient):
+        work = (draw.work_ids, draw.keys, rows.rows_in, rows.stats_in, *server_in)
         one = client_work
     else:
         work = (draw.work_ids, draw.keys, to_clients(rows.rows_in), to_clients(rows.stats_in))

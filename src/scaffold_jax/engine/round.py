@@ -15,12 +15,10 @@ import dataclasses
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 
 from scaffold_jax.engine import aggregation, phases
 from scaffold_jax.engine.axes import at_once, over_configs
 from scaffold_jax.engine.context import RoundContext
-from scaffold_jax.engine.keys import server_key
 from scaffold_jax.types import HParams, SimState
 
 
@@ -38,23 +36,20 @@ class Synchronous:
         draw = phases.sample(ctx, state, data, key)
         rows = phases.gather(ctx, state, draw.ids, per_config, freeze=diverged is not None)
         cohort = phases.cohort(ctx, data, draw, key)
-        shared = {
-            "cohort_size": jnp.float32(ctx.clients_per_round),
-            "key": server_key(draw.round_key),
-        }
+        shared = phases.shared(ctx, draw)
         rows_in, server_in = phases.pre_round(
-            ctx, hparams, state.server, rows.rows_in, draw, cohort, shared, data, per_config
+            ctx, hparams, state.server, rows.rows_in, draw, cohort, data, per_config
         )
         # The clock's uplink sizes are one config's: a sweep's configs share the round's
         # cohort, so its configs send the same sizes (the sweep refuses others).
         timed = hparams if not configs else jax.tree.map(lambda a: a[0], hparams)
         cohort = phases.clock(ctx, timed, data, draw, phases.drop_out(ctx, draw, cohort), key)
-        new_rows, outputs = phases.local_work(
+        work = phases.local_work(
             ctx, hparams, server_in, rows._replace(rows_in=rows_in), draw, cohort, data, configs
         )
         rnd = aggregation.Round(draw, cohort, shared, state.round)
         new_state, metrics = per_config(partial(aggregation.server_side, ctx, rnd))(
-            hparams, server_in, state.server, rows, outputs, new_rows, diverged
+            hparams, server_in, state.server, rows, work, diverged
         )
         if configs:
             # The round counter and the participation state stay the group's, shared.

@@ -422,9 +422,13 @@ FEATURES = {
 
 @pytest.mark.parametrize(
     ("feature", "kind"),
-    # Each feature alone with SCAFFOLD (x, c and every c_i checked), all of them at once
-    # with both algorithms (kept to these to keep the file's time short).
-    [*((f, "scaffold") for f in FEATURES if f != "all"), ("all", "fedavg"), ("all", "scaffold")],
+    # Each feature alone with SCAFFOLD (x, c and every c_i checked; the slow tier), all of
+    # them at once with both algorithms (the quick tier).
+    [
+        *(pytest.param(f, "scaffold", marks=pytest.mark.slow) for f in FEATURES if f != "all"),
+        ("all", "fedavg"),
+        ("all", "scaffold"),
+    ],  # fmt: skip
 )
 def test_fedbuff_composed_equals_the_event_driven_reference(
     feature, kind, data, problem, profile_file

@@ -220,7 +220,8 @@ def test_bad_clock_settings_are_refused(data, problem, tmp_path):
 
 @pytest.mark.parametrize(("compressor", "hparams"), [
     ("topk", {"compress_fraction": 0.3}), ("qsgd", {"compress_bits": 2.0}),
-    ("randk", {"compress_fraction": 0.2}), ("signef", {}),
+    pytest.param("randk", {"compress_fraction": 0.2}, marks=pytest.mark.slow),
+    pytest.param("signef", {}, marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_the_clock_times_a_compressed_uplink_at_its_exact_bytes(
     compressor, hparams, data, problem, tmp_path

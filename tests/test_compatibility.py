@@ -62,13 +62,12 @@ def test_every_feature_is_one_the_simulation_reports():
 
 
 def _cells():
-    """Every (feature, mode) cell; the cells that run are in the slow tier but two (the
-    "no" cells are refused before anything compiles, and the command line's quick kill
-    test runs FedBuff with every feature at once)."""
+    """Every (feature, mode) cell; the cells that run are in the slow tier (the "no" cells
+    are refused before anything compiles; the quick tier runs FedBuff with every feature at
+    once in tests/test_fedbuff_compose.py and from the command line)."""
     for feature in compatibility.FEATURES:
         for mode in compatibility.MODES:
-            quick = compatibility.MATRIX[mode][feature] is not None or (feature, mode) in {
-                ("compression", "fedbuff"), ("model_statistics", "fedbuff")}  # fmt: skip
+            quick = compatibility.MATRIX[mode][feature] is not None
             yield pytest.param(feature, mode, marks=() if quick else pytest.mark.slow)
 
 

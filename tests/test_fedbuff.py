@@ -164,7 +164,10 @@ def _check_against_reference(kind, problem, data, profile_file, concurrency, siz
 
 
 @pytest.mark.parametrize("kind", ["fedavg", "scaffold"])
-@pytest.mark.parametrize(("concurrency", "size"), [(4, 2), (3, 1), (3, 3), (6, 4)])
+@pytest.mark.parametrize(
+    ("concurrency", "size"),
+    [(4, 2), (3, 1), pytest.param(3, 3, marks=pytest.mark.slow), (6, 4)],
+)
 def test_fedbuff_equals_the_event_driven_reference(
     kind, concurrency, size, data, problem, profile_file
 ):

@@ -464,7 +464,7 @@ def _bn_simulation(policy, profile_file, **names_and_options):
     ("policy", "availability"),
     # Each client's own statistics under an availability model (lost events, free slots);
     # the server's averaged ones with every upload counted (a lost one: the test below).
-    [("local", "markov"), ("average", "always")],
+    [("local", "markov"), pytest.param("average", "always", marks=pytest.mark.slow)],
 )
 def test_fedbuff_with_running_statistics_moves_them_and_resumes_bit_for_bit(
     policy, availability, profile_file, tmp_path

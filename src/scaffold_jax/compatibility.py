@@ -56,10 +56,8 @@ def features_of(algorithm, participation, problem) -> list[str]:
     """The features a simulation of ``algorithm``, ``participation`` and ``problem`` uses."""
     profiles = participation.profiles
     on = {
-        "availability": participation.availability is not None,
-        "stragglers": participation.stragglers is not None,
-        "dropouts": participation.dropouts is not None,
-        "profiles": profiles is not None,
+        # A participation model is on when it is set (its kind's name is the feature's).
+        **{kind: getattr(participation, kind) is not None for kind in participation._fields},
         "deadline": profiles is not None and profiles.deadline is not None,
         "over_selection": profiles is not None and profiles.over_selection > 1.0,
         "compression": "compression" in algorithm.options,

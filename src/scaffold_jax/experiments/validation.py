@@ -414,8 +414,7 @@ def _check_execution(config: ConfigFields, errors: list[str]) -> None:
             "(--concurrency, --buffer-size)."
         )
     # What FedBuff composes with: the one compatibility matrix (the engine's checks read it).
-    on = [k for k in ("availability", "stragglers", "dropouts")
-          if getattr(config, k) != participation.DEFAULTS[k]]  # fmt: skip
+    on = [k for k in participation.KINDS if getattr(config, k) != participation.DEFAULTS[k]]
     on += ["over_selection"] if float(config.options.get("over_selection", 1.0)) > 1.0 else []
     on += ["privacy"] if config.privacy is not None else []
     why = compatibility.refusal(config.execution, on)

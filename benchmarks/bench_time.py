@@ -38,17 +38,21 @@ VARIANTS = {
     "clock": (_TIMED, None, None),
     "clock_deadline_over": (
         {"profiles": "lognormal", "options": {"round_deadline": 8.0, "over_selection": 1.3}},
-        None, None,
+        None,
+        None,
     ),  # fmt: skip
     "clock_topk": (_TIMED, None, "topk"),
     "fedbuff_M=S_B=S": (_TIMED, (1, 1), None),
     "fedbuff_M=2S_B=S": (_TIMED, (2, 1), None),
     "fedbuff_M=2S_B=S+dropouts": (
-        {**_TIMED, "dropouts": "bernoulli", "options": {"dropout_rate": 0.2}}, (2, 1), None,
+        {**_TIMED, "dropouts": "bernoulli", "options": {"dropout_rate": 0.2}},
+        (2, 1),
+        None,
     ),  # fmt: skip
     "fedbuff_M=2S_B=S+topk": (_TIMED, (2, 1), "topk"),
     "fedbuff_M=2S_B=S+markov": (
-        {**_TIMED, "availability": "markov", "options": {"availability_rate": 0.5}}, (2, 1),
+        {**_TIMED, "availability": "markov", "options": {"availability_rate": 0.5}},
+        (2, 1),
         None,
     ),  # fmt: skip
 }

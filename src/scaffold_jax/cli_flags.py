@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from scaffold_jax import participation
 from scaffold_jax.experiments import ConfigError, RunConfig
 from scaffold_jax.experiments.commands import DATA_OWNERS
 from scaffold_jax.registry import PLUGIN_HINT
@@ -98,9 +99,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "model": (),
     "algorithm": ("weighting",),
     "local work": ("batch_plan",),
-    "sampling, participation and time": (
-        "sampler", "availability", "stragglers", "dropouts", "profiles", "execution",
-    ),
+    "sampling, participation and time": ("sampler", *participation.KINDS, "execution"),
     **_wrapper_groups(),
     "evaluation": (
         "eval_every", "train_eval_examples", "targets", "target", "gd_steps", "num_iters",
@@ -119,8 +118,7 @@ _OWNER_GROUPS: dict[str, str] = {
     "algorithm": "algorithm", "weighting": "algorithm", "model": "model",
     "partition": "data", "dataset": "data", "batch_plan": "local work",
     **dict.fromkeys(
-        ("sampler", "availability", "stragglers", "dropouts", "profiles", "execution"),
-        "sampling, participation and time",
+        ("sampler", *participation.KINDS, "execution"), "sampling, participation and time"
     ),
     **{spec.field: spec.group for spec in outermost_first()},
 }  # fmt: skip

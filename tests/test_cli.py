@@ -536,6 +536,7 @@ def test_diagnose_refuses_counts_that_would_run_for_hours(flag, value, says, tmp
 
 
 # ----------------------------------------------------------------------------- resume
+@pytest.mark.slow  # 15 s; the quick tier's kill points are tests/test_cli_resume.py's
 def test_a_killed_protocol_resumes_keeping_its_finished_cells(tmp_path):
     """fig3 (small): killed after two finished cells, --resume keeps them and runs the
     rest; records (each once), cells and table equal an uninterrupted run's."""

@@ -423,10 +423,10 @@ FEATURES = {
 @pytest.mark.parametrize(
     ("feature", "kind"),
     # Each feature alone with SCAFFOLD (x, c and every c_i checked; the slow tier), all of
-    # them at once with both algorithms (the quick tier).
+    # them at once with both algorithms (SCAFFOLD's in the quick tier).
     [
         *(pytest.param(f, "scaffold", marks=pytest.mark.slow) for f in FEATURES if f != "all"),
-        ("all", "fedavg"),
+        pytest.param("all", "fedavg", marks=pytest.mark.slow),
         ("all", "scaffold"),
     ],  # fmt: skip
 )
@@ -464,7 +464,11 @@ def _bn_simulation(policy, profile_file, **names_and_options):
     ("policy", "availability"),
     # Each client's own statistics under an availability model (lost events, free slots);
     # the server's averaged ones with every upload counted (a lost one: the test below).
-    [("local", "markov"), pytest.param("average", "always", marks=pytest.mark.slow)],
+    # (The slow tier; the quick tier's statistics under masked rows are test_model_state's.)
+    [
+        pytest.param(*case, marks=pytest.mark.slow)
+        for case in (("local", "markov"), ("average", "always"))
+    ],
 )
 def test_fedbuff_with_running_statistics_moves_them_and_resumes_bit_for_bit(
     policy, availability, profile_file, tmp_path

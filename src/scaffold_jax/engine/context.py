@@ -18,6 +18,16 @@ from scaffold_jax.participation import Participation
 from scaffold_jax.types import Algorithm, HParams, Problem
 
 
+def weights_of(weigh, data, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The aggregation weights of clients ``ids`` and the total weight of all N under the
+    weighting ``weigh`` (None: equal weights, no ``[N]`` vector made): ``(1, N)`` uniform,
+    ``(n_i, Σ n_j)`` with ``weighting="num_examples"``."""
+    if weigh is None:
+        return jnp.ones(ids.shape, jnp.float32), jnp.asarray(data.num_clients, jnp.float32)
+    weights = weigh(data.counts.astype(jnp.float32))
+    return weights[ids], jnp.sum(weights)
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundContext:
     """The round's fixed facts.
@@ -54,12 +64,8 @@ class RoundContext:
         return self.problem.model_state is not None
 
     def weights(self, data, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The aggregation weights of clients ``ids`` and the total weight of all N:
-        ``(1, N)`` uniform, ``(n_i, Σ n_j)`` with ``weighting="num_examples"``."""
-        if self.weigh is None:
-            return jnp.ones(ids.shape, jnp.float32), jnp.asarray(data.num_clients, jnp.float32)
-        weights = self.weigh(data.counts.astype(jnp.float32))
-        return weights[ids], jnp.sum(weights)
+        """See :func:`weights_of`."""
+        return weights_of(self.weigh, data, ids)
 
     def up_bytes(self, hparams: HParams) -> jax.Array | int:
         """The bytes a reporting client sends with one config's ``hparams`` (traced): a

@@ -16,7 +16,7 @@ from scaffold_jax.engine import communication, evaluation
 from scaffold_jax.engine.axes import repeat_rounds
 from scaffold_jax.engine.buffered import FedBuff
 from scaffold_jax.engine.checks import check_count, check_simulation
-from scaffold_jax.engine.context import RoundContext
+from scaffold_jax.engine.context import RoundContext, weights_of
 from scaffold_jax.engine.evaluation import DEFAULT_EVALUATORS, TRAIN_EVAL_EXAMPLES
 from scaffold_jax.engine.phases import full_data_pass
 from scaffold_jax.engine.round import SYNCHRONOUS
@@ -225,10 +225,7 @@ class Simulation:
     def weights(self, data, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The aggregation weights of clients ``ids`` and the total weight of all N:
         ``(1, N)`` uniform, ``(n_i, Σ n_j)`` with ``weighting="num_examples"``."""
-        if self.equal_weights:  # no [N] vector: a million procedural clients
-            return jnp.ones(ids.shape, jnp.float32), jnp.asarray(data.num_clients, jnp.float32)
-        weights = self.client_weights(data)
-        return weights[ids], jnp.sum(weights)
+        return weights_of(None if self.equal_weights else self._weigh, data, ids)
 
     def warm_start_fn(self, state: SimState, data) -> SimState:
         """The state after the algorithm's ``warm_start`` pass over ALL N clients (the

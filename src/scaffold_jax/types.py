@@ -381,7 +381,11 @@ class Algorithm(NamedTuple):
         ``model_state`` parameter cannot train such a model (the simulation says so). One
         with a ``round_key`` parameter also gets ``round_key=``, a key that every client
         of the round shares (Scaffnew's coin), independent of ``key``, of the client
-        sampling and of every other round's.
+        sampling and of every other round's. One with a ``draw`` parameter also gets ``draw=``,
+        ``draw(stream) -> (batches, mask)``: more batches of the client's data as the
+        run's plan draws them (same shapes, a straggler's steps cut alike), from a key of
+        their own for each int ``stream`` (Ditto's personal steps, Per-FedAvg's second
+        batch), independent of ``batches`` and of every other stream.
       server_update: ``server_update(hparams, server_state, outputs, total_weight) ->
         server_state`` (or a :class:`ServerOutput` of it and round metrics) where
         ``outputs`` carry a leading ``[S]`` axis and ``total_weight`` is the sum of the
@@ -437,6 +441,13 @@ class Algorithm(NamedTuple):
         SCAFFOLD's ``{"delta_control": params}``; the round checks the messages made
         against it. None: no message (``{}``). With ``delta_params`` (and a ``pre_round``
         pass's message) it is what the accounting counts and compression compresses.
+      personal: a personalized algorithm's model for ONE client, ``personal(hparams,
+        server_state, client_state, adapt) -> params`` (Ditto's v_i, APFL's
+        α_i v_i + (1 − α_i) x), evaluated on the client's own test data
+        (:mod:`scaffold_jax.engine.personal`); ``adapt(params, steps, lr) -> params`` takes
+        ``steps`` (a Python int) plain SGD steps on the client's training data, batches as
+        the run's plan, from the evaluation's key (Per-FedAvg's one adaptation step).
+        None: the algorithm trains one global model, and a client's model is x.
     """
 
     name: str
@@ -455,6 +466,24 @@ class Algorithm(NamedTuple):
     messages: Any = None
     downlink: Callable[[PyTree], PyTree] | None = None
     uplink: Callable[[PyTree], Mapping[str, PyTree]] | None = None
+    personal: Callable[..., PyTree] | None = None
+
+
+class PersonalState(NamedTuple):
+    """A personalized algorithm's client state: what follows the participation contract
+    and what stays on the client.
+
+    Attributes:
+      shared: the state that follows the participation contract (SCAFFOLD's c_i under
+        Ditto): written back only for a client that reports; a client that trains and
+        then drops keeps its old one.
+      own: the client's personal state (Ditto's v_i, APFL's v_i and α_i), which never
+        leaves it: written back for every client that trained, one whose upload is then
+        lost included.
+    """
+
+    shared: PyTree
+    own: PyTree
 
 
 class SimState(NamedTuple):

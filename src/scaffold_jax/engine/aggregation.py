@@ -16,7 +16,7 @@ from scaffold_jax.engine.phases import Cohort, Draw, Rows, keep_absent
 from scaffold_jax.local import takes
 from scaffold_jax.messages import MessageContext
 from scaffold_jax.tree import all_finite, masked_mean, set_rows, sq_norm, weighted_mean
-from scaffold_jax.types import ClientOutput, ModelState, ServerOutput, SimState
+from scaffold_jax.types import ClientOutput, ModelState, PersonalState, ServerOutput, SimState
 
 
 class Round(NamedTuple):
@@ -189,7 +189,13 @@ def scatter(ctx, rnd: Round, rows: Rows, new: tuple) -> SimState:
     clients, model, messages = rows.clients, rows.model, rows.table
     server, new_rows, new_model, new_messages = new
     ids, present = rnd.draw.ids, rnd.cohort.present
-    clients = set_rows(clients, ids, new_rows, present)
+    if isinstance(new_rows, PersonalState):  # personal state stays with who trained
+        clients = PersonalState(
+            set_rows(clients.shared, ids, new_rows.shared, present),
+            set_rows(clients.own, ids, new_rows.own, rnd.cohort.trained),
+        )
+    else:
+        clients = set_rows(clients, ids, new_rows, present)
     if new_model is not None and "clients" in new_model:
         # Masked rows are not written: a FedBuff step's free slot may hold the id of a
         # client that reports in the same step.

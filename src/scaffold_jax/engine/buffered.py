@@ -266,7 +266,7 @@ def server_step(ctx, execution: FedBuff, hparams, state: SimState, data, key: ja
         weights = jnp.where(present, weights, 0.0)
     draw = Draw(step_key, arrived, arrived, client_keys(step_key, arrived), None, part_state,
                 {})  # fmt: skip
-    cohort = Cohort(present, weights, total_weight, None, dict(part_metrics))
+    cohort = Cohort(present, weights, total_weight, None, dict(part_metrics), present)
     shared = {"cohort_size": jnp.float32(size), "key": server_key(step_key)}
     rnd = aggregation.Round(draw, cohort, shared, state.round, execution.weight(staleness))
     rows = phases.gather(ctx, state, arrived, at_once, freeze=False)

@@ -27,6 +27,18 @@ def shared_key(round_key: jax.Array) -> jax.Array:
     return jr.fold_in(round_key, 2)
 
 
+#: Where :func:`extra_batches_key`'s streams start: far above any step index the local
+#: steps fold into a client's key (a dropout loss's ``fold_in(key, k)``, k < K).
+_EXTRA_BATCHES = 1 << 30
+
+
+def extra_batches_key(client_key: jax.Array, stream: int) -> jax.Array:
+    """The key of a client's extra batches of stream ``stream`` in a round
+    (``client_update``'s ``draw``): independent of the batches its key draws and of the
+    per-step keys folded into it."""
+    return jr.fold_in(client_key, _EXTRA_BATCHES + stream)
+
+
 def round_key_and_ids(
     key, round_index, num_clients, clients_per_round, sampler=uniform, available=None
 ):
@@ -62,6 +74,7 @@ def participation_key(round_key: jax.Array, stream: int) -> jax.Array:
 __all__ = [
     "client_keys",
     "constants_key",
+    "extra_batches_key",
     "participation_key",
     "round_key_and_ids",
     "server_key",

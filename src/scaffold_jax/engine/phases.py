@@ -48,6 +48,7 @@ from scaffold_jax.engine.keys import (
     STRAGGLER_STREAM,
     client_keys,
     constants_key,
+    extra_batches_key,
     participation_key,
     round_key_and_ids,
     server_key,
@@ -95,13 +96,17 @@ class Rows(NamedTuple):
 
 class Cohort(NamedTuple):
     """Who reports and with what weight: ``present`` (None: all), ``weights`` ``[S]``,
-    ``total_weight`` (of all N), ``planned`` local steps (None where not needed)."""
+    ``total_weight`` (of all N), ``planned`` local steps (None where not needed), and
+    ``trained``, the rows that do their local work (the sampled ones, None: all), which
+    keep their personal state (:class:`~scaffold_jax.types.PersonalState`) when their
+    upload is then lost."""
 
     present: jax.Array | None
     weights: jax.Array
     total_weight: jax.Array
     planned: jax.Array | None
     metrics: dict[str, jax.Array]
+    trained: jax.Array | None = None
 
 
 def keep_absent(present: jax.Array | None, new: PyTree, old: PyTree) -> PyTree:
@@ -196,7 +201,7 @@ def cohort(ctx, data, draw: Draw, key: jax.Array) -> Cohort:
     weights, total_weight = ctx.weights(data, draw.ids)
     if draw.sampled is not None:
         weights = jnp.where(draw.sampled, weights, 0.0)
-    return Cohort(draw.sampled, weights, total_weight, planned, dict(draw.metrics))
+    return Cohort(draw.sampled, weights, total_weight, planned, dict(draw.metrics), draw.sampled)
 
 
 def full_data_pass(full_pass, server, rows, ids, weights, data, chunk, aggregation=None):
@@ -318,14 +323,20 @@ def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, 
     def client_work(client_id, client_key, row, stats, server, server_stats, steps=None):
         # Batches are drawn inside each client's work so that a chunk gathers only its own
         # clients' examples (the working set stays chunk-sized).
-        batches, mask = data.client_batches(client_id, client_key, plan)
-        if steps is not None:  # a straggler: the steps after its K_i are empty
-            done = jnp.arange(mask.shape[0]) < steps
-            done = done.reshape(done.shape + (1,) * (mask.ndim - 1))
-            mask = jnp.where(done, mask, jnp.zeros_like(mask))
+        def batches_of(key):
+            batches, mask = data.client_batches(client_id, key, plan)
+            if steps is not None:  # a straggler: the steps after its K_i are empty
+                done = jnp.arange(mask.shape[0]) < steps
+                done = done.reshape(done.shape + (1,) * (mask.ndim - 1))
+                mask = jnp.where(done, mask, jnp.zeros_like(mask))
+            return batches, mask
+
+        batches, mask = batches_of(client_key)
 
         def update(hparams, server_in, row, stats, server_stats):
             extra = dict(common)
+            if takes(algorithm.client_update, "draw"):
+                extra["draw"] = lambda stream: batches_of(extra_batches_key(client_key, stream))
             if ctx.stateful_model:
                 stats = server_stats if stats is None else stats
                 extra["model_state"] = ModelState(stats, ctx.problem.update_state)
@@ -357,6 +368,8 @@ def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, 
     # sorting by steps keeps the padded steps few (benchmarks/README.md, W6). Clients run
     # one at a time, or all in one vmap, gain nothing from it.
     chunk, present = ctx.chunk, cohort.present
+    if ctx.algorithm.personal is not None:  # a dropped client's work changes its own state
+        present = cohort.trained
     if chunk is not None and chunk >= draw.ids.shape[0]:
         chunk = None
     sort = chunk is not None and chunk > 1 and cohort.planned is not None

@@ -218,7 +218,7 @@ def test_evaluation_uses_the_running_statistics_in_inference_mode(policy):
 
     per_client = [accuracy(stats_of(i), c["x"], c["y"]).mean() for i, c in enumerate(clients)]
     record = result.records[-1]
-    np.testing.assert_allclose(record["client_accuracy_mean"], np.mean(per_client), atol=1e-6)
+    np.testing.assert_allclose(record["local_accuracy_mean"], np.mean(per_client), atol=1e-6)
     held = stats_of(0) if policy == "average" else jax.tree.map(
         lambda a: jnp.mean(a, 0), state.model["clients"]
     )  # fmt: skip
@@ -269,7 +269,7 @@ def test_batchnorm_and_dropout_models_train(algorithm, policy):
     result = sim.run(data, hp, num_rounds=20, eval_every=20)
     first, last = result.records[0], result.records[-1]
     assert last["train_loss"] < 0.7 * first["train_loss"]
-    assert last["client_accuracy_mean"] > 0.75
+    assert last["local_accuracy_mean"] > 0.75
 
 
 def test_an_algorithm_without_a_model_state_parameter_is_refused_naming_the_fix():

@@ -206,7 +206,7 @@ def test_a_batchnorm_resnet_keeps_each_clients_statistics_from_the_command_line(
     assert main(argv) == 0
     records = results.read_records(out)
     assert [r["round"] for r in records] == [0, 1, 2]
-    assert all(np.isfinite(r["client_accuracy_mean"]) for r in records)
+    assert all(np.isfinite(r["local_accuracy_mean"]) for r in records)
     saved = json.loads((out / "config.json").read_text())
     assert (saved["options"]["resnet_norm"], saved["options"]["state_policy"]) == (
         "batch", "local"

@@ -104,6 +104,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "evaluation": (
         "eval_every", "train_eval_examples", "targets", "target", "gd_steps", "num_iters",
     ),
+    "personalization": ("finetune_steps", "finetune_lr", "personal_eval_clients"),
     "output and resuming": (
         "overwrite", "quiet", "resume", "accept_new_versions", "checkpoint_every",
         "checkpoint_minutes", "keep_checkpoints", "no_checkpoint", "tensorboard",

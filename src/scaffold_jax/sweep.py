@@ -240,6 +240,7 @@ class Sweep:
             self.run_rounds_fn, static_argnames=("num_rounds",), donate_argnums=(1,)
         )
         self.evaluate = jax.jit(self.evaluate_fn)
+        self.evaluate_clients = jax.jit(self.evaluate_clients_fn)
 
     @classmethod
     def of(cls, simulation: Simulation) -> Sweep:
@@ -334,6 +335,26 @@ class Sweep:
 
         over = engine.one_after_another if sim.configs_one_at_a_time(data) else jax.vmap
         return over(over(one))(server, model)
+
+    def evaluate_clients_fn(self, hparams: HParams, state: SimState, data, keys: jax.Array):
+        """Every config's evaluation of each client on its own test data
+        (:meth:`Simulation.evaluate_clients_fn
+        <scaffold_jax.engine.Simulation.evaluate_clients_fn>`), metrics ``[G, M]`` and
+        per-client arrays ``[G, M, E]``; ``state`` as the carry's (``round`` ``[G]``),
+        ``keys`` the seeds' ``[G]``."""
+        sim = self.simulation
+        over = engine.one_after_another if sim.configs_one_at_a_time(data) else jax.vmap
+
+        def one_seed(hp, state, key):
+            configs = jax.tree.leaves(hp)[0].shape[0]
+            # What the evaluation reads, every leaf per config (the round is the seed's).
+            state = SimState(
+                state.server, state.clients, jnp.broadcast_to(state.round, (configs,)),
+                state.model,
+            )  # fmt: skip
+            return over(lambda hp, state: sim.evaluate_clients_fn(hp, state, data, key))(hp, state)
+
+        return jax.vmap(one_seed)(hparams, state, keys)
 
     # -------------------------------------------------------------- what the host calls
     def init(self, data, num_seeds: int, group_size: int) -> SweepCarry:

@@ -39,6 +39,9 @@ class AlgorithmSpec(NamedTuple):
         function of the factory's keyword options (FedDyn's server optimizer adds
         ``server_lr``). None (a plugin that declares none): read from an instance built
         with the default options and a loss that is never called.
+      personalized: whether it trains a model per client
+        (:attr:`~scaffold_jax.types.Algorithm.personal`): its runs need every client's
+        own test data, where the personal models are evaluated.
       asynchronous: whether its asynchronous contract is written (the manual's page “The
         network model”: what a stale update does to its server state), so that FedBuff
         (:mod:`scaffold_jax.engine.buffered`) may run it.
@@ -52,6 +55,7 @@ class AlgorithmSpec(NamedTuple):
     name: str = ""
     declared_hparams: Mapping[str, HParam] | Callable[..., Mapping[str, HParam]] | None = None
     asynchronous: bool = False
+    personalized: bool = False
 
     @property
     def hparams(self) -> Mapping[str, HParam]:
@@ -117,6 +121,7 @@ def register(
     refuses: Mapping[str, str] | None = None,
     hparams: Mapping[str, HParam] | Callable[..., Mapping[str, HParam]] | None = None,
     asynchronous: bool = False,
+    personalized: bool = False,
 ) -> AlgorithmSpec:
     """Registers an algorithm factory under ``name`` (see :class:`AlgorithmSpec`).
 
@@ -135,6 +140,7 @@ def register(
         name,
         hparams if hparams is None or callable(hparams) else dict(hparams),
         asynchronous,
+        personalized,
     )
     return ALGORITHMS.register(name, spec, replace=replace)
 

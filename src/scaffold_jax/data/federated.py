@@ -42,8 +42,10 @@ class FederatedData:
       client_test: each client's own test examples (a natural dataset's test split, or a
         held-out fraction of its data), flat and client by client like ``examples``, or
         None; :func:`with_client_tests` attaches them. They feed the per-client metrics
-        (:func:`scaffold_jax.engine.client_metrics`).
+        (:func:`scaffold_jax.engine.client_evaluation`).
       client_test_counts: ``[N]`` int32, test examples per client (0 allowed), or None.
+      max_test_count: max_i client_test_counts[i] (static; the padded width of the
+        personalized evaluation), 0 without client test data.
       num_clients: N (static).
       max_count: max_i counts[i] (static; the padded width of full-batch plans).
     """
@@ -56,6 +58,7 @@ class FederatedData:
     max_count: int = flax.struct.field(pytree_node=False)
     client_test: Examples | None = None
     client_test_counts: jax.Array | None = None
+    max_test_count: int = flax.struct.field(pytree_node=False, default=0)
 
     def client_batches(
         self, client_id: jax.Array, key: jax.Array, plan: BatchPlan
@@ -182,6 +185,7 @@ def with_client_tests(data: FederatedData, tests: Sequence[Examples]) -> Federat
     return data.replace(
         client_test=jax.tree.map(jnp.asarray, examples),
         client_test_counts=jnp.asarray(counts, jnp.int32),
+        max_test_count=int(counts.max()),
     )
 
 

@@ -53,7 +53,6 @@ from scaffold_jax.engine.context import RoundContext
 from scaffold_jax.engine.evaluation import (
     DEFAULT_EVALUATORS,
     TRAIN_EVAL_EXAMPLES,
-    client_metrics,
     heldout_metrics,
     train_objective,
 )
@@ -68,6 +67,7 @@ from scaffold_jax.engine.keys import (
     server_key,
     shared_key,
 )
+from scaffold_jax.engine.personal import Personalization, client_evaluation
 from scaffold_jax.engine.phases import FULL_DATA, keep_absent
 from scaffold_jax.engine.round import SYNCHRONOUS, Synchronous
 from scaffold_jax.engine.simulation import Simulation
@@ -95,7 +95,8 @@ __all__ = [
     "check_count",
     "check_rounds_fit",
     "client_keys",
-    "client_metrics",
+    "client_evaluation",
+    "Personalization",
     "constants_key",
     "heldout_metrics",
     "init_state",

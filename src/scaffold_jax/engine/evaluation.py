@@ -74,40 +74,8 @@ def train_objective(sim, params: PyTree, data, model=None) -> dict[str, jax.Arra
     return {"train_loss": (n / m) * jnp.sum(weight * losses)}
 
 
-def client_metrics(sim, params: PyTree, data, model=None) -> dict[str, jax.Array]:
-    """Per-client accuracy of ``params`` on each client's own test examples
-    (``data.client_test``; nothing when the data has none): over the clients with at least
-    one test example, the mean (each client counts once), the example-weighted mean, the
-    standard deviation, and ``client_accuracy_worst10``, the mean of the worst 10% of
-    clients (⌈0.1 · clients⌉ of them). One pass over the client test examples, chunked
-    like every evaluation, plus a segment sum. Under the ``"local"`` statistics policy
-    each client is evaluated with its own statistics (FedBN's evaluation)."""
-    tests = getattr(data, "client_test", None)
-    if tests is None or sim.problem.accuracy_fn is None:
-        return {}
-    counts = data.client_test_counts
-    n, num_clients = jax.tree.leaves(tests)[0].shape[0], counts.shape[0]
-    owner = jnp.repeat(jnp.arange(num_clients), counts, total_repeat_length=n)
-    correct = sim.per_example(sim.problem.accuracy_fn, params, tests, model, owner)
-    hits = jax.ops.segment_sum(correct, owner, num_segments=num_clients)
-    has = counts > 0
-    num = jnp.sum(has).astype(jnp.float32)
-    accuracy = jnp.where(has, hits / jnp.maximum(counts, 1).astype(jnp.float32), 0.0)
-    mean = jnp.sum(accuracy) / num
-    spread = jnp.sqrt(jnp.sum(jnp.where(has, jnp.square(accuracy - mean), 0.0)) / num)
-    worst = jnp.sort(jnp.where(has, accuracy, jnp.inf))
-    k = jnp.maximum(1.0, jnp.ceil(0.1 * num))
-    in_worst = jnp.arange(num_clients, dtype=jnp.float32) < k
-    return {
-        "client_accuracy_mean": mean,
-        "client_accuracy_weighted": jnp.sum(hits) / jnp.sum(counts).astype(jnp.float32),
-        "client_accuracy_std": spread,
-        "client_accuracy_worst10": jnp.sum(jnp.where(in_worst, worst, 0.0)) / k,
-    }
-
-
 #: What :meth:`Simulation.evaluate_fn` computes unless told otherwise.
-DEFAULT_EVALUATORS = (heldout_metrics, train_objective, client_metrics)
+DEFAULT_EVALUATORS = (heldout_metrics, train_objective)
 
 
 def per_example(

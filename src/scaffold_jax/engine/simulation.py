@@ -12,12 +12,13 @@ import numpy as np
 
 from scaffold_jax import resources
 from scaffold_jax.data.batching import BatchPlan
-from scaffold_jax.engine import communication, evaluation
+from scaffold_jax.engine import communication, evaluation, personal
 from scaffold_jax.engine.axes import repeat_rounds
 from scaffold_jax.engine.buffered import FedBuff
 from scaffold_jax.engine.checks import check_count, check_simulation
 from scaffold_jax.engine.context import RoundContext, weights_of
 from scaffold_jax.engine.evaluation import DEFAULT_EVALUATORS, TRAIN_EVAL_EXAMPLES
+from scaffold_jax.engine.personal import Personalization
 from scaffold_jax.engine.phases import full_data_pass
 from scaffold_jax.engine.round import SYNCHRONOUS
 from scaffold_jax.engine.state import init_program, initial_state
@@ -72,6 +73,10 @@ class Simulation:
         default: every client always available, finishing its steps, never dropping),
         and their device profiles for a virtual clock
         (:mod:`scaffold_jax.participation.clock`).
+      personalization: how each client's own model is evaluated on its own test data
+        (:class:`~scaffold_jax.engine.personal.Personalization`: fine-tuning steps, the
+        evaluated clients); None: the algorithm's personal models as they are, every
+        client.
       execution: None (synchronous rounds) or :class:`~scaffold_jax.engine.buffered.FedBuff`
         (asynchronous buffered aggregation: a "round" is a server step; it needs device
         profiles for the clients' durations).
@@ -106,6 +111,7 @@ class Simulation:
         sampler: Sampler | None = None,
         participation: Participation | None = None,
         execution: FedBuff | None = None,
+        personalization: Personalization | None = None,
     ):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}.")
@@ -158,13 +164,15 @@ class Simulation:
             self.run_rounds_fn, static_argnames=("num_rounds",), donate_argnums=(1,)
         )
         self.evaluate = jax.jit(self.evaluate_fn)
+        self.personalization = personalization
+        self.evaluate_clients = jax.jit(self.evaluate_clients_fn)
 
     def replace(self, **changes: Any) -> Simulation:
         """A new simulation with some constructor arguments changed (e.g. ``layout=``)."""
         names = (
             "algorithm", "problem", "plan", "clients_per_round", "weighting",
             "weighting_options", "eval_batch_size", "client_chunk", "layout", "evaluators",
-            "train_eval_examples", "sampler", "participation", "execution",
+            "train_eval_examples", "sampler", "participation", "execution", "personalization",
         )  # fmt: skip
         return type(self)(**{name: changes.get(name, getattr(self, name)) for name in names})
 
@@ -342,6 +350,19 @@ class Simulation:
             extra = {"model": model} if takes(evaluator, "model") else {}
             out.update(evaluator(self, params, data, **extra))
         return out
+
+    def evaluates_clients(self, data) -> bool:
+        """Whether runs evaluate every client on its own test data
+        (:meth:`evaluate_clients_fn`): the data has some and the problem an accuracy."""
+        return getattr(data, "client_test", None) is not None and (
+            self.problem.accuracy_fn is not None
+        )
+
+    def evaluate_clients_fn(self, hparams: HParams, state: SimState, data, key: jax.Array):
+        """Each evaluated client's own model p_i and x on its own test data, in one pass:
+        ``(metrics, per_client)`` (:func:`scaffold_jax.engine.personal.client_evaluation`;
+        ``key`` is the run's)."""
+        return personal.client_evaluation(self, hparams, state, data, key)
 
     def per_example(
         self,

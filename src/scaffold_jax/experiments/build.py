@@ -16,6 +16,7 @@ from scaffold_jax.data import assembly, natural, sources
 from scaffold_jax.data.batching import BatchPlan
 from scaffold_jax.data.federated import FederatedData
 from scaffold_jax.engine.buffered import make_execution
+from scaffold_jax.engine.personal import Personalization
 from scaffold_jax.experiments.config import RunConfig
 from scaffold_jax.experiments.resolve import make_algorithm
 from scaffold_jax.loop import Simulation
@@ -142,7 +143,8 @@ def build(
            config.weighting, config.train_eval_examples, config.sampler,
            *(getattr(config, field) for field in wrappers),
            config.availability, config.stragglers, config.dropouts, config.profiles,
-           config.execution,
+           config.execution, config.finetune_steps, config.finetune_lr,
+           config.personal_eval_clients,
            *(_text(resolved.of(kind)) for kind in kinds), problem.loss_fn, problem.accuracy_fn,
            problem.update_state, problem.num_classes, problem.state_policy,
            tree_digest((problem.params, problem.model_state)))  # fmt: skip
@@ -164,6 +166,9 @@ def build(
                 profiles=config.profiles,
             ),
             execution=make_execution(config.execution, resolved.of("execution")),
+            personalization=Personalization(
+                config.finetune_steps, config.finetune_lr, config.personal_eval_clients
+            ),
         )
     simulation = reuse[key]
     algorithm, problem = simulation.algorithm, simulation.problem

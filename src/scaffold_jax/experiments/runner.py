@@ -507,6 +507,8 @@ class _Runner:
         result.eval_seconds = run.eval_seconds
         result.checkpoint_seconds = run.checkpoint_seconds
         result.resumed_from = run.resumed_from
+        if run.clients is not None:
+            self.writer.write_clients(result.series[0], run.clients)
 
     def _sweep(self, cell, built, result, write, directory, hp, seeds) -> None:
         config = cell.config

@@ -207,6 +207,16 @@ class ConfigFields:
         "str", PLANS)
     rounds: int = _opt(100, "communication rounds", "int")
     eval_every: int = _opt(5, "evaluate every this many rounds", "int")
+    finetune_steps: int = _opt(
+        0,
+        "evaluate every client's model after this many plain SGD steps on its own training "
+        "data (fine-tuning evaluation; never stored; needs client test data)", "int")
+    finetune_lr: float | None = _opt(
+        None, "the fine-tuning steps' step size (default: client_lr)", "float")
+    personal_eval_clients: int | None = _opt(
+        None,
+        "evaluate this many clients on their own test data, a fixed sample drawn once from "
+        "the seed (default: all)", "int")
     train_eval_examples: int = _opt(
         4096,
         "training examples train_loss is evaluated on: a fixed uniform subsample, an "

@@ -122,6 +122,7 @@ def validate(config: ConfigFields) -> Any:
         what=f"an integer >= 1 and <= {MAX_ROUNDS}{ROUNDS_WHY}",
     )  # fmt: skip
     check.integer("eval_every", config.eval_every, low=1)
+    _check_personal_evaluation(config, check, errors, data_kind)
     check.integer("keep_checkpoints", config.keep_checkpoints, low=1)
     check.integer("train_eval_examples", config.train_eval_examples, low=0)
     if check.type("targets", config.targets, (list, tuple), "a list of accuracies"):
@@ -166,6 +167,29 @@ def _check_synthetic(config: ConfigFields, errors: list[str]) -> None:
         )
 
 
+def _check_personal_evaluation(config, check, errors, data_kind) -> None:
+    """The personalized evaluation's options; a personalized algorithm or fine-tuning
+    needs every client's own test data (a natural dataset's, or client_holdout)."""
+    check.integer("finetune_steps", config.finetune_steps, low=0)
+    check.number("finetune_lr", config.finetune_lr, low=0.0, strict=True, optional=True,
+                 float32=True)  # fmt: skip
+    check.integer("personal_eval_clients", config.personal_eval_clients, low=1, optional=True)
+    wants = [
+        f"{name} = {getattr(config, name)!r}"
+        for name in ("finetune_steps", "finetune_lr", "personal_eval_clients")
+        if getattr(config, name) not in (None, 0)
+    ]
+    known = isinstance(config.algorithm, str) and config.algorithm in ALGORITHMS
+    if known and ALGORITHMS[config.algorithm].personalized:
+        wants.append(f"algorithm = {config.algorithm!r} (a model per client)")
+    if wants and data_kind != "natural" and config.client_holdout is None:
+        errors.append(
+            f"{', '.join(wants)} evaluates every client's own model on its own test data, "
+            f"which dataset = {config.dataset!r} has none of: set client_holdout (e.g. 0.2, "
+            "each client's held-out fraction)."
+        )
+
+
 def _check_natural(config: ConfigFields, errors: list[str]) -> None:
     """A natural dataset brings its clients: no partition, no example subset."""
     spec = natural.NATURAL_DATASETS[config.dataset]
@@ -194,7 +218,11 @@ def _given(config: ConfigFields, *names: str) -> list[str]:
 
 def _check_hparams(config: ConfigFields, check: Checker, errors: list[str]) -> None:
     """The ``hparams`` table against what the algorithm declares."""
-    declared_here = dict(ALGORITHMS[config.algorithm].hparams)
+    spec = ALGORITHMS[config.algorithm]
+    try:  # as the chosen options declare them (Ditto's base adds FedProx's prox_mu)
+        declared_here = dict(spec.hparams_for(resolve.entry_options(config, "algorithm")))
+    except (ValueError, TypeError):  # a bad option, which the options' checks name
+        declared_here = dict(spec.hparams)
     everywhere = schema.declared_hparams()
     declared_here.update(chosen_hparams(config, strict=False))
     if not check.type("hparams", config.hparams, Mapping, "a table of names and values"):

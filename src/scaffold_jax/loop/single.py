@@ -67,6 +67,10 @@ class RunResult:
       resumed_from: the round of the checkpoint this call resumed from, else None.
       checkpoint_seconds: wall time spent writing checkpoints.
       eval_seconds: wall time of the evaluations (included in ``run_seconds``).
+      clients: the newest evaluation of every evaluated client on its own test data
+        (data with client test examples): ``[E]`` arrays ``client``, ``n_train``,
+        ``n_test``, ``global`` (x's accuracy) and ``personal`` (p_i's), what
+        ``personal.csv`` holds; None without client test data.
     """
 
     state: SimState
@@ -80,6 +84,7 @@ class RunResult:
     checkpoint_seconds: float = 0.0
     eval_seconds: float = 0.0
     reported: np.ndarray | None = None
+    clients: dict[str, np.ndarray] | None = None
 
     def __post_init__(self):
         if self.reported is None:  # no dropouts: every sampled client reported
@@ -102,6 +107,7 @@ class _SingleRun:
         self.simulation, self.data, self.hparams = simulation, data, hparams
         self.traffic = None  # bytes per client (engine.communication), at the first record
         self.key = key
+        self.per_client = None  # the newest per-client evaluation (personal.csv)
 
     def compile_block(self, state, key, num_rounds):
         sim, data, hp = self.simulation, self.data, self.hparams
@@ -112,8 +118,19 @@ class _SingleRun:
         return lambda state, key, n: program(hp, state, data, key, stop=np.int32(n))
 
     def compile_evaluate(self, state):
-        program = self.simulation.evaluate.lower(state.server, self.data, state.model).compile()
-        return lambda state: program(state.server, self.data, state.model)
+        sim, data, hp, key = self.simulation, self.data, self.hparams, self.key
+        program = sim.evaluate.lower(state.server, data, state.model).compile()
+        if not sim.evaluates_clients(data):
+            return lambda state: program(state.server, data, state.model)
+        clients = sim.evaluate_clients.lower(hp, state, data, key).compile()
+
+        def evaluate(state):
+            # Every client's own model on its own test data; the per-client numbers of
+            # the newest evaluation stay on the device for personal.csv.
+            metrics, self.per_client = clients(hp, state, data, key)
+            return {**program(state.server, data, state.model), **metrics}
+
+        return evaluate
 
     def round_of(self, state):
         return int(state.round)
@@ -296,7 +313,11 @@ def run(
         remember_totals(out.state.round, int(out.state.round), out.totals)
         rest = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
         del rest["metrics"], rest["totals"]  # per block: concatenated above; kept above
-        return RunResult(**rest, client_ids=client_ids, reported=reported, round_metrics=metrics)
+        clients = None if task.per_client is None else jax.device_get(task.per_client)
+        return RunResult(
+            **rest, client_ids=client_ids, reported=reported, round_metrics=metrics,
+            clients=clients,
+        )  # fmt: skip
 
     opened = contextlib.nullcontext()
     if checkpoint_dir is not None:

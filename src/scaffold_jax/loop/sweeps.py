@@ -342,9 +342,17 @@ class _Chunk:
         )
 
     def compile_evaluate(self, carry):
-        evaluate, data = self.sweep.evaluate, self.data
-        evaluate.lower(carry.state.server, data, carry.state.model).compile()
-        return lambda carry: evaluate(carry.state.server, data, carry.state.model)
+        sweep, data, hp, keys = self.sweep, self.data, self.hparams, self.keys
+        sweep.evaluate.lower(carry.state.server, data, carry.state.model).compile()
+        if not sweep.simulation.evaluates_clients(data):
+            return lambda carry: sweep.evaluate(carry.state.server, data, carry.state.model)
+        sweep.evaluate_clients.lower(hp, carry.state, data, keys).compile()
+
+        def evaluate(carry):
+            metrics, self.per_client = sweep.evaluate_clients(hp, carry.state, data, keys)
+            return {**sweep.evaluate(carry.state.server, data, carry.state.model), **metrics}
+
+        return evaluate
 
     def records(self, carry, metrics, round, seconds):
         # Host values only: a sweep makes a record per config per evaluation (Figure 3

@@ -18,6 +18,8 @@ from scaffold_jax.results.records import METRICS_FILE, SUMMARY_FILE
 
 CONFIG_FILE = "config.json"
 CSV_FILE = "metrics.csv"
+#: Every evaluated client's accuracy on its own test data, global and personal model.
+PERSONAL_FILE = "personal.csv"
 PARTS_FILE = "parts.jsonl"
 
 RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"
@@ -25,7 +27,7 @@ RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "inter
 # Files a writer may have made; --overwrite removes only these (and those a previous
 # summary lists), never the whole folder: `--out .` must not wipe a working directory.
 _OWN_FILES = (
-    CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CSV_FILE,
+    CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CSV_FILE, PERSONAL_FILE,
     "accuracy.png", "loss.png", "accuracy_vs_uplink.png", "accuracy_vs_time.png",
 )  # fmt: skip
 

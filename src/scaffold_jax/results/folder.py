@@ -10,12 +10,15 @@ import csv
 import datetime
 import errno
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from scaffold_jax.results.files import (
     CONFIG_FILE,
@@ -24,6 +27,7 @@ from scaffold_jax.results.files import (
     FINISHED,
     INTERRUPTED,
     PARTS_FILE,
+    PERSONAL_FILE,
     RUNNING,
     RunFolderError,
     _json_default,
@@ -132,6 +136,7 @@ class RunWriter:
         self.status = RUNNING
         self._metrics = None
         self._csv = None  # metrics.csv, open for appending, and its columns
+        self._clients: dict[str, list[dict]] = {}  # personal.csv's rows, by series
         self._csv_columns: set[str] = set()
         self._csv_writer: csv.DictWriter | None = None
         self._started = None
@@ -503,6 +508,26 @@ class RunWriter:
             _write_json(self.folder / SUMMARY_FILE, summary)
         return summary
 
+    def write_clients(self, series: str, clients: Mapping[str, Any]) -> None:
+        """Writes ``personal.csv`` anew with run ``series``'s per-client evaluation
+        (``client, n_train, n_test, global, personal``: accuracies on each client's own
+        test data, empty where it has none; ``global`` empty where the server keeps no
+        whole model) beside the other runs' of the folder."""
+        columns = ("client", "n_train", "n_test", "global", "personal")
+        values = [np.asarray(clients[name]).tolist() for name in columns]
+        self._clients[series] = [
+            {"series": series, **{name: _cell(v) for name, v in zip(columns, row, strict=True)}}
+            for row in zip(*values, strict=True)
+        ]
+        path = self.folder / PERSONAL_FILE
+        with _writing(path), _replacing(path, newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=("series", *columns))
+            writer.writeheader()
+            for rows in self._clients.values():
+                writer.writerows(rows)
+        if PERSONAL_FILE not in self.files:
+            self.files.append(PERSONAL_FILE)
+
     def _rewrite_csv(self) -> None:
         """Writes ``metrics.csv`` anew from the records (its columns: every field any
         record has) and keeps it open: :meth:`record` appends each new row and flushes
@@ -526,3 +551,10 @@ class RunWriter:
             self._csv_writer = csv.DictWriter(self._csv, fieldnames=columns)
         if CSV_FILE not in self.files:
             self.files.append(CSV_FILE)
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell: NaN (no test example, no global model) as an empty cell."""
+    if isinstance(value, float):  # a float32 accuracy as float32 prints it (0.95)
+        return "" if math.isnan(value) else float(f"{value:.7g}")
+    return value

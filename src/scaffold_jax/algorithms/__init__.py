@@ -49,6 +49,7 @@ from scaffold_jax.algorithms.mime import mime, mimelite
 from scaffold_jax.algorithms.sgd import sgd
 from scaffold_jax.algorithms.scaffnew import scaffnew
 from scaffold_jax.algorithms.fedexp import fedexp
+from scaffold_jax.algorithms.ditto import ditto
 # isort: on
 
 
@@ -61,6 +62,7 @@ __all__ = [
     "ScaffoldClientState",
     "ScaffoldServerState",
     "client_controls",
+    "ditto",
     "fedavg",
     "feddyn",
     "fedexp",

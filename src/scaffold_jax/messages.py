@@ -68,8 +68,13 @@ class MessageTransform(NamedTuple):
 
 def uplink_like(algorithm: Algorithm, params: PyTree) -> dict[str, PyTree]:
     """The structure of what a reporting client sends: ``{"delta_params": ..., **message}``
-    as ``ShapeDtypeStruct`` s (Δy_i is float32, as the local steps compute it)."""
-    like = jax.eval_shape(lambda p: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p), params)
+    as ``ShapeDtypeStruct`` s (Δy_i is float32, as the local steps compute it, over the
+    params :attr:`Algorithm.delta <scaffold_jax.types.Algorithm.delta>` names: all of
+    them by default)."""
+    covered = algorithm.delta or (lambda p: p)
+    like = jax.eval_shape(
+        lambda p: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), covered(p)), params
+    )
     message = {} if algorithm.uplink is None else jax.eval_shape(algorithm.uplink, params)
     return {"delta_params": like, **dict(message)}
 

@@ -86,8 +86,10 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def sq_norm(tree: PyTree) -> jax.Array:
-    """Squared Euclidean norm of a whole pytree."""
-    return sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree))
+    """Squared Euclidean norm of a whole pytree (0 for one without leaves: FedPer's Δφ
+    when its head is every leaf)."""
+    leaves = jax.tree.leaves(tree)
+    return sum((jnp.sum(jnp.square(a.astype(jnp.float32))) for a in leaves), jnp.float32(0))
 
 
 def to_host(tree: PyTree) -> PyTree:

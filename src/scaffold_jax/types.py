@@ -448,6 +448,11 @@ class Algorithm(NamedTuple):
         ``steps`` (a Python int) plain SGD steps on the client's training data, batches as
         the run's plan, from the evaluation's key (Per-FedAvg's one adaptation step).
         None: the algorithm trains one global model, and a client's model is x.
+      delta: what a client's Δy_i (``ClientOutput.delta_params``) covers, ``delta(params)
+        -> pytree`` of some of the params' leaves (FedRep's and FedPer's body φ, as
+        ``{path: leaf}``): the structure its ``delta_params`` has, which the accounting
+        counts, compression compresses and differential privacy clips (float32, as the
+        local steps compute it). None: every parameter (Δy_i has the params' structure).
     """
 
     name: str
@@ -467,6 +472,7 @@ class Algorithm(NamedTuple):
     downlink: Callable[[PyTree], PyTree] | None = None
     uplink: Callable[[PyTree], Mapping[str, PyTree]] | None = None
     personal: Callable[..., PyTree] | None = None
+    delta: Callable[[PyTree], PyTree] | None = None
 
 
 class PersonalState(NamedTuple):

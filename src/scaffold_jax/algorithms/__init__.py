@@ -50,6 +50,7 @@ from scaffold_jax.algorithms.sgd import sgd
 from scaffold_jax.algorithms.scaffnew import scaffnew
 from scaffold_jax.algorithms.fedexp import fedexp
 from scaffold_jax.algorithms.ditto import ditto
+from scaffold_jax.algorithms.fedrep import fedper, fedrep
 # isort: on
 
 
@@ -66,7 +67,9 @@ __all__ = [
     "fedavg",
     "feddyn",
     "fedexp",
+    "fedper",
     "fednova",
+    "fedrep",
     "fedprox",
     "make",
     "mime",

@@ -144,7 +144,8 @@ def round_metrics(ctx, outputs, server, server_metrics, rnd: Round):
     metrics["downloads"] = uploads + lost[0] + lost[1]
     metrics.update(rnd.cohort.metrics)
     # Client drift: mean ‖y_i − x‖ and the norm of the aggregated update ‖Δx‖.
-    metrics["client_drift"] = mean(jnp.sqrt(jax.vmap(sq_norm)(outputs.delta_params)))
+    norms = jax.vmap(sq_norm, axis_size=ids.shape[0])(outputs.delta_params)  # Δy_i may be {}
+    metrics["client_drift"] = mean(jnp.sqrt(norms))
     metrics["update_norm"] = jnp.sqrt(sq_norm(weighted_mean(outputs.delta_params, weights)))
     # Whether this round's new server state is finite: the single run's divergence check
     # reports the first round where it is not (the update norm squares the update, so it

@@ -4,8 +4,10 @@ Every algorithm states what its clients download (:attr:`Algorithm.downlink
 <scaffold_jax.types.Algorithm.downlink>`, a function of the server state; default the
 model x) and what they upload besides Δy_i (:attr:`Algorithm.uplink
 <scaffold_jax.types.Algorithm.uplink>`, the structure of its ``ClientOutput.message``; a
-``pre_round`` pass's message too). The bytes are derived from those pytrees' shapes and
-dtypes with ``jax.eval_shape`` (nothing is allocated), never typed by hand; a message
+``pre_round`` pass's message too); Δy_i covers the params :attr:`Algorithm.delta
+<scaffold_jax.types.Algorithm.delta>` names (all of them by default; FedRep's body
+alone). The bytes are derived from those pytrees' shapes and dtypes with
+``jax.eval_shape`` (nothing is allocated), never typed by hand; a message
 transform that changes what is sent (compression) states its own sizes
 (:attr:`MessageTransform.sizes <scaffold_jax.messages.MessageTransform.sizes>`).
 
@@ -77,9 +79,9 @@ def traffic(
     pre_round = 0
     if algorithm.pre_round is not None:
         sends = algorithm.pre_round.sends
-        pre_round = tree_bytes(
-            like["delta_params"] if sends is None else jax.eval_shape(sends, params)
-        )
+        if sends is None:  # a float32 gradient per parameter, whatever Δy_i covers
+            sends = lambda p: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p)  # noqa: E731
+        pre_round = tree_bytes(jax.eval_shape(sends, params))
     return Traffic(down, sum(entries.values()), pre_round, entries)
 
 

@@ -376,6 +376,11 @@ def private(
     def server_params(state):
         return inner.server_params(state.inner)
 
+    def personal(hparams, state, client_state, adapt):  # never sent: not made private
+        return inner.personal(hparams, state.inner, client_state, adapt)
+
+    personal.global_model = getattr(inner.personal, "global_model", True)
+
     return Algorithm(
         name=inner.name,
         init=init,
@@ -406,4 +411,6 @@ def private(
             state.clip_scale,
         ),
         uplink=inner.uplink,
+        personal=None if inner.personal is None else personal,
+        delta=inner.delta,
     )

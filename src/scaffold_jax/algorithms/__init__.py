@@ -51,6 +51,9 @@ from scaffold_jax.algorithms.scaffnew import scaffnew
 from scaffold_jax.algorithms.fedexp import fedexp
 from scaffold_jax.algorithms.ditto import ditto
 from scaffold_jax.algorithms.fedrep import fedper, fedrep
+from scaffold_jax.algorithms.apfl import apfl
+from scaffold_jax.algorithms.pfedme import pfedme
+from scaffold_jax.algorithms.perfedavg import perfedavg
 # isort: on
 
 
@@ -62,6 +65,7 @@ __all__ = [
     "Option",
     "ScaffoldClientState",
     "ScaffoldServerState",
+    "apfl",
     "client_controls",
     "ditto",
     "fedavg",
@@ -75,6 +79,8 @@ __all__ = [
     "mime",
     "mimelite",
     "optimizer_option",
+    "perfedavg",
+    "pfedme",
     "register",
     "scaffnew",
     "scaffold",

@@ -1574,6 +1574,67 @@ CASES = [
          "numbers (one program per value); sweep each compression on its own (--compression "
          "topk, then --compression qsgd, each with its own --out).",
          lambda ctx: cli._grid_axes(["compression=topk,qsgd"])),
+    # Personalization.
+    Case("personal-without-client-tests", "--finetune-steps 2 without client test data",
+         "RunConfig.validate", ConfigError,
+         "invalid config: finetune_steps = 2 evaluates every client's own model on its own "
+         "test data, which dataset = 'fashion_mnist' has none of: set client_holdout (e.g. "
+         "0.2, each client's held-out fraction).",
+         lambda ctx: RunConfig(dataset="fashion_mnist", finetune_steps=2).validate()),
+    Case("personalized-without-client-tests", "--algorithm ditto without client test data",
+         "RunConfig.validate", ConfigError,
+         "invalid config: algorithm = 'ditto' (a model per client) evaluates every client's own "
+         "model on its own test data, which dataset = 'fashion_mnist' has none of: set "
+         "client_holdout (e.g. 0.2, each client's held-out fraction).",
+         lambda ctx: RunConfig(dataset="fashion_mnist", algorithm="ditto").validate()),
+    Case("personal-eval-clients-zero", "--personal-eval-clients 0", "RunConfig.validate",
+         ConfigError,
+         "invalid config: personal_eval_clients = 0 is invalid: it must be an integer >= 1.",
+         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2,
+                               personal_eval_clients=0).validate()),
+    Case("finetune-lr-negative", "--finetune-lr -1", "RunConfig.validate", ConfigError,
+         "invalid config: finetune_lr = -1.0 is invalid: it must be a step size > 0.",
+         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2,
+                               finetune_lr=-1.0).validate()),
+    Case("ditto-base-unknown", "--algorithm ditto --ditto-base mime", "RunConfig.validate",
+         ConfigError,
+         "invalid config: ditto_base = 'mime' is invalid: it must be one of 'fedavg', "
+         "'fedprox', 'scaffold'.",
+         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2, algorithm="ditto",
+                               options={"ditto_base": "mime"}).validate()),
+    Case("ditto-base-unknown-api", "algorithms.make('ditto', loss, base='mime')",
+         "algorithms.make", ValueError,
+         "Ditto's base 'mime' is not supported; use one of fedavg, fedprox, scaffold.",
+         lambda ctx: sj.algorithms.make("ditto", ctx.problem.loss_fn, base="mime")),
+    Case("personalized-under-fedbuff", "--algorithm ditto --execution fedbuff",
+         "RunConfig.validate", ConfigError,
+         "invalid config: execution = 'fedbuff' has no asynchronous contract for 'ditto' yet "
+         "(what a stale update does to its server state is not written): use algorithm = "
+         "fedavg | fedprox | scaffold, or execution = 'sync'.",
+         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2, algorithm="ditto",
+                               profiles="lognormal", execution="fedbuff").validate()),
+    Case("fedrep-head-names-no-leaf", "algorithms.make('fedrep', loss, head='nope')",
+         "Algorithm.init", ValueError,
+         "head = 'nope' is refused: nope names no leaf; the params' leaves are linear/bias, "
+         "linear/kernel (name some by path prefix, comma-separated).",
+         lambda ctx: sj.algorithms.make("fedrep", ctx.problem.loss_fn, head="nope").init(
+             ctx.problem.params)),
+    Case("fedrep-head-is-everything", "FedRep on logistic regression (its head: every leaf)",
+         "Algorithm.init", ValueError,
+         "head = 'auto' is refused: it covers every leaf, leaving FedRep no body to share; the "
+         "params' leaves are linear/bias, linear/kernel (name some by path prefix, "
+         "comma-separated).",
+         lambda ctx: sj.algorithms.make("fedrep", ctx.problem.loss_fn).init(ctx.problem.params)),
+    Case("apfl-alpha-above-one", "--algorithm apfl --set apfl_alpha=1.5", "RunConfig.validate",
+         ConfigError, "invalid config: apfl_alpha = 1.5 is invalid: it must be finite and >= 0 "
+         "and <= 1.",
+         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2, algorithm="apfl",
+                               hparams={"apfl_alpha": 1.5}).validate()),
+    Case("pfedme-beta-above-one", "pFedMe with server_lr (its beta) 1.5", "Simulation.run",
+         ValueError, "server_lr=1.5 is invalid: every value must be finite and > 0 and <= 1.",
+         lambda ctx: run(ctx, sim=simulation(
+             ctx, algorithm=sj.algorithms.make("pfedme", ctx.problem.loss_fn)),
+             hp=sj.hparams(client_lr=0.1, server_lr=1.5))),
 ]
 # fmt: on
 

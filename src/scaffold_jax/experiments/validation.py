@@ -172,7 +172,7 @@ def _check_personal_evaluation(config, check, errors, data_kind) -> None:
     needs every client's own test data (a natural dataset's, or client_holdout)."""
     check.integer("finetune_steps", config.finetune_steps, low=0)
     check.number("finetune_lr", config.finetune_lr, low=0.0, strict=True, optional=True,
-                 float32=True)  # fmt: skip
+                 what="a step size > 0", float32=True)  # fmt: skip
     check.integer("personal_eval_clients", config.personal_eval_clients, low=1, optional=True)
     wants = [
         f"{name} = {getattr(config, name)!r}"

@@ -64,6 +64,9 @@ def run_identity(
         }
     if simulation.execution is not None:  # FedBuff's M, B and staleness weighting
         identity["execution"] = repr(simulation.execution)
+    personal = simulation.personalization
+    if personal is not None and personal != type(personal)():  # what the records measure
+        identity["personalization"] = personal._asdict()
     return json.loads(json.dumps({**identity, **more}, default=str))
 
 

@@ -7,13 +7,15 @@ the same images everywhere, labelled by a fixed random linear teacher so that th
 can fall (``w1_arrays``). Each peer runs as the peer's documentation writes a simulation:
 
 * ``engine``: scaffold_jax, ``Simulation.run_rounds`` (R rounds in one compiled program),
-  in this interpreter;
+  in this interpreter; APFL adaptive, α⁰ = 0.25 (its x trains as FedAvg's, in both);
 * ``torch``: the PyTorch per-client loop of ``bench_torch.py`` (``_TorchW1``, one intra-op
   thread: autograd on ``cross_entropy(x Wᵀ + b)``, K steps per sampled client) — the loop
   Flower's and FL-bench's clients run, without their data loaders and optimizer objects;
-* ``fedjax``: ``fedjax.algorithms.fed_avg.federated_averaging`` (``fedjax.for_each_client``
-  underneath) over an ``InMemoryFederatedData`` with a haiku model, clients drawn by
-  ``UniformGetClientSampler``; FedJAX has no SCAFFOLD, so FedAvg only;
+* ``fedjax``: ``fedjax.algorithms.fed_avg.federated_averaging`` and
+  ``fedjax.algorithms.apfl.adaptive_personalized_federated_learning`` (adaptive APFL, its
+  clients' states in a host dict; ``fedjax.for_each_client`` underneath) over an
+  ``InMemoryFederatedData`` with a haiku model, clients drawn by
+  ``UniformGetClientSampler``; FedJAX has no SCAFFOLD;
 * ``pfl``: pfl-research's ``FederatedAveraging`` and ``SCAFFOLD`` (option II) on its
   ``SimulatedBackend`` with a ``PyTorchModel``, users from a ``FederatedDataset``;
 * ``flower``: Flower's simulation engine (``flwr.simulation.run_simulation``, Ray backend,
@@ -58,11 +60,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 PEERS = {  # peer: the algorithms it has
     "torch": ("fedavg", "scaffold"),
-    "fedjax": ("fedavg",),
+    "fedjax": ("fedavg", "apfl"),
     "pfl": ("fedavg", "scaffold"),
     "flower": ("fedavg",),
 }
-ALGORITHMS = ("fedavg", "scaffold")
+ALGORITHMS = ("fedavg", "scaffold", "apfl")
+APFL_ALPHA = 0.25  # APFL's initial mixing weight (adaptive), FedJAX's client_coefficient
 TRACE_EVERY, TRACE_BLOCKS = 5, 4  # the loss after rounds 5, 10, 15, 20
 
 
@@ -171,7 +174,7 @@ class _FedJAXPeer(_Peer):
         import fedjax
         import haiku as hk
         import jax.numpy as jnp
-        from fedjax.algorithms import fed_avg
+        from fedjax.algorithms import apfl, fed_avg
 
         n, c = setup["per_client"], setup["num_classes"]
         self.fd = fedjax.InMemoryFederatedData(
@@ -193,7 +196,7 @@ class _FedJAXPeer(_Peer):
             {"x": self.x[:1]},
             lambda batch, preds: fedjax.metrics.unreduced_cross_entropy_loss(batch["y"], preds),
         )
-        self.algorithm = fed_avg.federated_averaging(
+        common = (
             fedjax.model_grad(self.model),
             fedjax.optimizers.sgd(setup["lr"]),
             fedjax.optimizers.sgd(1.0),
@@ -201,6 +204,11 @@ class _FedJAXPeer(_Peer):
                 batch_size=setup["batch"], num_epochs=None, num_steps=setup["steps"]
             ),
         )
+        self.algorithms = {
+            "fedavg": fed_avg.federated_averaging(*common),
+            # Adaptive (FedJAX learns its coefficients always), client states in a dict.
+            "apfl": apfl.adaptive_personalized_federated_learning(*common, APFL_ALPHA),
+        }
 
     def versions(self):
         import haiku
@@ -213,20 +221,21 @@ class _FedJAXPeer(_Peer):
         import fedjax
         import jax
 
-        state = self.algorithm.init(self.model.init(jax.random.PRNGKey(self.setup["seed"])))
+        chosen = self.algorithms[algorithm]
+        state = chosen.init(self.model.init(jax.random.PRNGKey(self.setup["seed"])))
         sampler = fedjax.client_samplers.UniformGetClientSampler(
             self.fd, self.setup["clients_per_round"], self.setup["seed"]
         )
-        return state, sampler
+        return state, sampler, chosen
 
     def run(self, state, rounds):
         import jax
 
-        server, sampler = state
+        server, sampler, chosen = state
         for _ in range(rounds):
-            server, _ = self.algorithm.apply(server, sampler.sample())
+            server, _ = chosen.apply(server, sampler.sample())
         jax.block_until_ready(server.params)
-        return (server, sampler), None
+        return (server, sampler, chosen), None
 
     def params(self, state):
         linear = state[0].params["linear"]

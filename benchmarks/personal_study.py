@@ -62,7 +62,7 @@ def make_data(setting: str, num_clients: int, max_train: int | None):
         parts = partition.similarity_split(labels, num_clients=num_clients, similarity=0, seed=0)
     else:
         parts = partition.shard_split(labels, num_clients=num_clients, shards_per_client=2, seed=0)
-    kept, held = partition.hold_out(parts, 0.2, seed=0)
+    kept, held = partition.local_test_split(parts, 0.2, seed=0)
     data = sj.from_partition(train, kept, test=ds.test)
     tests = [{k: v[ix] for k, v in train.items()} for ix in held]
     return with_client_tests(data, tests)

@@ -240,6 +240,8 @@ def make_algorithm(name: str, loss_fn) -> sj.Algorithm:
         return sj.scaffold(loss_fn, option=2)
     if name == "scaffold-I":
         return sj.scaffold(loss_fn, option=1)
+    if name == "apfl":  # adaptive: what FedJAX's APFL always is
+        return sj.algorithms.make("apfl", loss_fn, adaptive=True)
     return sj.algorithms.make(name, loss_fn)
 
 

@@ -1578,29 +1578,29 @@ CASES = [
     Case("personal-without-client-tests", "--finetune-steps 2 without client test data",
          "RunConfig.validate", ConfigError,
          "invalid config: finetune_steps = 2 evaluates every client's own model on its own "
-         "test data, which dataset = 'fashion_mnist' has none of: set client_holdout (e.g. "
+         "test data, which dataset = 'fashion_mnist' has none of: set local_test_fraction (e.g. "
          "0.2, each client's held-out fraction).",
          lambda ctx: RunConfig(dataset="fashion_mnist", finetune_steps=2).validate()),
     Case("personalized-without-client-tests", "--algorithm ditto without client test data",
          "RunConfig.validate", ConfigError,
          "invalid config: algorithm = 'ditto' (a model per client) evaluates every client's own "
          "model on its own test data, which dataset = 'fashion_mnist' has none of: set "
-         "client_holdout (e.g. 0.2, each client's held-out fraction).",
+         "local_test_fraction (e.g. 0.2, each client's held-out fraction).",
          lambda ctx: RunConfig(dataset="fashion_mnist", algorithm="ditto").validate()),
     Case("personal-eval-clients-zero", "--personal-eval-clients 0", "RunConfig.validate",
          ConfigError,
          "invalid config: personal_eval_clients = 0 is invalid: it must be an integer >= 1.",
-         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2,
+         lambda ctx: RunConfig(dataset="fashion_mnist", local_test_fraction=0.2,
                                personal_eval_clients=0).validate()),
     Case("finetune-lr-negative", "--finetune-lr -1", "RunConfig.validate", ConfigError,
          "invalid config: finetune_lr = -1.0 is invalid: it must be a step size > 0.",
-         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2,
+         lambda ctx: RunConfig(dataset="fashion_mnist", local_test_fraction=0.2,
                                finetune_lr=-1.0).validate()),
     Case("ditto-base-unknown", "--algorithm ditto --ditto-base mime", "RunConfig.validate",
          ConfigError,
          "invalid config: ditto_base = 'mime' is invalid: it must be one of 'fedavg', "
          "'fedprox', 'scaffold'.",
-         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2, algorithm="ditto",
+         lambda ctx: RunConfig(dataset="fashion_mnist", local_test_fraction=0.2, algorithm="ditto",
                                options={"ditto_base": "mime"}).validate()),
     Case("ditto-base-unknown-api", "algorithms.make('ditto', loss, base='mime')",
          "algorithms.make", ValueError,
@@ -1611,7 +1611,7 @@ CASES = [
          "invalid config: execution = 'fedbuff' has no asynchronous contract for 'ditto' yet "
          "(what a stale update does to its server state is not written): use algorithm = "
          "fedavg | fedprox | scaffold, or execution = 'sync'.",
-         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2, algorithm="ditto",
+         lambda ctx: RunConfig(dataset="fashion_mnist", local_test_fraction=0.2, algorithm="ditto",
                                profiles="lognormal", execution="fedbuff").validate()),
     Case("fedrep-head-names-no-leaf", "algorithms.make('fedrep', loss, head='nope')",
          "Algorithm.init", ValueError,
@@ -1628,7 +1628,7 @@ CASES = [
     Case("apfl-alpha-above-one", "--algorithm apfl --set apfl_alpha=1.5", "RunConfig.validate",
          ConfigError, "invalid config: apfl_alpha = 1.5 is invalid: it must be finite and >= 0 "
          "and <= 1.",
-         lambda ctx: RunConfig(dataset="fashion_mnist", client_holdout=0.2, algorithm="apfl",
+         lambda ctx: RunConfig(dataset="fashion_mnist", local_test_fraction=0.2, algorithm="apfl",
                                hparams={"apfl_alpha": 1.5}).validate()),
     Case("pfedme-beta-above-one", "pFedMe with server_lr (its beta) 1.5", "Simulation.run",
          ValueError, "server_lr=1.5 is invalid: every value must be finite and > 0 and <= 1.",

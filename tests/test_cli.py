@@ -467,7 +467,7 @@ def test_diagnose_prints_the_papers_constants_and_writes_its_folder(tmp_path, ca
 
 # Each config flag of diagnose, with a value other than its default.
 _DIAGNOSE_VALUES = {
-    "dataset": ["mnist"], "data_dir": ["/data"], "client_holdout": ["0.1"], "download": [],
+    "dataset": ["mnist"], "data_dir": ["/data"], "local_test_fraction": ["0.1"], "download": [],
     "max_train_examples": ["100"], "max_test_examples": ["50"], "partition": ["dirichlet"],
     "model": ["mlp"], "num_clients": ["7"], "seed": ["3"], "partition_seed": ["4"],
     "client_lr": ["0.5"],

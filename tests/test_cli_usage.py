@@ -60,7 +60,7 @@ def test_the_readme_commands_in_order_get_a_folder_each(monkeypatch):
          "--server-lr", "0.03", "--local-optimizer", "momentum"],
         ["run", "--algorithm", "scaffold", "--warm-controls"],
         ["run", "--dataset", "fashion_mnist", "--model", "cnn", "--client-lr", "0.05",
-         "--client-holdout", "0.2"],
+         "--local-test-fraction", "0.2"],
         ["run", "--tensorboard"],
         ["run", "--dataset", "shakespeare", "--model", "char_lstm", "--num-clients", "10",
          "--clients-per-round", "5", "--batch-plan", "fixed", "--local-steps", "10",

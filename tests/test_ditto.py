@@ -281,7 +281,7 @@ def test_every_base_keeps_its_trajectory_bitwise(small_data, small_problem, base
 #: A pooled dataset split with each client's held-out test data (personal evaluation).
 DATA = ["--dataset", "fashion_mnist", "--max-train-examples", "400", "--max-test-examples", "100",
         "--model", "logreg", "--num-clients", "8", "--clients-per-round", "3",
-        "--client-holdout", "0.25"]  # fmt: skip
+        "--local-test-fraction", "0.25"]  # fmt: skip
 
 
 @pytest.mark.slow

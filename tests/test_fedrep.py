@@ -271,7 +271,7 @@ def test_the_command_line_runs_resumes_and_sweeps_them(tmp_path):
 
     data = ["--dataset", "fashion_mnist", "--max-train-examples", "400", "--max-test-examples",
             "100", "--model", "mlp", "--hidden-sizes", "8", "--num-clients", "8",
-            "--clients-per-round", "3", "--client-holdout", "0.25"]  # fmt: skip
+            "--clients-per-round", "3", "--local-test-fraction", "0.25"]  # fmt: skip
     out = tmp_path / "run"
     argv = ["run", "--algorithm", "fedrep", "--head", "output", "--head-steps", "2",
             "--head-lr", "0.05", *data, "--eval-every", "2", "--checkpoint-every", "2",

@@ -200,7 +200,7 @@ def test_a_batchnorm_resnet_keeps_each_clients_statistics_from_the_command_line(
         "--resnet-norm", "batch", "--state-policy", "local", "--max-train-examples", "120",
         "--max-test-examples", "50", "--num-clients", "4", "--clients-per-round", "2",
         "--batch-plan", "fixed", "--batch-size", "10", "--local-steps", "2",
-        "--client-holdout", "0.2", "--rounds", "2", "--eval-every", "1",
+        "--local-test-fraction", "0.2", "--rounds", "2", "--eval-every", "1",
         "--client-lr", "0.05", "--quiet", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0

@@ -168,7 +168,7 @@ def test_a_run_records_them_and_the_cli_writes_personal_csv(setup, tmp_path):
     out = tmp_path / "run"
     main([
         "run", "--dataset", "fashion_mnist", "--num-clients", "10", "--clients-per-round", "3",
-        "--rounds", "2", "--eval-every", "2", "--client-lr", "0.1", "--client-holdout", "0.25",
+        "--rounds", "2", "--eval-every", "2", "--client-lr", "0.1", "--local-test-fraction", "0.25",
         "--finetune-steps", "1", "--max-train-examples", "400", "--max-test-examples", "100",
         "--model", "logreg", "--quiet", "--out", str(out)])  # fmt: skip
     rows = list(csv.DictReader(open(out / "personal.csv")))
@@ -183,19 +183,25 @@ def test_personal_options_without_client_tests_are_refused(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "finetune_steps = 2 evaluates every client's own model" in err
-    assert "set client_holdout" in err
+    assert "set local_test_fraction" in err
 
 
-def test_hold_out_splits_every_client_and_keeps_one_training_example():
-    parts = [np.arange(0, 10), np.arange(10, 11), np.arange(11, 16)]
-    train, test = partition.hold_out(parts, 0.2, seed=1)
-    assert [len(t) for t in test] == [2, 0, 1]
-    for whole, a, b in zip(parts, train, test, strict=True):
-        assert sorted([*a, *b]) == list(whole) and not set(a) & set(b) and len(a) >= 1
-    again = partition.hold_out(parts, 0.2, seed=1)
-    assert all(np.array_equal(x, y) for x, y in zip(test, again[1], strict=True))
-    with pytest.raises(ValueError, match="client_holdout = 1.0 is invalid"):
-        partition.hold_out(parts, 1.0)
+def test_the_local_test_split_follows_the_contract():
+    parts = [np.arange(0, 10), np.arange(10, 11), np.arange(11, 16), np.arange(16, 18)]
+    train, test = partition.local_test_split(parts, 0.2, seed=1)
+    # floor(round(0.2 n, 9)): 2 of 10, none of 1, 1 of 5, and at least 1 of 2.
+    assert [len(t) for t in test] == [2, 0, 1, 1]
+    for i, (whole, a, b) in enumerate(zip(parts, train, test, strict=True)):
+        order = np.random.default_rng([1, i]).permutation(len(whole))
+        np.testing.assert_array_equal(b, whole[order[: len(b)]])  # the permutation's first
+        assert list(a) == sorted(a) and sorted([*a, *b]) == list(whole) and len(a) >= 1
+    # A client's split is its own: one more client changes no other's.
+    _, more = partition.local_test_split([*parts, np.arange(18, 30)], 0.2, seed=1)
+    assert all(np.array_equal(x, y) for x, y in zip(test, more, strict=False))
+    # 0.3 of 10 is 3 (float 0.3 * 10 = 3.0000000000000004: rounded to 9 digits first).
+    assert len(partition.local_test_split([np.arange(10)], 0.3)[1][0]) == 3
+    with pytest.raises(ValueError, match="local_test_fraction = 1.0 is invalid"):
+        partition.local_test_split(parts, 1.0)
 
 
 def test_with_client_tests_refuses_a_wrong_number_of_splits(setup):

@@ -93,7 +93,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "config", "out",
     ),
     "data": (
-        "data_dir", "download", "max_train_examples", "max_test_examples", "client_holdout",
+        "data_dir", "download", "max_train_examples", "max_test_examples", "local_test_fraction",
         "partition", "partition_seed",
     ),
     "model": (),

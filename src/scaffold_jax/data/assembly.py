@@ -187,7 +187,7 @@ def assemble(
     download: bool = False,
     max_train_examples: int | None = None,
     max_test_examples: int | None = None,
-    client_holdout: float | None = None,
+    local_test_fraction: float | None = None,
     loaded: sources.Dataset | natural.ClientDataset | None = None,
 ) -> Assembled:
     """The federated data a config names.
@@ -202,7 +202,7 @@ def assemble(
       data_dir, download: where to read it (see :func:`load`).
       max_train_examples, max_test_examples: random subsets (pooled; natural: test only,
         the clients' own test examples among them, see :func:`natural_clients`).
-      client_holdout: a pooled dataset's per-client held-out fraction.
+      local_test_fraction: a pooled dataset's per-client held-out fraction.
       loaded: the dataset as :func:`load` returned it (skips reading it again).
     """
     options = dict(options or {})
@@ -242,8 +242,8 @@ def assemble(
         args = factory_kwargs(spec.options, resolve_options(spec.options, options))
         parts = spec.split(dataset.train["y"], num_clients, seed=seed, **args)
         split = {"kind": partitioner or partition.DEFAULT_PARTITIONER, **args}
-        if client_holdout is not None:
-            parts, held = partition.hold_out(parts, client_holdout, seed)
+        if local_test_fraction is not None:
+            parts, held = partition.local_test_split(parts, local_test_fraction, seed)
             client_tests = [{k: np.asarray(v)[ix] for k, v in dataset.train.items()} for ix in held]
     data = from_partition(dataset.train, parts, test=dataset.test)
     if client_tests is not None:

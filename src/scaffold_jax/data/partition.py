@@ -454,31 +454,31 @@ def summary(
     return PartitionSummary(sizes, (hist > 0).sum(axis=1), hist)
 
 
-def hold_out(
+def local_test_split(
     client_indices: Sequence[np.ndarray], fraction: float, seed: int = 0
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Splits every client's examples into its training and its own test examples.
 
-    Client i keeps ``n_i − t_i`` examples for training and holds out ``t_i =
-    min(round(fraction · n_i), n_i − 1)`` (a random choice, seeded, kept in the original
-    order), so every client still trains on at least one example; a client of one
-    example holds out nothing.
+    Client i (its position in ``client_indices``) holds out t_i = ⌊round(ρ n_i, 9)⌋ of
+    its n_i examples, at least 1 where n_i ≥ 2 and at most n_i − 1 (none where n_i = 1):
+    the first t_i entries of a permutation seeded by ``(seed, i)``. The rest, in its
+    original order, is what the client trains on. A client's split depends on its own
+    examples and id only: adding clients changes no other client's.
 
     Raises:
       ValueError: ``fraction`` outside (0, 1).
     """
     if not 0.0 < float(fraction) < 1.0:
         raise ValueError(
-            f"client_holdout = {fraction!r} is invalid: it must be a fraction in (0, 1), "
+            f"local_test_fraction = {fraction!r} is invalid: it must be a fraction in (0, 1), "
             "e.g. 0.2 to evaluate every client on a fifth of its examples."
         )
-    rng = np.random.default_rng(seed)
     train, test = [], []
-    for ix in client_indices:
+    for client, ix in enumerate(client_indices):
         ix = np.asarray(ix)
-        held = min(int(round(fraction * len(ix))), len(ix) - 1)
-        chosen = np.zeros(len(ix), bool)
-        chosen[rng.choice(len(ix), held, replace=False)] = True
-        train.append(ix[~chosen])
-        test.append(ix[chosen])
+        n = len(ix)
+        held = min(max(math.floor(round(float(fraction) * n, 9)), 1), n - 1) if n >= 2 else 0
+        order = np.random.default_rng([seed, client]).permutation(n)
+        test.append(ix[order[:held]])
+        train.append(ix[np.sort(order[held:])])
     return train, test

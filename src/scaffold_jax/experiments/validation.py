@@ -62,12 +62,12 @@ def validate(config: ConfigFields) -> Any:
         elif data_kind is None:
             check.registered("dataset", config.dataset, schema.DATASETS)
     check.number(
-        "client_holdout", config.client_holdout, low=0.0, high=1.0, strict=True,
+        "local_test_fraction", config.local_test_fraction, low=0.0, high=1.0, strict=True,
         optional=True, what="a fraction in (0, 1)",
     )  # fmt: skip
-    if config.client_holdout is not None and data_kind == "natural":
+    if config.local_test_fraction is not None and data_kind == "natural":
         errors.append(
-            f"client_holdout = {config.client_holdout!r} cannot be set with dataset = "
+            f"local_test_fraction = {config.local_test_fraction!r} cannot be set with dataset = "
             f"{config.dataset!r}: its clients have their own test splits."
         )
     policy = config.options.get("state_policy") if isinstance(config.options, Mapping) else None
@@ -152,7 +152,7 @@ def validate(config: ConfigFields) -> Any:
 def _check_synthetic(config: ConfigFields, errors: list[str]) -> None:
     """A synthetic family is generated for N clients: nothing to read, split or subset."""
     given = _given(config, "partition", "data_dir", "max_train_examples", "max_test_examples",
-                   "client_holdout", *schema.partition_fields())  # fmt: skip
+                   "local_test_fraction", *schema.partition_fields())  # fmt: skip
     if given:
         errors.append(
             f"{', '.join(given)} cannot be set with dataset = {config.dataset!r}: it is "
@@ -169,7 +169,7 @@ def _check_synthetic(config: ConfigFields, errors: list[str]) -> None:
 
 def _check_personal_evaluation(config, check, errors, data_kind) -> None:
     """The personalized evaluation's options; a personalized algorithm or fine-tuning
-    needs every client's own test data (a natural dataset's, or client_holdout)."""
+    needs every client's own test data (a natural dataset's, or local_test_fraction)."""
     check.integer("finetune_steps", config.finetune_steps, low=0)
     check.number("finetune_lr", config.finetune_lr, low=0.0, strict=True, optional=True,
                  what="a step size > 0", float32=True)  # fmt: skip
@@ -182,10 +182,10 @@ def _check_personal_evaluation(config, check, errors, data_kind) -> None:
     known = isinstance(config.algorithm, str) and config.algorithm in ALGORITHMS
     if known and ALGORITHMS[config.algorithm].personalized:
         wants.append(f"algorithm = {config.algorithm!r} (a model per client)")
-    if wants and data_kind != "natural" and config.client_holdout is None:
+    if wants and data_kind != "natural" and config.local_test_fraction is None:
         errors.append(
             f"{', '.join(wants)} evaluates every client's own model on its own test data, "
-            f"which dataset = {config.dataset!r} has none of: set client_holdout (e.g. 0.2, "
+            f"which dataset = {config.dataset!r} has none of: set local_test_fraction (e.g. 0.2, "
             "each client's held-out fraction)."
         )
 

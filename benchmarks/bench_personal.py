@@ -8,8 +8,8 @@ timed interleaved: the global evaluation (``Simulation.evaluate``) of x on the p
 client test examples, the clients' evaluation of a global algorithm (p_i = x: FedAvg), and
 of a personalized one (Ditto: each client's own v_i from the ``[N, P]`` table, and x).
 
-``rounds``: W1 (1,000 clients × 60 Fashion-MNIST-sized images, logistic regression, S =
-100, K = 5, B = 12): Ditto(FedAvg) vs FedAvg, Ditto(SCAFFOLD) vs SCAFFOLD, FedRep, FedPer,
+``rounds``: W1's clients (1,000 × 60 Fashion-MNIST-sized images, S = 100, K = 5, B = 12)
+with a 784-200-10 MLP (FedRep and FedPer need a body): Ditto(FedAvg) vs FedAvg, Ditto(SCAFFOLD) vs SCAFFOLD, FedRep, FedPer,
 APFL, pFedMe and Per-FedAvg vs FedAvg, interleaved, ms a round, compile time and XLA temp.
 
 Examples:
@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -107,7 +108,10 @@ def bench_eval(args) -> list[dict]:
 
 
 def bench_rounds(args) -> list[dict]:
-    w = workloads.get_workload("W1", quick=args.quick)
+    # W1's clients with a one-hidden-layer MLP: FedRep and FedPer need a body to share.
+    w = dataclasses.replace(
+        workloads.get_workload("W1", quick=args.quick), model="mlp", hidden_sizes=(200,)
+    )
     data = workloads.make_data(w)
     problem = workloads.make_problem(w)
     hp = sj.hparams(client_lr=0.05)

@@ -13,8 +13,7 @@ program); the reported config is the one with the best mean final
 ``personal_accuracy_mean`` over the seeds, and its numbers are means (± std) over them.
 
 Examples:
-  python benchmarks/personal_study.py --out benchmarks/results/personal_study.json \\
-      --table docs/results/personalization_table.md
+  python benchmarks/personal_study.py --out benchmarks/results/personal_study.json
   python benchmarks/personal_study.py --quick
 """
 

@@ -9,8 +9,9 @@ client test examples, the clients' evaluation of a global algorithm (p_i = x: Fe
 of a personalized one (Ditto: each client's own v_i from the ``[N, P]`` table, and x).
 
 ``rounds``: W1's clients (1,000 × 60 Fashion-MNIST-sized images, S = 100, K = 5, B = 12)
-with a 784-200-10 MLP (FedRep and FedPer need a body): Ditto(FedAvg) vs FedAvg, Ditto(SCAFFOLD) vs SCAFFOLD, FedRep, FedPer,
-APFL, pFedMe and Per-FedAvg vs FedAvg, interleaved, ms a round, compile time and XLA temp.
+with a 784-200-10 MLP (FedRep and FedPer need a body): Ditto(FedAvg) vs FedAvg,
+Ditto(SCAFFOLD) vs SCAFFOLD, FedRep, FedPer, APFL, pFedMe and Per-FedAvg vs FedAvg,
+interleaved, ms a round, compile time and XLA temp.
 
 Examples:
   python benchmarks/bench_personal.py --out benchmarks/results/personal.json

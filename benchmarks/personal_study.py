@@ -110,8 +110,9 @@ def run_method(method, data, problem, plan, args) -> dict:
         row[f"uplink_mb_to_{target}"] = (
             float(np.mean([h[1] for h in reached])) if len(reached) == len(runs) else None
         )
-    row["curve"] = [
-        {"round": r["round"], "personal": float(np.mean([swept.records[j][i]["personal_accuracy_mean"] for j in runs]))}
+    row["curve"] = [  # the mean over the seeds at each evaluation
+        {"round": r["round"], "personal": float(np.mean(
+            [swept.records[j][i]["personal_accuracy_mean"] for j in runs]))}
         for i, r in enumerate(swept.records[runs[0]])
     ]  # fmt: skip
     print(

@@ -570,6 +570,7 @@ def _resume_and_compare(tmp_path, jax_cache, reference):
     return err
 
 
+@pytest.mark.slow
 def test_sigkill_at_an_arbitrary_round_then_resume_is_bitwise_identical(
     tmp_path, jax_cache, reference
 ):

@@ -50,6 +50,7 @@ def test_help_works(argv, capsys):
         assert "fig3" in out and "table3" in out and "--quick" in out
 
 
+@pytest.mark.slow
 @needs_fashion
 def test_a_resumed_run_shows_each_round_once_in_tensorboard(tmp_path):
     """Records after the newest checkpoint are written again by the resumed run: the
@@ -189,6 +190,7 @@ def test_bad_flags_are_named_errors(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- fig3
+@pytest.mark.slow
 def test_reproduce_fig3_quick_shows_the_papers_findings(tmp_path, capsys):
     out = tmp_path / "fig3"
     assert main(["reproduce", "fig3", "--quick", "--out", str(out), "--quiet"]) == 0
@@ -288,6 +290,7 @@ def test_reproduce_table3_quick_on_fashion_mnist(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- sweep
+@pytest.mark.slow
 @needs_fashion
 def test_sweep_writes_per_config_records_and_the_best_step_size(tmp_path, capsys):
     config = tmp_path / "tiny.toml"

@@ -209,7 +209,8 @@ def _killed_fedbuff_resumes(env, config, records, delay, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("records", "delay"), [(5, 0.02), pytest.param(2, 0.0, marks=pytest.mark.slow)]
+    ("records", "delay"),
+    [pytest.param(5, 0.02, marks=pytest.mark.slow), pytest.param(2, 0.0, marks=pytest.mark.slow)],
 )
 def test_a_killed_fedbuff_run_resumes_to_the_uninterrupted_one(env, records, delay, tmp_path):
     """Asynchronous too, with every feature it composes with at once (top-k with error
@@ -259,6 +260,7 @@ def test_sigint_and_sigterm_stop_cleanly_and_resume(env, reference, sig, status,
     assert _resume_matches(root, environment, out, reference)
 
 
+@pytest.mark.slow
 def test_a_stale_lock_after_sigkill_says_interrupted_and_blocks_nothing(env, tmp_path):
     root, environment = env
     out = tmp_path / "run"
@@ -337,6 +339,7 @@ def test_a_run_of_a_version_without_the_newer_settings_resumes(env, reference, t
     assert code == 2
 
 
+@pytest.mark.slow
 def test_another_runs_checkpoint_copied_in_is_refused(env, reference, tmp_path, capsys):
     """The config matches, but the newest checkpoint belongs to a run on other data."""
     root, environment = env
@@ -359,6 +362,7 @@ def test_another_runs_checkpoint_copied_in_is_refused(env, reference, tmp_path, 
     assert "partition" in err
 
 
+@pytest.mark.slow
 def test_more_rounds_and_another_cadence_are_allowed(env, reference, tmp_path):
     root, environment = env
     out = tmp_path / "run"
@@ -408,6 +412,7 @@ def test_a_finished_sweep_keeps_one_checkpoint_per_chunk(env, tmp_path):
     assert all(_steps(chunk) == [3] for chunk in chunks)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_clear_line_and_the_run_resumes_afterwards(
     env, reference, tmp_path, monkeypatch, capsys
 ):

@@ -523,6 +523,7 @@ def test_the_parallel_sampler_is_floyds_sequential_algorithm_bit_for_bit(n, s):
         assert ids.tolist() == floyd(j)
 
 
+@pytest.mark.slow
 def test_skewed_clients_sorted_into_chunks_equal_the_padded_round():
     """Clients of 1..60 examples under an epochs plan take 1..30 steps: sorted by step
     count into chunks, each chunk looping only as long as its longest client, the rounds

@@ -182,7 +182,7 @@ def test_declared_hyper_parameters_are_read_without_building_the_algorithm(monke
             built[name] = spec.build(lambda params, batch: None, **options)
         except ValueError:  # Scaffnew refuses a server optimizer
             continue
-    for name, algorithm in built.items():
+    for name in built:
         monkeypatch.setitem(ALGORITHMS._entries, name, ALGORITHMS[name]._replace(factory=refuse))
     for name, algorithm in built.items():
         config = RunConfig(algorithm=name, **options)

@@ -230,6 +230,7 @@ def test_bytes_are_the_bodys_down_and_up(name, small_data, mlp):
     )
 
 
+@pytest.mark.slow
 def test_compression_and_privacy_work_on_the_body_alone(small_data, mlp):
     rep = ALGORITHMS["fedrep"].build(mlp.loss_fn)
     topk = compressed(rep, "topk")

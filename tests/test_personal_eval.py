@@ -150,6 +150,7 @@ def test_chunking_and_the_fixed_sample(setup):
     np.testing.assert_array_equal(ids, again["client"])  # drawn once: every evaluation's
 
 
+@pytest.mark.slow
 def test_a_run_records_them_and_the_cli_writes_personal_csv(setup, tmp_path):
     data, _, _, problem = setup
     sim = simulation(problem, Personalization(finetune_steps=2))

@@ -245,7 +245,10 @@ def test_sigkill_at_many_points_then_resume(env, reference, records, delay, tmp_
 
 @pytest.mark.parametrize(
     ("sig", "status"),  # SIGTERM's line and status are also tested in process (test_cli)
-    [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)],
+    [
+        pytest.param(sig, code, marks=pytest.mark.slow)
+        for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143))
+    ],
 )
 def test_sigint_and_sigterm_stop_cleanly_and_resume(env, reference, sig, status, tmp_path):
     root, environment = env

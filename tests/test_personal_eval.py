@@ -223,3 +223,26 @@ def test_a_sweeps_configs_equal_their_single_runs(setup):
                         seed=int(seed)).records[-1]  # fmt: skip
         for name in ("personal_accuracy_mean", "local_loss_mean", "personal_gain_fraction"):
             np.testing.assert_allclose(swept.records[j][-1][name], alone[name], rtol=1e-6)
+
+
+def test_under_privacy_only_the_upload_is_private(setup):
+    """Ditto inside the DP wrapper: x moves by at most the clipped, noiseless mean, while
+    each trained client's v_i moves freely (its personal model never leaves it), and the
+    personal model read through the wrapper is v_i."""
+    data, _, _, problem = setup
+    private = sj.privacy.private(sj.algorithms.make("ditto", problem.loss_fn))
+    sim = sj.Simulation(private, problem, PLAN, 3)
+    hp = {"client_lr": LR, "dp_noise_multiplier": 0.0, "dp_clip": 1e-3}
+    result = sim.run(data, hp, num_rounds=2, eval_every=2, seed=0)
+    x = result.state.server.inner.params
+    moved_x = max(float(np.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(x), jax.tree.leaves(problem.params), strict=True))  # fmt: skip
+    v = result.state.clients.own
+    moved_v = max(float(np.abs(a - b[None]).max()) for a, b in zip(
+        jax.tree.leaves(v), jax.tree.leaves(problem.params), strict=True))  # fmt: skip
+    assert 0 < moved_x <= 2e-3 + 1e-6 and moved_v > 50 * moved_x
+    row = jax.tree.map(lambda a: a[0], result.state.clients)
+    p = private.personal(sim.resolve_hparams(hp), result.state.server, row, None)
+    assert all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(p), jax.tree.leaves(row.own), strict=True))  # fmt: skip
+    assert "personal_accuracy_mean" in result.records[-1]

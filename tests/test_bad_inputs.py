@@ -674,11 +674,19 @@ CASES = [
     Case("client-table-too-large", "a client table larger than the memory (N = 10**12)",
          "Simulation.run", ValueError,
          "the client table of N = 1000000000000 clients needs 72000000000000 bytes (65.5 TiB), "
-         "more than the 1073741824 bytes (1.0 GiB) available on …; one round's batches add 96 "
-         "bytes. Use fewer clients N or a smaller model, or split the table over more devices "
-         "with a ClientMesh layout (scaffold_jax.layout).",
+         "more than the 1073741824 bytes (1.0 GiB) available on …; one round's chunk of 2 "
+         "clients adds … bytes of local work. Use fewer clients N or a smaller model, or split "
+         "the table over more devices with a ClientMesh layout (scaffold_jax.layout).",
          lambda ctx: with_memory(2**30, lambda: run(
              ctx, data=dataclasses.replace(ctx.data, num_clients=10**12)))),
+    Case("round-work-too-large", "a round's K local steps of batches larger than the memory",
+         "Simulation.run", ValueError,
+         "one round's local work needs 97176 bytes (94.9 KiB) with the client table, more "
+         "than the 90000 bytes (87.9 KiB) available on cpu: each chunk of 2 clients gathers "
+         "its K = 1000 local steps' batches at once (94.4 KiB). Use fewer local steps or a "
+         "smaller batch size, client_chunk=1, or a smaller model.",
+         lambda ctx: with_memory(90_000, lambda: run(
+             ctx, sim=simulation(ctx, plan=sj.BatchPlan.fixed(2, 1000))))),
     # ----- step sizes beyond float32 (finite in Python, inf once float32)
     Case("client-lr-beyond-float32", "η_l = 1e39", "hparams", ValueError,
          "client_lr=1e+39 is invalid: hyper-parameters are float32, where it would become inf; "

@@ -140,6 +140,33 @@ def test_a_run_resumes_from_its_default_folder(monkeypatch, tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    "error",
+    ["RESOURCE_EXHAUSTED: Out of memory while trying to allocate 531264504608 bytes.",
+     "INTERNAL: Error dispatching computation: Out of memory allocating 7329695328 bytes."],
+)  # fmt: skip
+def test_running_out_of_memory_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys, error):
+    """XLA's failure to allocate, which no check before the run foresaw (the fuzz's config
+    that asked for 7.3 GB under an 8 GiB limit), ends the command with exit 1 and one line
+    naming it; any other XLA runtime error stays a traceback (a bug to report)."""
+    import jax
+
+    def run_grid(grid, folder, **options):
+        raise jax.errors.JaxRuntimeError(error)
+
+    monkeypatch.setattr(commands, "run_grid", run_grid)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *QUAD, "--rounds", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"scaffold-jax: error: the run ran out of memory ({error}); finished records are kept."
+    )
+    monkeypatch.setattr(commands, "run_grid", lambda *a, **k: (_ for _ in ()).throw(
+        jax.errors.JaxRuntimeError("INTERNAL: something else")))  # fmt: skip
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        main(["run", *QUAD, "--rounds", "2"])
+
+
 # ----------------------------------------------------------------------------- plugins
 def test_plugin_before_the_command_works_as_after_it(tmp_path):
     assert cli._parse(["--plugin", PLUGIN, "run", "--algorithm", "damped_fedavg"]).plugin == [

@@ -684,6 +684,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:
         from scaffold_jax.registry import plugin_blamed
 
+        if _out_of_memory(err):  # what the checks before the run could not foresee
+            first = str(err).strip().splitlines()[0]
+            print(
+                f"scaffold-jax: error: the run ran out of memory ({first}); finished records "
+                "are kept. Use a smaller model, dataset, batch size, number of local steps "
+                "or client_chunk, or a machine with more memory.",
+                file=sys.stderr,
+            )
+            return 1
+
         where = plugin_blamed(err)
         if where is None:
             raise  # a bug of scaffold_jax: its traceback is what a report needs
@@ -701,6 +711,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 143
+
+
+def _out_of_memory(err: Exception) -> bool:
+    """Whether ``err`` is XLA's failure to allocate a buffer (``RESOURCE_EXHAUSTED``, or
+    the CPU client's "Out of memory allocating N bytes"), or Python's."""
+    import jax
+
+    text = str(err)
+    return isinstance(err, MemoryError) or (
+        isinstance(err, jax.errors.JaxRuntimeError)
+        and ("RESOURCE_EXHAUSTED" in text or "Out of memory" in text)
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ PLUGINS = Path(__file__).parent / "plugins"
 
 EVERY_GROUP = [
     "basic run", "data", "model", "algorithm", "local work", "sampling, participation and time",
-    "privacy", "communication", "evaluation", "personalization", "output and resuming",
+    "privacy", "robustness", "communication", "evaluation", "personalization",
+    "output and resuming",
 ]  # fmt: skip
 TITLES = {
     "run": EVERY_GROUP,

@@ -48,6 +48,10 @@ def _setting(feature: str, mode: str):
     if feature == "privacy":
         algorithm = private(algorithm)
         hparams.update(dp_noise_multiplier=0.1, dp_clip=1.0)
+    if feature == "attack":
+        algorithm = sj.robust.attacked(algorithm, "signflip")
+    if feature == "robust_aggregation":
+        algorithm = sj.robust.robustly_aggregated(algorithm, "median")
     part = participation.make(**models, options=options)
     execution = sj.FedBuff(4, 2) if mode == "fedbuff" else None
     sim = sj.Simulation(algorithm, problem, PLAN, 2, participation=part, execution=execution)

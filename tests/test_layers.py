@@ -18,7 +18,7 @@ PACKAGE = Path(scaffold_jax.__file__).parent
 LAYERS = [
     ["types", "tree", "registry", "compilation_cache", "resources", "versions", "compatibility"],
     ["local", "messages", "optimizers", "sampling", "weighting", "layout", "data"],
-    ["algorithms", "models", "privacy", "participation", "compression"],
+    ["algorithms", "models", "privacy", "participation", "compression", "robust"],
     ["wrappers"],
     ["engine"],
     ["checkpoint", "diagnostics", "sweep"],

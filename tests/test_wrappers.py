@@ -9,10 +9,12 @@ from scaffold_jax.experiments import OPTION_OWNERS, RunConfig, resolve
 from scaffold_jax.wrappers import WRAPPERS, outermost_first, turned_off
 
 
-def test_the_table_applies_compression_first_and_privacy_outermost():
-    assert list(WRAPPERS) == ["compression", "privacy"]
-    assert [spec.field for spec in outermost_first()] == ["privacy", "compression"]
-    assert turned_off() == {"privacy": None, "compression": "none"}
+def test_the_table_applies_the_attack_first_and_privacy_outermost():
+    assert list(WRAPPERS) == ["attack", "compression", "aggregator", "privacy"]
+    assert [spec.field for spec in outermost_first()] == [
+        "privacy", "aggregator", "compression", "attack"]  # fmt: skip
+    assert turned_off() == {"privacy": None, "aggregator": "mean", "compression": "none",
+                            "attack": "none"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(WRAPPERS))

@@ -26,6 +26,7 @@ from scaffold_jax import (
     optimizers,
     participation,
     privacy,
+    robust,
     sampling,
     sweep,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "optimizers",
     "participation",
     "privacy",
+    "robust",
     "sampling",
     "scaffnew",
     "scaffold",

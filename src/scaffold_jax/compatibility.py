@@ -28,6 +28,8 @@ FEATURES: Mapping[str, str] = {
     "over_selection": "over-selection (sample ceil(f S), keep the S first)",
     "compression": "compression of the uplink (error feedback kept per client)",
     "privacy": "user-level differential privacy (clip, Gaussian noise, accountant)",
+    "attack": "Byzantine clients (an attack on what a malicious client sends)",
+    "robust_aggregation": "a robust aggregator (median, trimmed mean, Krum, ...)",
     "model_statistics": "a model with running statistics (BatchNorm)",
 }
 
@@ -41,6 +43,12 @@ _PRIVACY = (
     "does not apply and no accountant here covers it: use synchronous rounds for a private run"
 )
 
+_BYZANTINE = (
+    "the attacks and robust aggregators act on a synchronous round's cohort (the malicious "
+    "set is drawn per run, ALIE and IPM read the round's benign messages, an aggregator the "
+    "round's reporting clients), which a FedBuff step's buffer is not: use synchronous rounds"
+)
+
 #: ``MATRIX[mode][feature]``: None (composes) or the reason it does not.
 MATRIX: Mapping[str, Mapping[str, str | None]] = {
     "sync": {feature: None for feature in FEATURES},
@@ -48,6 +56,8 @@ MATRIX: Mapping[str, Mapping[str, str | None]] = {
         **{feature: None for feature in FEATURES},
         "over_selection": _OVER_SELECTION,
         "privacy": _PRIVACY,
+        "attack": _BYZANTINE,
+        "robust_aggregation": _BYZANTINE,
     },
 }
 
@@ -62,6 +72,8 @@ def features_of(algorithm, participation, problem) -> list[str]:
         "over_selection": profiles is not None and profiles.over_selection > 1.0,
         "compression": "compression" in algorithm.options,
         "privacy": "privacy" in algorithm.options,
+        "attack": "attack" in algorithm.options,
+        "robust_aggregation": "aggregator" in algorithm.options,
         "model_statistics": problem.model_state is not None,
     }
     return [feature for feature in FEATURES if on[feature]]

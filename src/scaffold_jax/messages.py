@@ -13,7 +13,8 @@ A :class:`MessageTransform` is a pair of pure functions, as an optax transformat
   ``message``, and ``weight``, 0 for a client that does not report) and their states in,
   the rows the server aggregates out, with the new states and ``released``, a dict of
   values the server may read beside the rows (the algorithm's ``server_update`` gets it
-  as ``released=`` when it has that parameter).
+  as ``released=`` when it has that parameter); its ``"metrics"`` entry, a dict of
+  scalars, joins the round's metrics (the Byzantine clients' counts).
 
 :func:`chain` composes transforms, applied in order. An algorithm names its chain in
 :attr:`Algorithm.messages <scaffold_jax.types.Algorithm.messages>`; differential privacy
@@ -42,12 +43,19 @@ class MessageContext(NamedTuple):
       cohort_size: the round's expected cohort S (float32): differential privacy divides
         by it, never by the realised count.
       key: the server's key of the round (:func:`scaffold_jax.engine.server_key`).
+      ids: the ``[S]`` ids of the rows (−1 for a varying cohort's empty slots).
+      run_key: a key constant for the whole run (the Byzantine clients' set is drawn
+        from it); None where the execution mode gives none (FedBuff).
+      num_clients: N.
     """
 
     hparams: HParams
     server: PyTree
     cohort_size: jax.Array
     key: jax.Array
+    ids: jax.Array | None = None
+    run_key: jax.Array | None = None
+    num_clients: int | None = None
 
 
 class MessageTransform(NamedTuple):
@@ -111,7 +119,8 @@ def chain(*transforms: MessageTransform | None) -> MessageTransform | None:
                 outputs, None if states is None else states[i], context
             )
             new_states.append(state)
-            released.update(out)
+            for name, value in out.items():  # the transforms' records add up
+                released[name] = {**released.get(name, {}), **value} if name == "metrics" else value
         return outputs, (None if states is None else tuple(new_states)), released
 
     # What is sent is the last size-changing transform's (compression, say): the others

@@ -9,7 +9,9 @@ own registry of kinds, or turns it off (``"none"``, None).
 
 The table's order is the order they are applied in, innermost first:
 :func:`scaffold_jax.experiments.resolve.make_algorithm` builds
-``private(compressed(algorithm))``: each client compresses, then clips what it sends. The
+``private(robustly_aggregated(compressed(attacked(algorithm))))``: a malicious client
+attacks its message, each client compresses what it sends, the server aggregates
+robustly; differential privacy clips what is sent (and refuses a robust aggregator). The
 layers above read everything else from the table too: the config fields' help, the
 registries whose entries declare options and hyper-parameters (``OPTION_OWNERS``,
 ``docs/config.md``), the ``--help`` groups, a run's chosen entries and the hyper-parameters
@@ -31,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from scaffold_jax import compression, privacy
+from scaffold_jax import compression, privacy, robust
 from scaffold_jax.registry import Registry
 from scaffold_jax.types import Algorithm, HParam
 
@@ -61,10 +63,18 @@ class WrapperSpec(NamedTuple):
 
 #: The wrappers, by name (their config field), in the order they are applied.
 WRAPPERS: Registry[WrapperSpec] = Registry("wrapper")
+WRAPPERS.register("attack", WrapperSpec(
+    "attack", robust.ATTACKS, "none", robust.wrap_attack, "robustness",
+    "Byzantine clients: none, signflip, gaussian, alie, ipm (a fraction byzantine_fraction "
+    "of the clients, fixed for the run, sends the attack)"))  # fmt: skip
 WRAPPERS.register("compression", WrapperSpec(
     "compression", compression.COMPRESSORS, "none", compression.wrap, "communication",
     "compression of the clients' uplink: none, qsgd (compress_bits), topk and signef "
     "(with error feedback), randk (compress_fraction)"))  # fmt: skip
+WRAPPERS.register("aggregator", WrapperSpec(
+    "aggregator", robust.AGGREGATORS, "mean", robust.wrap_aggregator, "robustness",
+    "the server's aggregation of the reporting messages: mean, median, trimmed_mean, krum, "
+    "multikrum, geomed (bucket_size: over means of random buckets)"))  # fmt: skip
 WRAPPERS.register("privacy", WrapperSpec(
     "privacy", privacy.MECHANISMS, None, privacy.wrap, "privacy",
     "user-level differential privacy: gaussian (each client's whole message clipped to "

@@ -66,9 +66,12 @@ def client_messages(ctx, hparams, server_in, outputs, states, rnd: Round):
     transform = ctx.algorithm.messages
     sent, states, released = outputs, states, {}
     if transform is not None:
+        ids, sampled = rnd.draw.ids, rnd.draw.sampled
         context = MessageContext(
-            hparams, server_in, rnd.aggregation["cohort_size"], rnd.aggregation["key"]
-        )
+            hparams, server_in, rnd.aggregation["cohort_size"], rnd.aggregation["key"],
+            ids if sampled is None else jnp.where(sampled, ids, -1),
+            rnd.aggregation.get("run_key"), rnd.aggregation.get("num_clients"),
+        )  # fmt: skip
         sent, states, released = transform.apply(outputs, states, context)
     return scaled(sent, rnd.scale), states, released
 
@@ -227,6 +230,7 @@ def server_side(ctx, rnd: Round, hparams, server_in, server_before, rows: Rows, 
     server, server_metrics = aggregate(ctx, hparams, server_in, sent, rnd, released)
     new_rows = client_sync(ctx, hparams, server_in, server, new_rows, outputs)
     metrics = round_metrics(ctx, scaled(outputs, rnd.scale), server, server_metrics, rnd)
+    metrics.update(released.get("metrics", {}))  # the transforms' records
     new = (server, new_rows, new_model, new_messages)
     if diverged is not None:
         model = rows.model

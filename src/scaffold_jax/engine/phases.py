@@ -232,6 +232,12 @@ def shared(ctx, draw: Draw) -> dict[str, jax.Array]:
     return {"cohort_size": jnp.float32(ctx.clients_per_round), "key": server_key(draw.round_key)}
 
 
+def run_constants(data, key: jax.Array) -> dict:
+    """What the message transforms may read of the run itself: its constant key
+    (:func:`constants_key`; Byzantine clients' set is drawn from it) and N."""
+    return {"run_key": constants_key(key), "num_clients": data.num_clients}
+
+
 def pre_round(ctx, hparams, server, rows_in, draw, cohort, data, per_config):
     """The algorithm's pass over each sampled client's whole data before the local work
     (Mime's full-batch gradient at x): new rows and server state; unchanged without one."""

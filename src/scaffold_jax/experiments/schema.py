@@ -171,6 +171,8 @@ class ConfigFields:
         "str", sampling.SAMPLERS)
     privacy: str | None = _wrapper_field("privacy")
     compression: str = _wrapper_field("compression")
+    attack: str = _wrapper_field("attack")
+    aggregator: str = _wrapper_field("aggregator")
     availability: str = _opt(
         participation.DEFAULTS["availability"],
         "which clients can be sampled in a round: always, cyclic (G groups in turn, "

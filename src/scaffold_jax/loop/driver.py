@@ -500,11 +500,13 @@ def drive(
 #: Round metrics every record reports as their mean since the previous evaluation (those a
 #: round reports: the cohort of a varying-size sampler or of partial participation, the
 #: available clients, the dropped ones, the stragglers' completed steps, a private run's
-#: clip norm and the fraction of its clients clipped).
+#: clip norm and the fraction of its clients clipped, the malicious clients sampled and
+#: reported and how many of them a Krum selected).
 RECORDED_ROUND_METRICS = (
     "local_loss", "client_drift", "participants", "available", "dropped", "steps_taken",
     "dp_clip_norm", "dp_clipped_fraction", "downloads", "uploads", "late", "round_duration",
-    "staleness_mean", "staleness_max",
+    "staleness_mean", "staleness_max", "malicious_sampled", "malicious_reported",
+    "aggregator_selected_malicious",
 )  # fmt: skip
 
 #: Round metrics whose running totals records also carry, by the total's name: the

@@ -192,6 +192,12 @@ def private(
         )
     if any(name in algorithm.hparams for name in HPARAMS):
         raise ValueError(f"{algorithm.name} is private already: wrap an algorithm once.")
+    if "aggregator" in algorithm.options:
+        raise ValueError(
+            f"aggregator = {algorithm.options['aggregator']['aggregator']!r} with differential "
+            "privacy is refused: the noise is calibrated to the clipped SUM of the messages, "
+            "which a robust aggregator does not release; use aggregator = 'mean' with privacy."
+        )
     accounting.check_privacy_parameters(delta=delta)
     if accountant is not None and accountant not in accounting.ACCOUNTANTS:
         raise ValueError(

@@ -1,0 +1,197 @@
+"""Byzantine clients and robust aggregation in the round (scaffold_jax.robust): the engine's
+SCAFFOLD round under attack against a numpy float64 reference built from the honest run's
+own client table, the contract's identities, and the refusals. (The attacks and the
+aggregators alone are checked in tests/test_robust_attacks.py and
+tests/test_robust_aggregators.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.random as jr
+import numpy as np
+import pytest
+
+import scaffold_jax as sj
+from scaffold_jax import robust
+from scaffold_jax.engine import constants_key
+from scaffold_jax.robust import malicious
+from tests.conftest import binary_clients
+
+PLAN = sj.BatchPlan.fixed(batch_size=2, num_steps=2)
+SIZES = [4, 6, 4, 5, 8, 4, 6, 4]
+N = len(SIZES)
+LR = 0.1
+
+
+@pytest.fixture(scope="module")
+def setting():
+    problem = sj.models.logistic_regression((3,), 2)
+    return problem, binary_clients(SIZES, 1)
+
+
+def _run(setting, algorithm, s=N, rounds=1, **hparams):
+    problem, data = setting
+    sim = sj.Simulation(algorithm, problem, PLAN, s, weighting="uniform")
+    return sim.run(data, sj.hparams(client_lr=LR, **hparams), num_rounds=rounds, seed=3)
+
+
+def _flat(tree) -> np.ndarray:
+    return np.concatenate(
+        [np.asarray(a, np.float64).reshape(N, -1) for a in jax.tree.leaves(tree)], 1
+    )
+
+
+def _vector(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(a, np.float64).ravel() for a in jax.tree.leaves(tree)])
+
+
+@pytest.fixture(scope="module")
+def honest(setting):
+    """Round 1 of SCAFFOLD with every client: c = c_i = 0 before it, so each client's
+    Δy_i = −K η_l c_i⁺ and Δc_i = c_i⁺ (option II), read from the client table."""
+    problem, _ = setting
+    result = _run(setting, sj.scaffold(problem.loss_fn))
+    dc = _flat(result.state.clients.control)
+    dy = -PLAN.num_steps * LR * dc
+    x0 = _vector(problem.params)
+    # The derivation itself: the plain round moves x by the mean Δy and c by (n/N) mean Δc.
+    np.testing.assert_allclose(_vector(result.state.server.params), x0 + dy.mean(0), rtol=1e-5,
+                               atol=1e-7)  # fmt: skip
+    np.testing.assert_allclose(_vector(result.state.server.control), dc.mean(0), rtol=1e-5,
+                               atol=1e-7)  # fmt: skip
+    return result, dy, dc, x0
+
+
+def _median(rows):
+    return np.array([np.median(column) for column in rows.T])
+
+
+def _trimmed(rows, beta):
+    k = int(np.floor(beta * len(rows)))
+    return np.array([np.mean(sorted(column)[k : len(column) - k]) for column in rows.T])
+
+
+def _krum(rows, f):
+    n = len(rows)
+    q = max(1, n - f - 2)
+    scores = []
+    for i in range(n):
+        d = sorted(float(np.sum((rows[i] - rows[j]) ** 2)) for j in range(n) if j != i)
+        scores.append(sum(d[:q]))
+    return rows[int(np.argmin(scores))]
+
+
+@pytest.mark.parametrize(
+    ("aggregator", "reference"),
+    [("median", _median), ("trimmed_mean", lambda r: _trimmed(r, 0.25)),
+     ("krum", lambda r: _krum(r, 2))],
+)  # fmt: skip
+def test_scaffold_under_signflip_moves_x_and_c_by_the_robust_aggregate(
+    setting, honest, aggregator, reference
+):
+    """The malicious clients (the run's rank set: f = 0.25 of N = 8, two clients) send
+    −2·(Δy_i, Δc_i); the server moves x by agg(Δy) and c by (n/N)·agg(Δc), each client's
+    whole message (Δy, Δc) one vector for Krum, and every client writes its HONEST c_i⁺."""
+    problem, _ = setting
+    _, dy, dc, x0 = honest
+    algorithm = robust.robustly_aggregated(
+        robust.attacked(sj.scaffold(problem.loss_fn), "signflip"), aggregator
+    )
+    extra = {"trim_fraction": 0.25} if aggregator == "trimmed_mean" else {}
+    result = _run(setting, algorithm, byzantine_fraction=0.25, attack_scale=2.0, **extra)
+    bad = np.asarray(malicious.is_malicious(constants_key(jr.key(3)), N, 0.25, np.arange(N)))
+    assert bad.sum() == 2
+    sent = np.where(bad[:, None], -2.0 * np.concatenate([dy, dc], 1), np.concatenate([dy, dc], 1))
+    width = dy.shape[1]
+    agg = reference(sent)  # Krum on each whole message, the others per coordinate
+    np.testing.assert_allclose(_vector(result.state.server.params), x0 + agg[:width], rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(_vector(result.state.server.control), agg[width:], rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    np.testing.assert_array_equal(_flat(result.state.clients.control), dc.astype(np.float32))
+    record = result.records[-1]
+    assert record["malicious_sampled"] == 2 and record["malicious_reported"] == 2
+    if aggregator == "krum":
+        chosen = int(np.flatnonzero(np.all(np.isclose(sent, agg), 1))[0])
+        assert record["aggregator_selected_malicious"] == float(bad[chosen])
+
+
+def test_a_zero_fraction_or_no_attack_is_the_plain_run_bitwise(setting, honest):
+    problem, _ = setting
+    plain = honest[0]
+    for attack in ("signflip", "gaussian", "alie", "ipm"):
+        run = _run(setting, robust.attacked(sj.scaffold(problem.loss_fn), attack),
+                   byzantine_fraction=0.0)  # fmt: skip
+        for a, b in zip(jax.tree.leaves(run.state), jax.tree.leaves(plain.state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    algorithm = sj.scaffold(problem.loss_fn)
+    assert robust.attacked(algorithm, "none") is algorithm
+    assert robust.robustly_aggregated(algorithm, "mean") is algorithm
+
+
+@pytest.mark.parametrize(
+    ("aggregator", "hparams", "options"),
+    [("trimmed_mean", {"trim_fraction": 0.0}, {}), ("multikrum", {}, {"krum_m": N}),
+     ("median", {}, {})],
+)  # fmt: skip
+def test_the_contracts_identities_equal_the_mean_over_rounds(setting, aggregator, hparams, options):
+    """β = 0, m = n, and the median of n ≤ 2 are the uniform mean. Three rounds of SCAFFOLD,
+    two clients a round for the median (n ≤ 2), the whole cohort otherwise."""
+    problem, _ = setting
+    s = 2 if aggregator == "median" else N
+    plain = _run(setting, sj.scaffold(problem.loss_fn), s=s, rounds=3)
+    algorithm = robust.robustly_aggregated(sj.scaffold(problem.loss_fn), aggregator, **options)
+    run = _run(setting, algorithm, s=s, rounds=3, **hparams)
+    for a, b in zip(jax.tree.leaves(run.state), jax.tree.leaves(plain.state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sweep_over_the_fraction_is_one_program_equal_to_its_single_runs(setting):
+    from scaffold_jax.sweep import grid, sweep
+
+    problem, data = setting
+    algorithm = robust.robustly_aggregated(
+        robust.attacked(sj.scaffold(problem.loss_fn), "ipm"), "median"
+    )
+    sim = sj.Simulation(algorithm, problem, PLAN, 4, weighting="uniform")
+    hparams, seeds, _ = grid(client_lr=[LR], byzantine_fraction=[0.0, 0.25, 0.375], seeds=[3])
+    result = sweep(sim, data, hparams, seeds, num_rounds=3)
+    for i, f in enumerate(np.asarray(hparams.byzantine_fraction)):
+        single = sim.run(data, sj.hparams(client_lr=LR, byzantine_fraction=float(f)),
+                         num_rounds=3, seed=3)  # fmt: skip
+        for a, b in zip(jax.tree.leaves(single.state.server),
+                        jax.tree.leaves(jax.tree.map(lambda x: x[i], result.server_states)),
+                        strict=True):  # fmt: skip
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_malicious_set_is_nested_in_the_fraction_and_fixed_for_the_run(setting):
+    key = constants_key(jr.key(3))
+    ids = np.arange(100)
+    sets = [np.asarray(malicious.is_malicious(key, 100, f, ids)) for f in (0.1, 0.2, 0.3)]
+    assert [s.sum() for s in sets] == [10, 20, 30]
+    assert np.all(sets[0] <= sets[1]) and np.all(sets[1] <= sets[2])
+
+
+def test_refusals_name_the_problem(setting):
+    problem, data = setting
+    scaffold = sj.scaffold(problem.loss_fn)
+    with pytest.raises(ValueError, match="with differential privacy is refused"):
+        sj.privacy.private(robust.robustly_aggregated(scaffold, "median"))
+    with pytest.raises(ValueError, match="reads each client's output on its own"):
+        robust.robustly_aggregated(sj.fednova(problem.loss_fn), "median")
+    with pytest.raises(ValueError, match="bucket_size > 1 with aggregator = 'mean'"):
+        robust.robustly_aggregated(scaffold, "mean", bucket_size=2)
+    sim = sj.Simulation(robust.robustly_aggregated(scaffold, "median"), problem, PLAN, 4,
+                        weighting="num_examples")  # fmt: skip
+    with pytest.raises(ValueError, match="use weighting = 'uniform', not 'num_examples'"):
+        sim.run(data, sj.hparams(client_lr=LR), num_rounds=1)
+    with pytest.raises(ValueError, match="byzantine_fraction"):
+        _run(setting, robust.attacked(scaffold, "signflip"), byzantine_fraction=0.5)
+    from scaffold_jax import participation
+
+    buffered = sj.Simulation(robust.attacked(scaffold, "signflip"), problem, PLAN, 2,
+                             participation=participation.make(profiles="lognormal"),
+                             execution=sj.FedBuff(4, 2))  # fmt: skip
+    with pytest.raises(ValueError, match="FedBuff with Byzantine clients"):
+        buffered.run(data, sj.hparams(client_lr=LR), num_rounds=1)

@@ -40,6 +40,7 @@ REQUIRED = {
     "how-to/privacy",
     "how-to/participation",
     "how-to/communication",
+    "how-to/robustness",
     "how-to/performance",
     "explanation/design",
     "explanation/scaffold",

@@ -195,3 +195,22 @@ def test_refusals_name_the_problem(setting):
                              execution=sj.FedBuff(4, 2))  # fmt: skip
     with pytest.raises(ValueError, match="FedBuff with Byzantine clients"):
         buffered.run(data, sj.hparams(client_lr=LR), num_rounds=1)
+
+
+def test_the_command_line_runs_an_attack_and_refuses_what_cannot_compose(tmp_path, capsys):
+    from scaffold_jax.cli import main
+    from scaffold_jax.results import read_records
+
+    base = ["run", "--dataset", "synthetic", "--num-clients", "10", "--clients-per-round", "5",
+            "--rounds", "2", "--eval-every", "1", "--quiet"]  # fmt: skip
+    argv = [*base, "--attack", "ipm", "--byzantine-fraction", "0.2", "--aggregator",
+            "trimmed_mean", "--trim-fraction", "0.2", "--bucket-size", "2"]  # fmt: skip
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    records = read_records(tmp_path / "run")
+    assert all(0 <= r["malicious_reported"] <= r["malicious_sampled"] <= 2 for r in records[1:])
+    capsys.readouterr()
+    refused = [*base, "--aggregator", "median", "--dp-noise-multiplier", "1", "--dp-clip", "1",
+               "--out", str(tmp_path / "dp")]  # fmt: skip
+    assert main(refused) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "aggregator = 'median' with privacy = 'gaussian'" in err

@@ -297,12 +297,15 @@ def split_axes(
     algorithms: Sequence[str],
     privacy: str | None = None,
     compression: str = "none",
+    wrapped: Sequence[str] = (),
 ) -> tuple[dict[str, list[float]], dict[str, list[float | int]]]:
     """``(hyper-parameter axes, setting axes)``: the names the sweep's algorithms declare
     (vmapped in one program per grid) and the data/shape settings (an outer product of
     separate programs). With a ``privacy`` mechanism its hyper-parameters are vmapped
     axes too, and so is ``dp_epsilon``: each target is calibrated to its noise
-    multiplier, one config each.
+    multiplier, one config each. ``wrapped``: the hyper-parameters the config's other
+    wrappers add (an attack's ``byzantine_fraction``, an aggregator's ``trim_fraction``),
+    vmapped axes as well.
 
     Raises:
       ConfigError: a name that is neither (naming what it is and what to do), or an
@@ -313,6 +316,7 @@ def split_axes(
         declared += [*MECHANISMS[privacy].hparams, EPSILON_AXIS]
     if compression in COMPRESSORS:  # qsgd's bits, topk's fraction: one program's configs
         declared += list(COMPRESSORS[compression].hparams)
+    declared += [name for name in wrapped if name not in declared]
     settings = setting_fields()
     inner, outer = {}, {}
     for name, values in axes.items():
@@ -456,7 +460,7 @@ def sweep_grid(
                 raise ConfigError(
                     f"{key} does not apply to any algorithm of this sweep ({', '.join(names)})."
                 )
-    inner, outer = split_axes(axes, names, given.privacy, given.compression)
+    inner, outer = split_axes(axes, names, given.privacy, given.compression, list(private))
     targets = inner.pop(EPSILON_AXIS, None)
     if targets is not None and "dp_noise_multiplier" in inner:
         raise ConfigError(

@@ -25,6 +25,7 @@ from scaffold_jax.experiments.schema import ConfigFields
 from scaffold_jax.models import MODELS
 from scaffold_jax.privacy import MECHANISMS
 from scaffold_jax.registry import ConfigError, Registry, did_you_mean, in_one_line
+from scaffold_jax.robust import AGGREGATORS, ATTACKS
 from scaffold_jax.types import FLOAT32_TINY, STATE_POLICIES, STEP_SIZES, allowed_range
 from scaffold_jax.weighting import WEIGHTINGS
 from scaffold_jax.wrappers import chosen_hparams
@@ -116,6 +117,9 @@ def validate(config: ConfigFields) -> Any:
     if check.registered("compression", config.compression, COMPRESSORS):
         if _check_compression_options(config, errors):
             _check_compression(config, errors)
+    attack_ok = check.registered("attack", config.attack, ATTACKS)
+    if check.registered("aggregator", config.aggregator, AGGREGATORS) and attack_ok:
+        _check_robustness(config, errors)
     _check_plan(config, check, errors)
     check.integer(
         "rounds", config.rounds, low=1, high=MAX_ROUNDS,
@@ -472,6 +476,23 @@ def _most_local_steps(config: ConfigFields) -> int | None:
     except (ValueError, TypeError, KeyError, OverflowError):
         return None
     return None if plan.steps_vary else int(plan.shape(1)[0])
+
+
+def _check_robustness(config: ConfigFields, errors: list[str]) -> None:
+    """What a robust aggregator cannot compose with, said before anything is built."""
+    if config.aggregator == "mean":
+        return
+    if config.privacy is not None:
+        errors.append(
+            f"aggregator = {config.aggregator!r} with privacy = {config.privacy!r} is refused: "
+            "the noise is calibrated to the clipped SUM of the messages, which a robust "
+            "aggregator does not release; use aggregator = 'mean' with privacy."
+        )
+    if config.weighting != "uniform":
+        errors.append(
+            f"aggregator = {config.aggregator!r} weighs every reporting client the same: use "
+            f"weighting = 'uniform', not {config.weighting!r}."
+        )
 
 
 def _check_compression_options(config: ConfigFields, errors: list[str]) -> bool:

@@ -41,6 +41,7 @@ FRACTION = {
     "byzantine_fraction": HParam(
         0.1, "fraction f of the N clients that are malicious, in [0, 0.5) (a fixed set "
         "drawn from the seed)", allow_zero=True, maximum=0.4999999,
+        tradeoff=True,  # a condition of the study, never "tuned": one row per value
     ),
 }  # fmt: skip
 
@@ -200,7 +201,7 @@ class AggregatorSpec(NamedTuple):
 #: The options every robust aggregator takes.
 BUCKETING = {
     "bucket_size": Option(1, "bucketing before the aggregator: the mean of random buckets "
-                          "of s reporting clients (1: none)", "int", low=1),
+                          "of s reporting clients (1: none)", "int", low=1, high=10**9),
 }  # fmt: skip
 
 
@@ -227,7 +228,7 @@ def _multikrum(rows, mask, hparams, options, context):
 
 _KRUM_OPTIONS = {
     "robust_f": Option(None, "krum, multikrum: the assumed number F of Byzantine messages "
-                       "(default ⌊f·S⌋ of byzantine_fraction)", "int", low=0),
+                       "(default ⌊f·S⌋ of byzantine_fraction)", "int", low=0, high=10**9),
 }  # fmt: skip
 
 AGGREGATORS: Registry[AggregatorSpec] = Registry("aggregator")
@@ -279,7 +280,11 @@ AGGREGATORS.register(
             **BUCKETING,
             **_KRUM_OPTIONS,
             "krum_m": Option(
-                None, "multikrum: how many messages are averaged (default n − F)", "int", low=1
+                None,
+                "multikrum: how many messages are averaged (default n − F)",
+                "int",
+                low=1,
+                high=10**9,
             ),
         },
     ),
@@ -288,7 +293,7 @@ AGGREGATORS.register("geomed", AggregatorSpec(
     lambda rows, mask, hp, opt, ctx: (aggregators.geomed(
         rows, mask, opt.get("geomed_iters", 8)), None), {},
     "geometric median (RFA, smoothed Weiszfeld)", {**BUCKETING, "geomed_iters": Option(
-        8, "geomed: Weiszfeld iterations T", "int", low=1)}))  # fmt: skip
+        8, "geomed: Weiszfeld iterations T", "int", low=1, high=10_000)}))  # fmt: skip
 
 
 def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Algorithm:

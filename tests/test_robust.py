@@ -214,3 +214,85 @@ def test_the_command_line_runs_an_attack_and_refuses_what_cannot_compose(tmp_pat
     assert main(refused) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "aggregator = 'median' with privacy = 'gaussian'" in err
+
+
+def _cclip(rows, centre, tau, iterations=1):
+    v = np.array(centre, np.float64)
+    for _ in range(iterations):
+        step = np.zeros_like(v)
+        for u in rows:
+            distance = np.linalg.norm(u - v)
+            step += (u - v) * (1.0 if distance == 0 else min(1.0, tau / distance))
+        v = v + step / len(rows)
+    return v
+
+
+def test_centered_clipping_starts_at_zero_and_keeps_its_centre_in_the_server_state(setting, honest):
+    """Round 1: the centre is 0, so x and c move by cclip(sent; 0, τ) (a numpy loop);
+    the new centre is that aggregate, in the server state."""
+    problem, _ = setting
+    _, dy, dc, x0 = honest
+    algorithm = robust.robustly_aggregated(
+        robust.attacked(sj.scaffold(problem.loss_fn), "signflip"), "cclip", cclip_iters=2
+    )
+    result = _run(setting, algorithm, byzantine_fraction=0.25, attack_scale=3.0, clip_radius=0.5)
+    bad = np.asarray(malicious.is_malicious(constants_key(jr.key(3)), N, 0.25, np.arange(N)))
+    honest_rows = np.concatenate([dy, dc], 1)
+    sent = np.where(bad[:, None], -3.0 * honest_rows, honest_rows)
+    agg = _cclip(sent, np.zeros(sent.shape[1]), 0.5, iterations=2)
+    server = result.state.server
+    assert isinstance(server, robust.CentredServerState)
+    width = dy.shape[1]
+    # The centre is the whole message flattened in tree order: delta_control, delta_params.
+    in_tree_order = np.concatenate([agg[width:], agg[:width]])
+    np.testing.assert_allclose(np.asarray(server.centre), in_tree_order, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_vector(server.inner.params), x0 + agg[:width], rtol=1e-5,
+                               atol=1e-7)  # fmt: skip
+    np.testing.assert_allclose(_vector(server.inner.control), agg[width:], rtol=1e-5, atol=1e-7)
+
+
+def test_centered_clipping_with_an_unbounded_radius_is_the_mean_and_resumes_exactly(
+    setting, tmp_path
+):
+    problem, data = setting
+    plain = _run(setting, sj.scaffold(problem.loss_fn), s=4, rounds=3)
+    algorithm = robust.robustly_aggregated(sj.scaffold(problem.loss_fn), "cclip")
+    hp = sj.hparams(client_lr=LR, clip_radius=1e30)  # beyond any distance: the mean
+    sim = sj.Simulation(algorithm, problem, PLAN, 4, weighting="uniform")
+    whole = sim.run(data, hp, num_rounds=3, seed=3)
+    for a, b in zip(jax.tree.leaves(whole.state.server.inner), jax.tree.leaves(plain.state.server),
+                    strict=True):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # Killed after round 2 and resumed: the centre comes back from the checkpoint.
+    sim.run(data, hp, num_rounds=2, seed=3, checkpoint_dir=tmp_path, checkpoint_every=1)
+    resumed = sim.run(data, hp, num_rounds=3, seed=3, checkpoint_dir=tmp_path, resume=True)
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_labelflip_trains_the_malicious_clients_on_flipped_labels(setting):
+    """The attacked run equals the plain run on data whose malicious clients' labels are
+    y → 1 − y (C = 2): their updates and their own controls honest on the flipped data."""
+    problem, data = setting
+    bad = np.asarray(malicious.is_malicious(constants_key(jr.key(3)), N, 0.25, np.arange(N)))
+    clients = binary_clients(SIZES, 1)
+    y = np.asarray(clients.examples["y"]).copy()
+    counts, offsets = np.asarray(clients.counts), np.asarray(clients.offsets)
+    for i in np.flatnonzero(bad):
+        rows = slice(offsets[i], offsets[i] + counts[i])
+        y[rows] = 1 - y[rows]
+    flipped = clients.replace(examples={**clients.examples, "y": jax.numpy.asarray(y)})
+    algorithm = robust.attacked(sj.scaffold(problem.loss_fn), "labelflip")
+    attacked = _run(setting, algorithm, rounds=2, byzantine_fraction=0.25)
+    sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, PLAN, N, weighting="uniform")
+    reference = sim.run(flipped, sj.hparams(client_lr=LR), num_rounds=2, seed=3)
+    for a, b in zip(jax.tree.leaves((attacked.state.server, attacked.state.clients)),
+                    jax.tree.leaves((reference.state.server, reference.state.clients)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert attacked.records[-1]["malicious_reported"] == 2
+    quadratic, qproblem, _ = __import__("tests.conftest", fromlist=["x"]).quadratic_clients()
+    with pytest.raises(ValueError, match="labelflip' flips a classifier's labels"):
+        sj.Simulation(robust.attacked(sj.scaffold(qproblem.loss_fn), "labelflip"), qproblem,
+                      sj.BatchPlan.full(1), 2).run(quadratic, sj.hparams(client_lr=0.1),
+                                                    num_rounds=1)  # fmt: skip

@@ -65,8 +65,8 @@ class WrapperSpec(NamedTuple):
 WRAPPERS: Registry[WrapperSpec] = Registry("wrapper")
 WRAPPERS.register("attack", WrapperSpec(
     "attack", robust.ATTACKS, "none", robust.wrap_attack, "robustness",
-    "Byzantine clients: none, signflip, gaussian, alie, ipm (a fraction byzantine_fraction "
-    "of the clients, fixed for the run, sends the attack)"))  # fmt: skip
+    "Byzantine clients: none, signflip, gaussian, alie, ipm, labelflip (a fraction "
+    "byzantine_fraction of the clients, fixed for the run, attacks)"))  # fmt: skip
 WRAPPERS.register("compression", WrapperSpec(
     "compression", compression.COMPRESSORS, "none", compression.wrap, "communication",
     "compression of the clients' uplink: none, qsgd (compress_bits), topk and signef "
@@ -74,7 +74,7 @@ WRAPPERS.register("compression", WrapperSpec(
 WRAPPERS.register("aggregator", WrapperSpec(
     "aggregator", robust.AGGREGATORS, "mean", robust.wrap_aggregator, "robustness",
     "the server's aggregation of the reporting messages: mean, median, trimmed_mean, krum, "
-    "multikrum, geomed (bucket_size: over means of random buckets)"))  # fmt: skip
+    "multikrum, geomed, cclip (bucket_size: over means of random buckets)"))  # fmt: skip
 WRAPPERS.register("privacy", WrapperSpec(
     "privacy", privacy.MECHANISMS, None, privacy.wrap, "privacy",
     "user-level differential privacy: gaussian (each client's whole message clipped to "

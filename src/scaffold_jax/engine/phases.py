@@ -27,8 +27,9 @@ left out of the metrics.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,8 @@ FULL_DATA = BatchPlan.full(1)
 class Draw(NamedTuple):
     """The round's sample: the round key, the sampled ids (replicated, for the table) and
     the same ids and keys laid out for the clients' work, the cohort mask (None: every
-    row takes part), the availability model's new state and the sample's metrics."""
+    row takes part), the availability model's new state, the sample's metrics and the
+    run's constants (:func:`run_constants`; empty where the execution mode gives none)."""
 
     round_key: jax.Array
     ids: jax.Array
@@ -76,6 +78,7 @@ class Draw(NamedTuple):
     sampled: jax.Array | None
     participation: PyTree
     metrics: dict[str, jax.Array]
+    run: Mapping[str, Any] = {}
 
 
 class Rows(NamedTuple):
@@ -152,7 +155,8 @@ def sample(ctx, state: SimState, data, key: jax.Array) -> Draw:
         ctx.participation.sampled(ctx.clients_per_round), ctx.sampler, available,
     )  # fmt: skip
     ids, sampled = split_sample(drawn)
-    return draw_of(ctx, round_key, ids, sampled, part_state, metrics)
+    draw = draw_of(ctx, round_key, ids, sampled, part_state, metrics)
+    return draw._replace(run=run_constants(ctx, data, key))
 
 
 def gather(ctx, state: SimState, ids: jax.Array, per_config, freeze: bool) -> Rows:
@@ -232,10 +236,12 @@ def shared(ctx, draw: Draw) -> dict[str, jax.Array]:
     return {"cohort_size": jnp.float32(ctx.clients_per_round), "key": server_key(draw.round_key)}
 
 
-def run_constants(data, key: jax.Array) -> dict:
-    """What the message transforms may read of the run itself: its constant key
-    (:func:`constants_key`; Byzantine clients' set is drawn from it) and N."""
-    return {"run_key": constants_key(key), "num_clients": data.num_clients}
+def run_constants(ctx, data, key: jax.Array) -> dict[str, Any]:
+    """What the clients' work (as ``run=``) and the message transforms may read of the run
+    itself: its constant key (:func:`constants_key`; the Byzantine clients' set is drawn
+    from it), N and the classifier's number of classes (None for a regression)."""
+    return {"run_key": constants_key(key), "num_clients": data.num_clients,
+            "num_classes": ctx.problem.num_classes}  # fmt: skip
 
 
 def pre_round(ctx, hparams, server, rows_in, draw, cohort, data, per_config):
@@ -343,6 +349,8 @@ def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, 
             extra = dict(common)
             if takes(algorithm.client_update, "draw"):
                 extra["draw"] = lambda stream: batches_of(extra_batches_key(client_key, stream))
+            if takes(algorithm.client_update, "client_id"):  # (a data-poisoning attack)
+                extra.update(client_id=client_id, run=draw.run)
             if ctx.stateful_model:
                 stats = server_stats if stats is None else stats
                 extra["model_state"] = ModelState(stats, ctx.problem.update_state)

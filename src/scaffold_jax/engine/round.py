@@ -36,7 +36,7 @@ class Synchronous:
         draw = phases.sample(ctx, state, data, key)
         rows = phases.gather(ctx, state, draw.ids, per_config, freeze=diverged is not None)
         cohort = phases.cohort(ctx, data, draw, key)
-        shared = {**phases.shared(ctx, draw), **phases.run_constants(data, key)}
+        shared = {**phases.shared(ctx, draw), **draw.run}
         rows_in, server_in = phases.pre_round(
             ctx, hparams, state.server, rows.rows_in, draw, cohort, data, per_config
         )

@@ -479,7 +479,13 @@ def _most_local_steps(config: ConfigFields) -> int | None:
 
 
 def _check_robustness(config: ConfigFields, errors: list[str]) -> None:
-    """What a robust aggregator cannot compose with, said before anything is built."""
+    """What an attack or a robust aggregator cannot compose with, said before anything is
+    built."""
+    if config.attack == "labelflip" and config.dataset == "quadratic":
+        errors.append(
+            "attack = 'labelflip' flips a classifier's labels, and the quadratic dataset is a "
+            "regression: use a message attack (signflip, gaussian, alie, ipm)."
+        )
     if config.aggregator == "mean":
         return
     if config.privacy is not None:

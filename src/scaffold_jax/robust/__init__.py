@@ -20,6 +20,7 @@ hyper-parameters like every other registry's.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -31,6 +32,7 @@ from scaffold_jax.local import takes
 from scaffold_jax.messages import MessageContext, chain, stateless
 from scaffold_jax.registry import Option, Registry, factory_kwargs
 from scaffold_jax.robust import aggregators, attacks, malicious
+from scaffold_jax.robust.centred import CentredServerState, with_centre
 from scaffold_jax.types import Algorithm, ClientOutput, HParam
 
 _ATTACK_STREAM = 0x617474  # "att": the attack's randomness, from the server's round key
@@ -48,14 +50,17 @@ FRACTION = {
 
 class AttackSpec(NamedTuple):
     """A registered attack: ``attack(u, malicious, benign, key, **params)`` on one uplink
-    entry flattened to ``[S, D]`` (None: no attack), the hyper-parameters it reads
-    (``params``: its keyword → the hyper-parameter's name), one line of help."""
+    entry flattened to ``[S, D]`` (None: no message attack), the hyper-parameters it reads
+    (``params``: its keyword → the hyper-parameter's name), one line of help, its options,
+    and ``poison(batches, malicious, num_classes) -> batches``, a data-poisoning attack on
+    what a malicious client trains on (None: none)."""
 
     attack: Callable[..., jax.Array] | None
     hparams: Mapping[str, HParam]
     help: str = ""
     params: Mapping[str, str] = {}
     options: Mapping[str, Option] = {}
+    poison: Callable[..., Mapping[str, Any]] | None = None
 
 
 ATTACKS: Registry[AttackSpec] = Registry("attack")
@@ -99,6 +104,9 @@ ATTACKS.register(
         },
     ),
 )
+ATTACKS.register("labelflip", AttackSpec(
+    None, {**FRACTION}, "malicious clients train on labels y → C − 1 − y (classifiers)",
+    poison=attacks.labelflip))  # fmt: skip
 ATTACKS.register("ipm", AttackSpec(
     attacks.ipm, {**FRACTION, "attack_epsilon": HParam(
         0.1, "ipm: a malicious client sends −ε · the benign mean (ε)", allow_zero=True)},
@@ -151,7 +159,7 @@ def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
     (see the module docstring; ``options``: the attack's declared options by their
     argument, ALIE's ``z``); ``"none"`` returns it unchanged."""
     spec = ATTACKS[attack]
-    if spec.attack is None:
+    if spec.attack is None and spec.poison is None:
         return algorithm
     if "attack" in algorithm.options:
         raise ValueError(f"{algorithm.name} is attacked already: wrap an algorithm once.")
@@ -165,6 +173,12 @@ def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
         bad = malicious_rows(context)
         reporting = outputs.weight > 0
         sent, benign = bad & reporting, reporting & ~bad
+        metrics = {
+            "malicious_sampled": jnp.sum(bad.astype(jnp.float32)),
+            "malicious_reported": jnp.sum(sent.astype(jnp.float32)),
+        }
+        if spec.attack is None:  # a data-poisoning attack: what is sent is left alone
+            return outputs, {"metrics": metrics}
         params = {**options, **{k: context.hparams[name] for k, name in spec.params.items()}}
         key = jr.fold_in(context.key, _ATTACK_STREAM)
         rows = bad.shape[0]
@@ -174,28 +188,54 @@ def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
             )  # fmt: skip
             for i, (name, tree) in enumerate(_entries(outputs).items())
         }
-        metrics = {
-            "malicious_sampled": jnp.sum(bad.astype(jnp.float32)),
-            "malicious_reported": jnp.sum(sent.astype(jnp.float32)),
-        }
         return _with_entries(outputs, entries), {"metrics": metrics}
 
+    update = algorithm.client_update
     return algorithm._replace(
+        client_update=update if spec.poison is None else _poisoned(update, spec.poison),
         messages=chain(algorithm.messages, stateless(apply)),
         hparams={**algorithm.hparams, **spec.hparams},
         options={**algorithm.options, "attack": {"attack": attack, **options}},
     )
 
 
+def _poisoned(update: Callable, poison: Callable) -> Callable:
+    """``update`` on the batches a malicious client is given by ``poison``: the engine
+    passes the client's id and the run's constants where the client update takes them."""
+
+    def client_update(hparams, server_state, client_state, batches, mask, key, *, client_id,
+                      run, **extra):  # fmt: skip
+        if run.get("num_classes") is None:
+            raise ValueError(
+                "attack = 'labelflip' flips a classifier's labels: this problem declares no "
+                "num_classes (a regression, or a plugin's model without it); use a message "
+                "attack (signflip, gaussian, alie, ipm)."
+            )
+        fraction = hparams["byzantine_fraction"]
+        bad = malicious.is_malicious(run["run_key"], run["num_clients"], fraction, client_id)
+        batches = poison(batches, bad, run["num_classes"])
+        return update(hparams, server_state, client_state, batches, mask, key, **extra)
+
+    # The inner update's own keywords (draw=, model_state=, ...) stay visible to the engine.
+    signature = inspect.signature(update)
+    params = list(signature.parameters.values())
+    tail = [p for p in params if p.kind is p.VAR_KEYWORD]
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in ("client_id", "run")]
+    head = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    client_update.__signature__ = signature.replace(parameters=[*head, *added, *tail])
+    return client_update
+
+
 class AggregatorSpec(NamedTuple):
-    """A registered aggregator: ``aggregate(rows, mask, hparams, options, context) ->
-    (agg [D], selected [S] bool or None)`` over the reporting rows (None: the mean, no
+    """A registered aggregator: ``aggregate(rows, mask, hparams, options, context, centre)
+    -> (agg [D], selected [S] bool or None)`` over the reporting rows (None: the mean, no
     wrapper), the hyper-parameters and options it reads, one line of help."""
 
     aggregate: Callable[..., tuple[jax.Array, jax.Array | None]] | None
     hparams: Mapping[str, HParam]
     help: str = ""
     options: Mapping[str, Option] = {}
+    centred: bool = False  # reads ``centre``, the previous round's aggregate (else None)
 
 
 #: The options every robust aggregator takes.
@@ -215,11 +255,11 @@ def _assumed_byzantine(hparams, options, cohort_size: int) -> jax.Array:
     return malicious.count(hparams["byzantine_fraction"], cohort_size).astype(jnp.float32)
 
 
-def _krum(rows, mask, hparams, options, context):
+def _krum(rows, mask, hparams, options, context, centre):
     return aggregators.krum(rows, mask, _assumed_byzantine(hparams, options, context.ids.shape[0]))
 
 
-def _multikrum(rows, mask, hparams, options, context):
+def _multikrum(rows, mask, hparams, options, context, centre):
     f = _assumed_byzantine(hparams, options, context.ids.shape[0])
     n = jnp.sum(mask.astype(jnp.float32))
     m = n - f if options.get("krum_m") is None else jnp.float32(options["krum_m"])
@@ -236,7 +276,7 @@ AGGREGATORS.register("mean", AggregatorSpec(None, {}, "the weighted mean (no wra
 AGGREGATORS.register(
     "median",
     AggregatorSpec(
-        lambda rows, mask, hp, opt, ctx: (aggregators.median(rows, mask), None),
+        lambda rows, mask, hp, opt, ctx, centre: (aggregators.median(rows, mask), None),
         {},
         "coordinate-wise median",
         BUCKETING,
@@ -245,7 +285,7 @@ AGGREGATORS.register(
 AGGREGATORS.register(
     "trimmed_mean",
     AggregatorSpec(
-        lambda rows, mask, hp, opt, ctx: (
+        lambda rows, mask, hp, opt, ctx, centre: (
             aggregators.trimmed_mean(rows, mask, hp.trim_fraction),
             None,
         ),
@@ -290,10 +330,17 @@ AGGREGATORS.register(
     ),
 )
 AGGREGATORS.register("geomed", AggregatorSpec(
-    lambda rows, mask, hp, opt, ctx: (aggregators.geomed(
+    lambda rows, mask, hp, opt, ctx, centre: (aggregators.geomed(
         rows, mask, opt.get("geomed_iters", 8)), None), {},
     "geometric median (RFA, smoothed Weiszfeld)", {**BUCKETING, "geomed_iters": Option(
         8, "geomed: Weiszfeld iterations T", "int", low=1, high=10_000)}))  # fmt: skip
+AGGREGATORS.register("cclip", AggregatorSpec(
+    lambda rows, mask, hp, opt, ctx, centre: (aggregators.cclip(
+        rows, mask, centre, hp.clip_radius, opt.get("cclip_iters", 1)), None),
+    {"clip_radius": HParam(1.0, "cclip: radius τ of the clipping around the previous "
+                           "aggregate (inf: the mean)", allow_inf=True)},
+    "centered clipping around the previous round's aggregate", {**BUCKETING, "cclip_iters":
+    Option(1, "cclip: iterations L", "int", low=1, high=10_000)}, centred=True))  # fmt: skip
 
 
 def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Algorithm:
@@ -304,7 +351,7 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
         if options.get("bucket_size", 1) != 1:
             raise ValueError(
                 "bucket_size > 1 with aggregator = 'mean' is the uniform mean again: choose "
-                "a robust aggregator (median, trimmed_mean, krum, multikrum, geomed)."
+                "a robust aggregator (median, trimmed_mean, krum, multikrum, geomed, cclip)."
             )
         return algorithm
     if "privacy" in algorithm.options:
@@ -321,7 +368,7 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
         )
     size = int(options.get("bucket_size", 1))
 
-    def apply(outputs: ClientOutput, context: MessageContext):
+    def apply(outputs: ClientOutput, context: MessageContext, centre=None):
         reporting = outputs.weight > 0
         entries = _entries(outputs)
         rows = _flat(entries, reporting.shape[0])
@@ -329,7 +376,7 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
         if size > 1:
             key = jr.fold_in(context.key, _BUCKET_STREAM)
             rows, mask, of = aggregators.bucket(rows, reporting, key, size)
-        agg, selected = spec.aggregate(rows, mask, context.hparams, options, context)
+        agg, selected = spec.aggregate(rows, mask, context.hparams, options, context, centre)
         n = reporting.shape[0]
         flat = jnp.where(reporting[:, None], jnp.broadcast_to(agg, (n, agg.shape[0])),
                          _flat(entries, n))  # fmt: skip
@@ -341,7 +388,9 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
             else:
                 bad = selected & bad
             metrics["aggregator_selected_malicious"] = jnp.sum(bad.astype(jnp.float32))
-        return _with_entries(outputs, _unflat(flat, entries)), {"metrics": metrics}
+        # (cclip returns its centre when nobody reported: the centre then stays.)
+        released = {"metrics": metrics, **({"robust_centre": agg} if spec.centred else {})}
+        return _with_entries(outputs, _unflat(flat, entries)), released
 
     def check(num_clients, clients_per_round, weighting, participation=None):
         inner = algorithm.check
@@ -354,12 +403,14 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
                 f"weighting = 'uniform', not {weighting!r}."
             )
 
-    return algorithm._replace(
-        messages=chain(algorithm.messages, stateless(apply)),
-        hparams={**algorithm.hparams, **spec.hparams},
-        check=check,
-        options={**algorithm.options, "aggregator": {"aggregator": aggregator, **options}},
-    )
+    changes = {
+        "hparams": {**algorithm.hparams, **spec.hparams},
+        "check": check,
+        "options": {**algorithm.options, "aggregator": {"aggregator": aggregator, **options}},
+    }
+    if spec.centred:  # the centre is server state, checkpointed with it
+        return with_centre(algorithm, apply, **changes)
+    return algorithm._replace(messages=chain(algorithm.messages, stateless(apply)), **changes)
 
 
 def wrap_attack(algorithm: Algorithm, attack: str, options: Mapping[str, Any]) -> Algorithm:
@@ -378,6 +429,7 @@ __all__ = [
     "ATTACKS",
     "AggregatorSpec",
     "AttackSpec",
+    "CentredServerState",
     "attacked",
     "malicious_rows",
     "robustly_aggregated",

@@ -1643,6 +1643,51 @@ CASES = [
          lambda ctx: run(ctx, sim=simulation(
              ctx, algorithm=sj.algorithms.make("pfedme", ctx.problem.loss_fn)),
              hp=sj.hparams(client_lr=0.1, server_lr=1.5))),
+    # Byzantine clients and robust aggregation.
+    Case("aggregator-with-privacy", "--aggregator median with --dp-noise-multiplier",
+         "RunConfig.validate", ConfigError,
+         "invalid config: privacy = 'gaussian': aggregator = 'median' with differential "
+         "privacy is refused: the noise is calibrated to the clipped SUM of the messages, "
+         "which a robust aggregator does not release; use aggregator = 'mean' with privacy.",
+         lambda ctx: RunConfig(**DP_RUN, aggregator="median",
+                               hparams={"dp_noise_multiplier": 1.0}).validate()),
+    Case("aggregator-private-api", "private(robustly_aggregated(scaffold, 'krum'))", "private",
+         ValueError,
+         "aggregator = 'krum' with differential privacy is refused: the noise is calibrated to "
+         "the clipped SUM of the messages, which a robust aggregator does not release; use "
+         "aggregator = 'mean' with privacy.",
+         lambda ctx: sj.privacy.private(sj.robust.robustly_aggregated(
+             sj.scaffold(ctx.problem.loss_fn), "krum"))),
+    Case("aggregator-weighted", "--aggregator median --weighting num_examples",
+         "RunConfig.validate", ConfigError,
+         "invalid config: aggregator = 'median' weighs every reporting client the same: use "
+         "weighting = 'uniform', not 'num_examples'.",
+         lambda ctx: RunConfig(aggregator="median", weighting="num_examples").validate()),
+    Case("aggregator-for-fednova", "robustly_aggregated(fednova, 'median')",
+         "robustly_aggregated", ValueError,
+         "fednova reads each client's output on its own (not only their mean), so aggregator "
+         "= 'median' cannot stand in for its mean: use fedavg, fedprox, scaffold, feddyn, mime "
+         "or mimelite.",
+         lambda ctx: sj.robust.robustly_aggregated(sj.fednova(ctx.problem.loss_fn), "median")),
+    Case("bucketing-the-mean", "robustly_aggregated(scaffold, 'mean', bucket_size=2)",
+         "robustly_aggregated", ValueError,
+         "bucket_size > 1 with aggregator = 'mean' is the uniform mean again: choose a robust "
+         "aggregator (median, trimmed_mean, krum, multikrum, geomed, cclip).",
+         lambda ctx: sj.robust.robustly_aggregated(sj.scaffold(ctx.problem.loss_fn), "mean",
+                                                   bucket_size=2)),
+    Case("byzantine-fraction-half", "--attack signflip --byzantine-fraction 0.5",
+         "RunConfig.validate", ConfigError,
+         "invalid config: byzantine_fraction = 0.5 is invalid: …",
+         lambda ctx: RunConfig(attack="signflip", hparams={"byzantine_fraction": 0.5}).validate()),
+    Case("labelflip-on-regression", "--dataset quadratic --attack labelflip",
+         "RunConfig.validate", ConfigError,
+         "invalid config: attack = 'labelflip' flips a classifier's labels, and the quadratic "
+         "dataset is a regression: use a message attack (signflip, gaussian, alie, ipm).",
+         lambda ctx: RunConfig(**DP_RUN, attack="labelflip").validate()),
+    Case("unknown-attack", "--attack flip", "RunConfig.validate", ConfigError,
+         "invalid config: attack = 'flip' is invalid: it must be one of 'none', 'signflip', "
+         "'gaussian', 'alie', 'labelflip', 'ipm' (did you mean 'signflip'?).",
+         lambda ctx: RunConfig(attack="flip").validate()),
 ]
 # fmt: on
 

@@ -213,7 +213,7 @@ def test_the_command_line_runs_an_attack_and_refuses_what_cannot_compose(tmp_pat
                "--out", str(tmp_path / "dp")]  # fmt: skip
     assert main(refused) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "aggregator = 'median' with privacy = 'gaussian'" in err
+    assert err.count("\n") == 1 and "aggregator = 'median' with differential privacy" in err
 
 
 def _cclip(rows, centre, tau, iterations=1):

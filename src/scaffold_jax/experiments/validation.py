@@ -488,12 +488,7 @@ def _check_robustness(config: ConfigFields, errors: list[str]) -> None:
         )
     if config.aggregator == "mean":
         return
-    if config.privacy is not None:
-        errors.append(
-            f"aggregator = {config.aggregator!r} with privacy = {config.privacy!r} is refused: "
-            "the noise is calibrated to the clipped SUM of the messages, which a robust "
-            "aggregator does not release; use aggregator = 'mean' with privacy."
-        )
+    # (With privacy, building the private algorithm says why: private() refuses it.)
     if config.weighting != "uniform":
         errors.append(
             f"aggregator = {config.aggregator!r} weighs every reporting client the same: use "

@@ -40,6 +40,12 @@ Examples:
       --fedjax-python /tmp/peers/fedjax/bin/python --pfl-python /tmp/peers/pfl/bin/python \\
       --flower-python /tmp/peers/flower/bin/python --out benchmarks/results/peers.json
   .venv/bin/python benchmarks/bench_peers.py --quick --torch-python /tmp/peers/torch/bin/python
+
+``--robust`` measures something else instead (:func:`robust_main`): Flower's ``FedMedian``
+and ``Krum`` aggregation of S W1-sized replies against our median and Krum (the W1 FedAvg
+round with each, and the aggregator alone), interleaved:
+  .venv/bin/python benchmarks/bench_peers.py --robust --flower-python \\
+      /tmp/peers/flower/bin/python --out benchmarks/results/peers_robust.json
 """
 
 from __future__ import annotations
@@ -467,12 +473,68 @@ class _FlowerPeer(_Peer):
         return self._simulate(self.new(algorithm), every * blocks, every)[1][:blocks]
 
 
+def _flower_replies(setup, seed):
+    """``clients_per_round`` Flower reply Messages as a ClientApp sends them after training
+    (``bench_peers._flower_train``): W1's arrays (``W [C, 784]``, ``b [C]``, float32, drawn
+    N(0, 0.01²)) and ``num-examples``, with reply metadata (built directly: no Ray run)."""
+    from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+    from flwr.common import Metadata
+
+    rng = np.random.default_rng(seed)
+    c, replies = setup["num_classes"], []
+    for i in range(setup["clients_per_round"]):
+        arrays = [
+            (0.01 * rng.standard_normal((c, 784))).astype(np.float32),
+            (0.01 * rng.standard_normal(c)).astype(np.float32),
+        ]
+        content = RecordDict(
+            {"arrays": ArrayRecord(arrays),
+             "metrics": MetricRecord({"num-examples": setup["per_client"]})}
+        )  # fmt: skip
+        metadata = Metadata(
+            run_id=1, message_id=str(i), src_node_id=i + 1, dst_node_id=0,
+            reply_to_message_id="train", group_id="1", created_at=time.time(), ttl=3600.0,
+            message_type="train",
+        )  # fmt: skip
+        replies.append(Message(content=content, metadata=metadata))
+    return replies
+
+
+def _flower_aggregate(setup, strategy: str, calls: int, malicious: int) -> list[float]:
+    """Seconds of each of ``calls`` aggregations of fresh replies (built untimed: FedMedian
+    pops the arrays out of the replies it reads) by a Flower strategy's
+    ``aggregate_train`` (``fedavg``, ``fedmedian``, ``krum`` with ``malicious`` assumed
+    Byzantine nodes), or by the numpy median at its core (``numpy_median``: ``np.median``
+    of the stacked arrays, layer by layer, as FedMedian takes it)."""
+    from flwr.serverapp.strategy import FedAvg, FedMedian, Krum
+
+    strategies = {
+        "fedavg": FedAvg(),
+        "fedmedian": FedMedian(),
+        "krum": Krum(num_malicious_nodes=malicious),
+    }
+    times = []
+    for call in range(calls):
+        replies = _flower_replies(setup, call)
+        if strategy == "numpy_median":
+            layers = [[r.content["arrays"][k].numpy() for r in replies]
+                      for k in replies[0].content["arrays"]]  # fmt: skip
+            start = time.perf_counter()
+            [np.median(np.stack(layer), axis=0) for layer in layers]
+        else:
+            start = time.perf_counter()
+            arrays, _ = strategies[strategy].aggregate_train(1, replies)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 PEER_CLASSES = {"torch": _TorchPeer, "fedjax": _FedJAXPeer, "pfl": _PflPeer, "flower": _FlowerPeer}
 
 
 def _worker(peer: str) -> None:
-    """Reads ``{"setup": ...}``, then ``{"time": algorithm, "rounds": R}`` and ``{"trace":
-    algorithm}`` lines on stdin; answers each with one JSON line. The peers' own printing
+    """Reads ``{"setup": ...}``, then ``{"time": algorithm, "rounds": R}``, ``{"trace":
+    algorithm}`` and (Flower, ``--robust``) ``{"aggregate": strategy, "calls": n,
+    "malicious": F}`` lines on stdin; answers each with one JSON line. The peers' own printing
     (pfl's metrics, Flower's and Ray's logs) goes to stderr, the answers to the original
     stdout."""
     answers = os.fdopen(os.dup(1), "w")
@@ -500,6 +562,10 @@ def _worker(peer: str) -> None:
     states = {}
     for line in sys.stdin:
         ask = json.loads(line)
+        if "aggregate" in ask:  # --robust: a Flower strategy's aggregation alone
+            times = _flower_aggregate(setup, ask["aggregate"], ask["calls"], ask["malicious"])
+            answer({"seconds": times})
+            continue
         if "trace" in ask:
             params = simulation.trace(ask["trace"], TRACE_EVERY, TRACE_BLOCKS)
             answer({"params": [[np.asarray(p).tolist() for p in ps] for ps in params]})
@@ -559,6 +625,138 @@ def _cpu_model() -> str:
     return "unknown"
 
 
+ROBUST_F = 20  # Krum's assumed Byzantine count in --robust: f = 0.2 of S = 100
+
+
+def robust_main(args, argv) -> dict:
+    """``--robust``: Flower 1.42's FedMedian and Krum aggregation (``aggregate_train`` of
+    S W1-sized replies, in the Flower environment) against scaffold_jax's median and Krum:
+    its W1 FedAvg round with each (``Simulation.run_rounds``, weighting uniform) and its
+    aggregator alone (jitted, on ``[S, 7850]`` rows), interleaved; Flower's FedAvg
+    aggregation and our mean round are the baselines. Krum assumes F = ``ROBUST_F``
+    (``⌊0.2 S⌋`` with ``--quick``) in both."""
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import workloads
+    from common import write_json
+
+    import scaffold_jax as sj
+    from scaffold_jax import robust
+    from scaffold_jax.robust import aggregators
+    from scaffold_jax.types import resolve_hparams
+
+    if not args.flower_python:
+        raise SystemExit("--robust compares with Flower: give --flower-python.")
+    w = workloads.get_workload("W1", quick=args.quick)
+    k, b = w.steps_and_batch
+    setup = dict(
+        num_clients=w.num_clients, per_client=w.per_client, num_classes=w.num_classes,
+        clients_per_round=w.clients_per_round, steps=k, batch=b, lr=0.05, seed=0,
+    )  # fmt: skip
+    f = ROBUST_F if not args.quick else w.clients_per_round // 5
+    data, problem = workloads.make_data(w), workloads.make_problem(w)
+    size = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(problem.params))
+
+    rounds, info = {}, {}
+    for label, aggregator, options in (
+        ("mean", "mean", {}),
+        ("median", "median", {}),
+        ("krum", "krum", {"robust_f": f}),
+    ):
+        algorithm = workloads.make_algorithm("fedavg", problem.loss_fn)
+        algorithm = robust.robustly_aggregated(algorithm, aggregator, **options)
+        sim = sj.Simulation(algorithm, problem, w.plan, w.clients_per_round, weighting="uniform")
+        hp = resolve_hparams(algorithm, workloads.make_hparams("fedavg"))
+        run, compile_s, temp = workloads.compiled_rounds(
+            sim, hp, sim.init(data), data, jr.key(0), w.rounds
+        )
+        rounds[label] = [run, sim.init(data)]
+        info[f"ours/round/{label}"] = {"compile_s": compile_s, "temp_bytes": temp}
+
+    rows = jr.normal(jr.key(0), (w.clients_per_round, size)) * 0.01
+    mask = jnp.ones(w.clients_per_round, bool)
+    alone = {
+        "mean": jax.jit(lambda r, m: (m.astype(r.dtype) @ r) / m.sum()),
+        "median": jax.jit(aggregators.median),
+        "krum": jax.jit(lambda r, m: aggregators.krum(r, m, jnp.float32(f))[0]),
+    }
+    worker = _Worker("flower", args.flower_python, setup, Path(tempfile.mkdtemp()) / "flower.log")
+    versions = worker.hello["versions"]
+    print(f"flower: {versions}; S = {w.clients_per_round}, D = {size}, F = {f}", flush=True)
+    calls = 4 if args.quick else 20
+
+    def timed(label):
+        kind, what = label.split("/", 1)
+        if kind == "flower":
+            got = worker.ask({"aggregate": what, "calls": calls, "malicious": f})["seconds"]
+            return float(np.median(got)), calls
+        if what.startswith("round/"):
+            entry = rounds[what.split("/")[1]]
+            start = time.perf_counter()
+            entry[1] = jax.block_until_ready(entry[0](entry[1]))
+            return (time.perf_counter() - start) / w.rounds, w.rounds
+        fn = alone[what.split("/")[1]]
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(rows, mask)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / calls, calls
+
+    labels = [f"ours/round/{a}" for a in rounds] + [f"ours/alone/{a}" for a in alone]
+    labels += [f"flower/{s}" for s in ("fedavg", "fedmedian", "krum", "numpy_median")]
+    times = {label: [] for label in labels}
+    for repeat in range(args.repeats + 1):  # pass 0 is the warm-up
+        for label in labels:
+            seconds, _ = timed(label)
+            if repeat:
+                times[label].append(seconds)
+    worker.close()
+
+    out_rows = []
+    for label in labels:
+        best, median = min(times[label]), float(np.median(times[label]))
+        row = {
+            "what": label,
+            "ms_min": 1e3 * best,
+            "ms_median": 1e3 * median,
+            "per_s_median": 1 / median,
+            **info.get(label, {}),
+        }
+        out_rows.append(row)
+        print(f"{label:24s} {row['ms_min']:9.3f} ms (median {row['ms_median']:9.3f}), "
+              f"{row['per_s_median']:9.1f} /s", flush=True)  # fmt: skip
+    med = {r["what"]: r["ms_median"] for r in out_rows}
+    ratios = {
+        "flower_fedmedian_over_ours_median_alone": med["flower/fedmedian"]
+        / med["ours/alone/median"],
+        "flower_krum_over_ours_krum_alone": med["flower/krum"] / med["ours/alone/krum"],
+        "flower_fedmedian_over_ours_median_round": med["flower/fedmedian"]
+        / med["ours/round/median"],
+        "flower_krum_over_ours_krum_round": med["flower/krum"] / med["ours/round/krum"],
+        "ours_median_round_minus_mean_round_ms": med["ours/round/median"] - med["ours/round/mean"],
+        "ours_krum_round_minus_mean_round_ms": med["ours/round/krum"] - med["ours/round/mean"],
+    }  # fmt: skip
+    for k_, v in ratios.items():
+        print(f"  {k_}: {v:.2f}", flush=True)
+    result = {
+        "workload": w.describe() + f", FedAvg, weighting uniform; D = {size}, Krum F = {f}",
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "load_average_after": os.getloadavg(),
+        "jax": jax.__version__,
+        "flower": versions,
+        "repeats": args.repeats,
+        "calls_per_aggregation_timing": calls,
+        "rows": out_rows,
+        "ratios_of_medians": ratios,
+        "all_ms": {k_: [1e3 * t for t in v] for k_, v in times.items()},
+        "command": " ".join(["python", "benchmarks/bench_peers.py", *(argv or sys.argv[1:])]),
+    }
+    write_json(args.out, result)
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for peer in PEERS:
@@ -567,9 +765,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed passes")
     parser.add_argument("--block-s", type=float, default=3.0, help="seconds per timed call")
     parser.add_argument("--out", help="write the JSON result here")
+    parser.add_argument(
+        "--robust",
+        action="store_true",
+        help="instead: Flower's FedMedian and Krum aggregation against ours (needs "
+        "--flower-python; see robust_main)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.block_s <= 0:
         parser.error("--repeats must be at least 1 and --block-s positive")
+    if args.robust:
+        sys.path.insert(0, str(HERE))
+        return robust_main(args, argv)
 
     sys.path.insert(0, str(HERE))
     import dataclasses

@@ -377,3 +377,17 @@ def test_no_reporting_row_gives_zeros_and_nothing_selected():
     means, bmask, of = j_bucket(rows, mask, jax.random.key(0), 2)
     np.testing.assert_array_equal(means, np.zeros((S, D), np.float32))
     assert not np.any(bmask) and np.all(np.asarray(of) == -1)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 13, 100])
+def test_the_sorting_network_sorts_each_column_as_jnp_sort(count):
+    """The median's and trimmed mean's sort (a bitonic min/max network): the very values
+    of ``jnp.sort(x, axis=0)``, ties, ±inf and padding to a power of two included."""
+    from scaffold_jax.robust.aggregators.sorting import sort_rows
+
+    rng = np.random.default_rng(count)
+    x = rng.integers(-3, 4, size=(count, 7)).astype(np.float32)  # many ties
+    x[rng.random(x.shape) < 0.1] = np.inf
+    x[rng.random(x.shape) < 0.1] = -np.inf
+    got = np.asarray(jax.jit(sort_rows)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.sort(x, axis=0))

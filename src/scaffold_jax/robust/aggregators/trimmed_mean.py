@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from scaffold_jax.robust.aggregators.sorting import sort_rows
+
 
 def trimmed_mean(rows: jax.Array, mask: jax.Array, beta: Any) -> jax.Array:
     """The coordinate-wise β-trimmed mean of the reporting rows (zeros when none reported)."""
@@ -29,7 +31,7 @@ def trimmed_mean(rows: jax.Array, mask: jax.Array, beta: Any) -> jax.Array:
     beta = jnp.asarray(beta).astype(jnp.float32)
     k = jnp.floor(beta * n.astype(jnp.float32)).astype(jnp.int32)
     k = jnp.clip(k, 0, jnp.maximum((n - 1) // 2, 0))
-    ordered = jnp.sort(jnp.where(mask[:, None], rows, jnp.inf), axis=0)
+    ordered = sort_rows(jnp.where(mask[:, None], rows, jnp.inf))
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     keep = (position >= k) & (position < n - k)
     total = jnp.sum(jnp.where(keep[:, None], ordered, jnp.zeros_like(ordered)), axis=0)

@@ -86,6 +86,32 @@ def run_cell(algorithm, attack, aggregator, bucket, data, problem, plan, args) -
     return rows
 
 
+def one_by_one(algorithm, attack, aggregator, data, problem, plan, args) -> dict:
+    """One cell's configs as its sweep (one program) and one by one, each config in a
+    Simulation of its own (compiled for it, as a separate process would compile it):
+    the seconds of each."""
+    wrapped = robust.robustly_aggregated(
+        robust.attacked(sj.algorithms.make(algorithm, problem.loss_fn), attack), aggregator
+    )
+    hp, seeds, configs = grid(client_lr=[0.1], byzantine_fraction=list(args.fractions),
+                              seeds=args.seeds)  # fmt: skip
+    start = time.perf_counter()
+    sim = sj.Simulation(wrapped, problem, plan, args.clients_per_round)
+    sj.loop.sweep(sim, data, hp, seeds, args.rounds, args.eval_every)
+    swept = time.perf_counter() - start
+    start = time.perf_counter()
+    for config in configs:
+        sim = sj.Simulation(wrapped, problem, plan, args.clients_per_round)
+        given = sj.hparams(client_lr=0.1, byzantine_fraction=config["byzantine_fraction"])
+        sim.run(data, given, num_rounds=args.rounds, eval_every=args.eval_every,
+                seed=config["seed"])  # fmt: skip
+    single = time.perf_counter() - start
+    print(f"{algorithm} {attack} {aggregator}: sweep of {len(configs)} configs {swept:.1f} s, "
+          f"one by one {single:.1f} s ({single / swept:.1f}x)", flush=True)  # fmt: skip
+    return {"cell": [algorithm, attack, aggregator], "configs": len(configs),
+            "sweep_s": swept, "one_by_one_s": single}  # fmt: skip
+
+
 def table(rows: list[dict], similarity: float, f: float) -> str:
     """Final accuracy (mean ± std over seeds) at fraction ``f``: attacks × aggregators, one
     column per aggregator and bucket size, one row per algorithm and attack."""
@@ -113,6 +139,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS))
     parser.add_argument("--aggregators", nargs="+", default=list(AGGREGATORS))
     parser.add_argument("--clip-radius", type=float, default=1.0)
+    parser.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="only time one cell as a sweep against its configs one by one",
+    )
     parser.add_argument("--out")
     parser.add_argument("--table")
     args = parser.parse_args(argv)
@@ -123,6 +154,12 @@ def main(argv=None) -> dict:
     max_train = 2000 if args.quick else None
     problem = sj.models.logistic_regression((28, 28), 10)
     plan = sj.BatchPlan.fraction_of_data(0.2, num_epochs=1)
+    if args.one_by_one:
+        data = make_data(args.similarities[0], args.num_clients, max_train)
+        timing = one_by_one("scaffold", "alie", "median", data, problem, plan, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(timing, indent=1))
+        return timing
     result = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "table")},
               "rows": {}, "seconds": {}}  # fmt: skip
     tables = []

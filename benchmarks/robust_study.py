@@ -140,6 +140,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--aggregators", nargs="+", default=list(AGGREGATORS))
     parser.add_argument("--clip-radius", type=float, default=1.0)
     parser.add_argument(
+        "--buckets",
+        nargs="+",
+        type=int,
+        default=[1, 2],
+        help="bucket sizes of the robust aggregators",
+    )
+    parser.add_argument(
         "--one-by-one",
         action="store_true",
         help="only time one cell as a sweep against its configs one by one",
@@ -169,7 +176,7 @@ def main(argv=None) -> dict:
         for algorithm in ALGORITHMS:
             for attack in args.attacks:
                 for aggregator in args.aggregators:
-                    for bucket in (1,) if aggregator == "mean" else (1, 2):
+                    for bucket in (1,) if aggregator == "mean" else args.buckets:
                         rows += run_cell(algorithm, attack, aggregator, bucket, data, problem,
                                          plan, args)  # fmt: skip
         result["rows"][str(similarity)] = rows

@@ -48,6 +48,7 @@ from workloads import compiled_rounds
 import scaffold_jax as sj
 from scaffold_jax import robust
 from scaffold_jax.robust import aggregators
+from scaffold_jax.robust.aggregators.sorting import sort_rows
 from scaffold_jax.types import resolve_hparams
 
 FRACTION = 0.2  # the attacked rows' byzantine_fraction
@@ -228,25 +229,13 @@ def bench_hlo(args, w, data, problem, cohort: int, size: int) -> dict:
 
 
 def _bitonic_median(rows):
-    """A sketch, not the package's: the coordinate-wise median of all ``[S, D]`` rows by a
-    bitonic sorting network of elementwise min/max over ``[D]`` vectors (S padded to a
-    power of two with +inf), the column's middle read as :func:`aggregators.median` reads
-    it; what a compare-exchange network instead of XLA's ``sort`` would cost."""
-    count, size = rows.shape
-    n = 1 << max(1, (count - 1).bit_length())
-    x = jnp.concatenate([rows, jnp.full((n - count, size), jnp.inf, rows.dtype)], 0)
-    k = 2
-    while k <= n:
-        j = k // 2
-        while j >= 1:
-            pairs = x.reshape(n // (2 * j), 2, j, size)
-            lo, hi = jnp.minimum(pairs[:, 0], pairs[:, 1]), jnp.maximum(pairs[:, 0], pairs[:, 1])
-            up = ((np.arange(n // (2 * j)) * 2 * j) & k) == 0
-            up = up[:, None, None]
-            x = jnp.stack([jnp.where(up, lo, hi), jnp.where(up, hi, lo)], 1).reshape(n, size)
-            j //= 2
-        k *= 2
-    return 0.5 * (x[(count - 1) // 2] + x[count // 2])
+    """The coordinate-wise median of all ``[S, D]`` rows by the package's bitonic min/max
+    network (:func:`scaffold_jax.robust.aggregators.sorting.sort_rows`), the column's middle
+    read as :func:`aggregators.median` reads it, without its masking: the network's own
+    cost beside XLA's ``sort``."""
+    count = rows.shape[0]
+    ordered = sort_rows(rows)
+    return 0.5 * (ordered[(count - 1) // 2] + ordered[count // 2])
 
 
 def bench_sort(args, cohort: int, sizes) -> list[dict]:

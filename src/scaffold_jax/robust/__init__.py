@@ -2,13 +2,14 @@
 
 :func:`attacked` makes a fraction f of the clients malicious (``byzantine_fraction``, a
 set fixed for the run: :mod:`~scaffold_jax.robust.malicious`) and changes what they SEND,
-every uplink entry by the same rule (:mod:`~scaffold_jax.robust.attacks`); their local
-work and their own state stay honest. :func:`robustly_aggregated` replaces the server's
-mean of the reporting clients' messages by a robust aggregate
-(:mod:`~scaffold_jax.robust.aggregators`), optionally over the means of random buckets
-of clients. Both are message transforms (:mod:`scaffold_jax.messages`): the attack runs
-first, then compression (an attacker's message goes through the channel like any other),
-then the aggregator.
+every uplink entry by the same rule (:mod:`~scaffold_jax.robust.attacks`), their local
+work and their own state staying honest; or, label flipping, the labels they train on.
+:func:`robustly_aggregated` replaces the server's mean of the reporting clients' messages
+by a robust aggregate (:mod:`~scaffold_jax.robust.aggregators`), optionally over the
+means of random buckets of clients; centered clipping keeps its centre in the server
+state (:mod:`~scaffold_jax.robust.centred`). Both are message transforms
+(:mod:`scaffold_jax.messages`): the attack runs first, then compression (an attacker's
+message goes through the channel like any other), then the aggregator.
 
 The aggregator writes its aggregate into every reporting row, so the algorithm's own
 server update, a weighted mean of the rows, moves x by η_g · agg(Δy) and SCAFFOLD's c by

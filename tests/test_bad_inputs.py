@@ -1666,9 +1666,13 @@ CASES = [
     Case("aggregator-for-fednova", "robustly_aggregated(fednova, 'median')",
          "robustly_aggregated", ValueError,
          "fednova reads each client's output on its own (not only their mean), so aggregator "
-         "= 'median' cannot stand in for its mean: use fedavg, fedprox, scaffold, feddyn, mime "
-         "or mimelite.",
+         "= 'median' cannot stand in for its mean: use fedavg, fedprox, scaffold or feddyn.",
          lambda ctx: sj.robust.robustly_aggregated(sj.fednova(ctx.problem.loss_fn), "median")),
+    Case("attack-on-mime", "robust.attacked(mime, 'alie')", "attacked", ValueError,
+         "attack = 'alie' with mime is refused: its clients also send a full-batch gradient in "
+         "a pass before the local steps, which the attacks and robust aggregators do not "
+         "cover; use fedavg, fedprox, scaffold or feddyn.",
+         lambda ctx: sj.robust.attacked(sj.mime(ctx.problem.loss_fn), "alie")),
     Case("bucketing-the-mean", "robustly_aggregated(scaffold, 'mean', bucket_size=2)",
          "robustly_aggregated", ValueError,
          "bucket_size > 1 with aggregator = 'mean' is the uniform mean again: choose a robust "

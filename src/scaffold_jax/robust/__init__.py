@@ -155,6 +155,18 @@ def malicious_rows(context: MessageContext) -> jax.Array:
     return mask & (context.ids >= 0)
 
 
+def _refuse_pre_round(algorithm: Algorithm, what: str) -> None:
+    """Mime's full-batch gradient is sent in a pass before the local work, outside the
+    message pipeline: neither wrapper reaches it yet, and half an attack (or a defence of
+    half the messages) would be a silent lie."""
+    if algorithm.pre_round is not None:
+        raise ValueError(
+            f"{what} with {algorithm.name} is refused: its clients also send a full-batch "
+            "gradient in a pass before the local steps, which the attacks and robust "
+            "aggregators do not cover; use fedavg, fedprox, scaffold or feddyn."
+        )
+
+
 def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
     """``algorithm`` whose malicious clients send the registered ``attack``'s messages
     (see the module docstring; ``options``: the attack's declared options by their
@@ -164,6 +176,7 @@ def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
         return algorithm
     if "attack" in algorithm.options:
         raise ValueError(f"{algorithm.name} is attacked already: wrap an algorithm once.")
+    _refuse_pre_round(algorithm, f"attack = {attack!r}")
     if "privacy" in algorithm.options or "compression" in algorithm.options:
         raise ValueError(
             f"attacked({algorithm.name}) must wrap the plain algorithm: the attack comes "
@@ -365,8 +378,9 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
         raise ValueError(
             f"{algorithm.name} reads each client's output on its own (not only their mean), "
             f"so aggregator = {aggregator!r} cannot stand in for its mean: use fedavg, "
-            "fedprox, scaffold, feddyn, mime or mimelite."
+            "fedprox, scaffold or feddyn."
         )
+    _refuse_pre_round(algorithm, f"aggregator = {aggregator!r}")
     size = int(options.get("bucket_size", 1))
 
     def apply(outputs: ClientOutput, context: MessageContext, centre=None):

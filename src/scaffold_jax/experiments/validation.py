@@ -481,12 +481,14 @@ def _most_local_steps(config: ConfigFields) -> int | None:
 def _check_robustness(config: ConfigFields, errors: list[str]) -> None:
     """What an attack or a robust aggregator cannot compose with, said before anything is
     built."""
-    if config.attack == "labelflip" and config.dataset == "quadratic":
+    # A data-poisoning attack needs classes; a dataset that brings its own problem is a
+    # regression (the quadratics).
+    if ATTACKS[config.attack].poison is not None and resolve.brings_problem(config):
         errors.append(
-            "attack = 'labelflip' flips a classifier's labels, and the quadratic dataset is a "
-            "regression: use a message attack (signflip, gaussian, alie, ipm)."
+            f"attack = {config.attack!r} flips a classifier's labels, and the {config.dataset} "
+            "dataset is a regression: use a message attack (signflip, gaussian, alie, ipm)."
         )
-    if config.aggregator == "mean":
+    if AGGREGATORS[config.aggregator].aggregate is None:  # the mean: no wrapper
         return
     # (With privacy, building the private algorithm says why: private() refuses it.)
     if config.weighting != "uniform":

@@ -1668,11 +1668,13 @@ CASES = [
          "fednova reads each client's output on its own (not only their mean), so aggregator "
          "= 'median' cannot stand in for its mean: use fedavg, fedprox, scaffold or feddyn.",
          lambda ctx: sj.robust.robustly_aggregated(sj.fednova(ctx.problem.loss_fn), "median")),
-    Case("attack-on-mime", "robust.attacked(mime, 'alie')", "attacked", ValueError,
-         "attack = 'alie' with mime is refused: its clients also send a full-batch gradient in "
-         "a pass before the local steps, which the attacks and robust aggregators do not "
-         "cover; use fedavg, fedprox, scaffold or feddyn.",
-         lambda ctx: sj.robust.attacked(sj.mime(ctx.problem.loss_fn), "alie")),
+    Case("attack-with-warm-controls", "robust.attacked(scaffold(warm_controls=True), 'alie')",
+         "attacked", ValueError,
+         "attack = 'alie' with scaffold's warm controls is refused: every client sends its "
+         "full-batch gradient once before round 1, outside the rounds the attacks and robust "
+         "aggregators act on; turn them off (warm_controls=False).",
+         lambda ctx: sj.robust.attacked(sj.scaffold(ctx.problem.loss_fn, warm_controls=True),
+                                        "alie")),
     Case("bucketing-the-mean", "robustly_aggregated(scaffold, 'mean', bucket_size=2)",
          "robustly_aggregated", ValueError,
          "bucket_size > 1 with aggregator = 'mean' is the uniform mean again: choose a robust "

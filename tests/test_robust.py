@@ -191,6 +191,11 @@ def test_refusals_name_the_problem(setting):
         sim.run(data, sj.hparams(client_lr=LR), num_rounds=1)
     with pytest.raises(ValueError, match="byzantine_fraction"):
         _run(setting, robust.attacked(scaffold, "signflip"), byzantine_fraction=0.5)
+    warm = sj.scaffold(problem.loss_fn, warm_controls=True)
+    with pytest.raises(ValueError, match=r"warm controls is refused.*warm_controls=False"):
+        robust.attacked(warm, "ipm")
+    with pytest.raises(ValueError, match=r"warm controls is refused.*warm_controls=False"):
+        robust.robustly_aggregated(warm, "krum")
     from scaffold_jax import participation
 
     buffered = sj.Simulation(robust.attacked(scaffold, "signflip"), problem, PLAN, 2,
@@ -273,9 +278,12 @@ def test_centered_clipping_with_an_unbounded_radius_is_the_mean_and_resumes_exac
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_labelflip_trains_the_malicious_clients_on_flipped_labels(setting):
+@pytest.mark.parametrize("name", ["scaffold", "mime"])
+def test_labelflip_trains_the_malicious_clients_on_flipped_labels(setting, name):
     """The attacked run equals the plain run on data whose malicious clients' labels are
-    y → 1 − y (C = 2): their updates and their own controls honest on the flipped data."""
+    y → 1 − y (C = 2): their updates and their own controls honest on the flipped data
+    (Mime's pre-round gradient computed on the flipped labels too)."""
+    make = getattr(sj, name)
     problem, data = setting
     bad = np.asarray(malicious.is_malicious(constants_key(jr.key(3)), N, 0.25, np.arange(N)))
     clients = binary_clients(SIZES, 1)
@@ -285,9 +293,9 @@ def test_labelflip_trains_the_malicious_clients_on_flipped_labels(setting):
         rows = slice(offsets[i], offsets[i] + counts[i])
         y[rows] = 1 - y[rows]
     flipped = clients.replace(examples={**clients.examples, "y": jax.numpy.asarray(y)})
-    algorithm = robust.attacked(sj.scaffold(problem.loss_fn), "labelflip")
+    algorithm = robust.attacked(make(problem.loss_fn), "labelflip")
     attacked = _run(setting, algorithm, rounds=2, byzantine_fraction=0.25)
-    sim = sj.Simulation(sj.scaffold(problem.loss_fn), problem, PLAN, N, weighting="uniform")
+    sim = sj.Simulation(make(problem.loss_fn), problem, PLAN, N, weighting="uniform")
     reference = sim.run(flipped, sj.hparams(client_lr=LR), num_rounds=2, seed=3)
     for a, b in zip(jax.tree.leaves((attacked.state.server, attacked.state.clients)),
                     jax.tree.leaves((reference.state.server, reference.state.clients)),
@@ -299,3 +307,76 @@ def test_labelflip_trains_the_malicious_clients_on_flipped_labels(setting):
         sj.Simulation(robust.attacked(sj.scaffold(qproblem.loss_fn), "labelflip"), qproblem,
                       sj.BatchPlan.full(1), 2).run(quadratic, sj.hparams(client_lr=0.1),
                                                     num_rounds=1)  # fmt: skip
+
+
+def _full_gradients(data) -> np.ndarray:
+    """Each client's full-batch gradient of the mean cross-entropy at x⁰ = 0 (numpy
+    float64; p = 1/2 for both classes), as rows in the params' tree order: bias, kernel
+    ``[out, in]``."""
+    x, y = np.asarray(data.examples["x"], np.float64), np.asarray(data.examples["y"])
+    counts, offsets = np.asarray(data.counts), np.asarray(data.offsets)
+    rows = []
+    for i in range(N):
+        xi, yi = x[offsets[i] : offsets[i] + counts[i]], y[offsets[i] : offsets[i] + counts[i]]
+        residual = 0.5 - np.eye(2)[yi]  # softmax(0) − one-hot, [n_i, 2]
+        rows.append(np.concatenate([residual.mean(0), (residual.T @ xi / len(xi)).ravel()]))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize(
+    ("aggregator", "reference"), [("mean", lambda r: r.mean(0)), ("median", _median)]
+)
+def test_mimes_pre_round_gradient_is_attacked_and_robustly_aggregated(
+    setting, aggregator, reference
+):
+    """Mime's clients also send ∇f_i(x) before their local steps: the malicious ones send
+    −2·∇f_i(x) there too, and the server's c (its control) is agg of what was sent."""
+    problem, data = setting
+    algorithm = robust.robustly_aggregated(
+        robust.attacked(sj.mime(problem.loss_fn), "signflip"), aggregator
+    )
+    result = _run(setting, algorithm, byzantine_fraction=0.25, attack_scale=2.0)
+    bad = np.asarray(malicious.is_malicious(constants_key(jr.key(3)), N, 0.25, np.arange(N)))
+    gradients = _full_gradients(data)
+    sent = np.where(bad[:, None], -2.0 * gradients, gradients)
+    np.testing.assert_allclose(_vector(result.state.server.control), reference(sent),
+                               rtol=1e-5, atol=1e-7)  # fmt: skip
+    assert result.records[-1]["malicious_reported"] == 2
+
+
+def test_mimes_pre_round_has_a_centre_of_its_own_and_resumes_exactly(setting, tmp_path):
+    """Centered clipping on Mime: the pre-round gradient's aggregate is clipped around the
+    previous pre-round aggregate (``pass_centre``, 0 before round 1), kept in the server
+    state and restored by a resume bit for bit."""
+    problem, data = setting
+    algorithm = robust.robustly_aggregated(
+        robust.attacked(sj.mime(problem.loss_fn), "signflip"), "cclip"
+    )
+    hp = sj.hparams(client_lr=LR, byzantine_fraction=0.25, attack_scale=3.0, clip_radius=0.05)
+    sim = sj.Simulation(algorithm, problem, PLAN, N, weighting="uniform")
+    first = sim.run(data, hp, num_rounds=1, seed=3)
+    bad = np.asarray(malicious.is_malicious(constants_key(jr.key(3)), N, 0.25, np.arange(N)))
+    gradients = _full_gradients(data)
+    agg = _cclip(np.where(bad[:, None], -3.0 * gradients, gradients), np.zeros(8), 0.05)
+    server = first.state.server
+    np.testing.assert_allclose(np.asarray(server.pass_centre), agg, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_vector(server.inner.control), agg, rtol=1e-5, atol=1e-7)
+    whole = sim.run(data, hp, num_rounds=3, seed=3)
+    sim.run(data, hp, num_rounds=2, seed=3, checkpoint_dir=tmp_path, checkpoint_every=1)
+    resumed = sim.run(data, hp, num_rounds=3, seed=3, checkpoint_dir=tmp_path, resume=True)
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_under_privacy_mimes_pre_round_is_attacked_before_it_is_clipped(setting):
+    """attack → privacy on Mime: with a clip beyond every message and no noise, the
+    private pre-round mean is the mean of what the malicious clients sent."""
+    problem, data = setting
+    algorithm = sj.privacy.private(robust.attacked(sj.mime(problem.loss_fn), "signflip"))
+    result = _run(setting, algorithm, byzantine_fraction=0.25, attack_scale=2.0,
+                  dp_noise_multiplier=0.0, dp_clip=1e6)  # fmt: skip
+    bad = np.asarray(malicious.is_malicious(constants_key(jr.key(3)), N, 0.25, np.arange(N)))
+    gradients = _full_gradients(data)
+    sent = np.where(bad[:, None], -2.0 * gradients, gradients)
+    np.testing.assert_allclose(_vector(result.state.server.inner.control), sent.mean(0),
+                               rtol=1e-5, atol=1e-7)  # fmt: skip

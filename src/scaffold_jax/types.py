@@ -354,15 +354,24 @@ class FullDataPass(NamedTuple):
 
     Attributes:
       client: ``client(server_state, client_state, batch, mask) -> (client_state,
-        message)`` for ONE client; ``message`` is a pytree of float32 arrays.
-      server: ``server(server_state, mean_message) -> server_state``.
+        message)`` for ONE client; ``message`` is a pytree of float32 arrays. In a
+        ``pre_round`` pass the engine also passes ``hparams=`` (the config's), ``client_id=``
+        and ``run=`` (the run's constants, as to ``client_update``) to a client function
+        that takes them (label flipping's malicious clients compute on flipped labels).
+      server: ``server(server_state, mean_message) -> server_state``; it gets
+        ``released=`` (what ``transform`` released) when it takes it.
       sends: ``sends(params) -> pytree``, the structure (shapes, dtypes) of the message,
         for communication accounting; None: a float32 array per parameter (a gradient).
+      transform: optional, for a ``pre_round`` pass: ``transform(messages, weights,
+        context) -> (messages, released)`` on the clients' ``[S, ...]`` messages before the
+        server's mean, with the round's :class:`~scaffold_jax.messages.MessageContext`
+        (a Byzantine attack and a robust aggregator, :mod:`scaffold_jax.robust`).
     """
 
     client: Callable[..., tuple[PyTree, PyTree]]
-    server: Callable[[PyTree, PyTree], PyTree]
+    server: Callable[..., PyTree]
     sends: Callable[[PyTree], PyTree] | None = None
+    transform: Callable[..., tuple[PyTree, dict]] | None = None
 
 
 class Algorithm(NamedTuple):

@@ -12,7 +12,7 @@ import optax
 
 from scaffold_jax.engine.axes import over_clients
 from scaffold_jax.engine.communication import check_uplink
-from scaffold_jax.engine.phases import Cohort, Draw, Rows, keep_absent
+from scaffold_jax.engine.phases import Cohort, Draw, Rows, keep_absent, reporting_ids
 from scaffold_jax.local import takes
 from scaffold_jax.messages import MessageContext
 from scaffold_jax.tree import all_finite, masked_mean, set_rows, sq_norm, weighted_mean
@@ -66,11 +66,10 @@ def client_messages(ctx, hparams, server_in, outputs, states, rnd: Round):
     transform = ctx.algorithm.messages
     sent, states, released = outputs, states, {}
     if transform is not None:
-        ids, sampled = rnd.draw.ids, rnd.draw.sampled
         context = MessageContext(
             hparams, server_in, rnd.aggregation["cohort_size"], rnd.aggregation["key"],
-            ids if sampled is None else jnp.where(sampled, ids, -1),
-            rnd.aggregation.get("run_key"), rnd.aggregation.get("num_clients"),
+            reporting_ids(rnd.draw), rnd.aggregation.get("run_key"),
+            rnd.aggregation.get("num_clients"),
         )  # fmt: skip
         sent, states, released = transform.apply(outputs, states, context)
     return scaled(sent, rnd.scale), states, released

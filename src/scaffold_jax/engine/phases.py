@@ -56,6 +56,7 @@ from scaffold_jax.engine.keys import (
     shared_key,
 )
 from scaffold_jax.local import takes
+from scaffold_jax.messages import MessageContext
 from scaffold_jax.sampling import split_sample
 from scaffold_jax.tree import set_rows, take_rows, weighted_mean
 from scaffold_jax.types import ModelState, PyTree, SimState
@@ -79,6 +80,12 @@ class Draw(NamedTuple):
     participation: PyTree
     metrics: dict[str, jax.Array]
     run: Mapping[str, Any] = {}
+
+
+def reporting_ids(draw: Draw) -> jax.Array:
+    """The round's row ids as the message transforms read them: −1 for an empty slot of
+    a varying cohort."""
+    return draw.ids if draw.sampled is None else jnp.where(draw.sampled, draw.ids, -1)
 
 
 class Rows(NamedTuple):
@@ -208,7 +215,8 @@ def cohort(ctx, data, draw: Draw, key: jax.Array) -> Cohort:
     return Cohort(draw.sampled, weights, total_weight, planned, dict(draw.metrics), draw.sampled)
 
 
-def full_data_pass(full_pass, server, rows, ids, weights, data, chunk, aggregation=None):
+def full_data_pass(full_pass, server, rows, ids, weights, data, chunk, aggregation=None,
+                   context=None, run=None):  # fmt: skip
     """Runs a :class:`~scaffold_jax.types.FullDataPass` for clients ``ids`` (rows
     ``rows``): each on ALL its examples as one batch; returns the new rows and the server
     state the pass's server function makes from the weighted mean message.
@@ -216,18 +224,28 @@ def full_data_pass(full_pass, server, rows, ids, weights, data, chunk, aggregati
     A server function with a ``messages`` parameter gets the clients' messages and weights
     themselves instead (``server(state, None, messages=..., weights=...)``, differential
     privacy's aggregation), and those of the ``aggregation`` keywords (``cohort_size``,
-    ``key``, ``hparams``) it takes."""
+    ``key``, ``hparams``) it takes. A ``pre_round`` pass gives the round's message
+    ``context`` (its ``transform`` acts on the messages first) and the run's constants
+    ``run`` (for a client function that takes ``client_id=``)."""
+    extra = {}
+    if run and takes(full_pass.client, "client_id"):
+        extra = {"hparams": context.hparams, "run": run}
 
     def one(client_id, row):
         batches, mask = data.client_batches(client_id, jr.key(0), FULL_DATA)
         batch = jax.tree.map(lambda a: a[0], batches)
-        return full_pass.client(server, row, batch, mask[0])
+        who = {"client_id": client_id} if extra else {}
+        return full_pass.client(server, row, batch, mask[0], **extra, **who)
 
     rows, messages = over_clients(one, (ids, rows), chunk)
+    released = {}
+    if full_pass.transform is not None:
+        messages, released = full_pass.transform(messages, weights, context)
     if takes(full_pass.server, "messages"):
         extra = {k: v for k, v in (aggregation or {}).items() if takes(full_pass.server, k)}
         return rows, full_pass.server(server, None, messages=messages, weights=weights, **extra)
-    return rows, full_pass.server(server, weighted_mean(messages, weights))
+    extra = {"released": released} if takes(full_pass.server, "released") else {}
+    return rows, full_pass.server(server, weighted_mean(messages, weights), **extra)
 
 
 def shared(ctx, draw: Draw) -> dict[str, jax.Array]:
@@ -253,9 +271,13 @@ def pre_round(ctx, hparams, server, rows_in, draw, cohort, data, per_config):
     aggregation = shared(ctx, draw)
 
     def one_config(hparams, server, rows):
+        context = MessageContext(
+            hparams, server, aggregation["cohort_size"], aggregation["key"], reporting_ids(draw),
+            draw.run.get("run_key"), draw.run.get("num_clients"),
+        )  # fmt: skip
         return full_data_pass(
             full_pass, server, rows, draw.work_ids, cohort.weights, data, ctx.chunk,
-            {**aggregation, "hparams": hparams},
+            {**aggregation, "hparams": hparams}, context, draw.run,
         )  # fmt: skip
 
     return per_config(one_config)(hparams, server, rows_in)

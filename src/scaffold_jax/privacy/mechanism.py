@@ -285,8 +285,9 @@ def private(
     pre_round = None
     if inner.pre_round is not None:
 
-        def pass_client(server_state, client_state, batch, mask):
-            return inner.pre_round.client(server_state.inner, client_state, batch, mask)
+        @functools.wraps(inner.pre_round.client)  # its keywords (client_id=, ...) stay visible
+        def pass_client(server_state, client_state, batch, mask, **extra):
+            return inner.pre_round.client(server_state.inner, client_state, batch, mask, **extra)
 
         def pass_server(server_state, mean, messages, weights, cohort_size, key, hparams):
             del mean  # the engine's plain mean; the private one is made here
@@ -302,7 +303,8 @@ def private(
             received = inner.pre_round.server(server_state.inner, weighted_mean(rows, new_weights))
             return server_state._replace(inner=received)
 
-        pre_round = FullDataPass(pass_client, pass_server)
+        # An attack on the pass (the transform) acts before the clipping, as on the round's.
+        pre_round = FullDataPass(pass_client, pass_server, transform=inner.pre_round.transform)
 
     warm_start = None
     if inner.warm_start is not None:

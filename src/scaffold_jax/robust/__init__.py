@@ -9,7 +9,8 @@ by a robust aggregate (:mod:`~scaffold_jax.robust.aggregators`), optionally over
 means of random buckets of clients; centered clipping keeps its centre in the server
 state (:mod:`~scaffold_jax.robust.centred`). Both are message transforms
 (:mod:`scaffold_jax.messages`): the attack runs first, then compression (an attacker's
-message goes through the channel like any other), then the aggregator.
+message goes through the channel like any other), then the aggregator. A pre-round pass's
+message (Mime's full-batch gradient) goes through both as well (its ``transform``).
 
 The aggregator writes its aggregate into every reporting row, so the algorithm's own
 server update, a weighted mean of the rows, moves x by η_g · agg(Δy) and SCAFFOLD's c by
@@ -34,10 +35,11 @@ from scaffold_jax.messages import MessageContext, chain, stateless
 from scaffold_jax.registry import Option, Registry, factory_kwargs
 from scaffold_jax.robust import aggregators, attacks, malicious
 from scaffold_jax.robust.centred import CentredServerState, with_centre
-from scaffold_jax.types import Algorithm, ClientOutput, HParam
+from scaffold_jax.types import Algorithm, ClientOutput, FullDataPass, HParam
 
 _ATTACK_STREAM = 0x617474  # "att": the attack's randomness, from the server's round key
 _BUCKET_STREAM = 0x627563  # "buc": the buckets' permutation
+_PASS_STREAM = 0x707265  # "pre": a pre-round pass's attack and buckets
 
 #: The malicious fraction every attack reads.
 FRACTION = {
@@ -155,16 +157,35 @@ def malicious_rows(context: MessageContext) -> jax.Array:
     return mask & (context.ids >= 0)
 
 
-def _refuse_pre_round(algorithm: Algorithm, what: str) -> None:
-    """Mime's full-batch gradient is sent in a pass before the local work, outside the
-    message pipeline: neither wrapper reaches it yet, and half an attack (or a defence of
-    half the messages) would be a silent lie."""
-    if algorithm.pre_round is not None:
+def _refuse_warm_start(algorithm: Algorithm, what: str) -> None:
+    """SCAFFOLD's warm controls are every client's full-batch gradient sent once before
+    round 1, outside the rounds (no hyper-parameter, so no byzantine_fraction, reaches
+    it): an attack or a defence of the rounds alone would be a silent half."""
+    if algorithm.warm_start is not None:
         raise ValueError(
-            f"{what} with {algorithm.name} is refused: its clients also send a full-batch "
-            "gradient in a pass before the local steps, which the attacks and robust "
-            "aggregators do not cover; use fedavg, fedprox, scaffold or feddyn."
+            f"{what} with {algorithm.name}'s warm controls is refused: every client sends its "
+            "full-batch gradient once before round 1, outside the rounds the attacks and "
+            "robust aggregators act on; turn them off (warm_controls=False)."
         )
+
+
+def _on_pass(full_pass: FullDataPass | None, apply: Callable) -> FullDataPass | None:
+    """``full_pass`` (Mime's pre-round gradient) whose clients' messages also go through
+    ``apply(outputs, context) -> (outputs, released)`` as the ``delta_params`` of
+    :class:`ClientOutput` rows, after its transform so far, with a key of its own."""
+    if full_pass is None:
+        return None
+    inner = full_pass.transform
+
+    def transform(messages, weights, context):
+        released = {}
+        if inner is not None:
+            messages, released = inner(messages, weights, context)
+        context = context._replace(key=jr.fold_in(context.key, _PASS_STREAM))
+        outputs, out = apply(ClientOutput(messages, weights, {}), context)
+        return outputs.delta_params, {**released, **out}
+
+    return full_pass._replace(transform=transform)
 
 
 def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
@@ -176,7 +197,7 @@ def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
         return algorithm
     if "attack" in algorithm.options:
         raise ValueError(f"{algorithm.name} is attacked already: wrap an algorithm once.")
-    _refuse_pre_round(algorithm, f"attack = {attack!r}")
+    _refuse_warm_start(algorithm, f"attack = {attack!r}")
     if "privacy" in algorithm.options or "compression" in algorithm.options:
         raise ValueError(
             f"attacked({algorithm.name}) must wrap the plain algorithm: the attack comes "
@@ -204,40 +225,49 @@ def attacked(algorithm: Algorithm, attack: str, **options) -> Algorithm:
         }
         return _with_entries(outputs, entries), {"metrics": metrics}
 
-    update = algorithm.client_update
+    update, pre_round = algorithm.client_update, _on_pass(algorithm.pre_round, apply)
+    if spec.poison is not None:
+        update = _poisoned(update, spec.poison)
+        if pre_round is not None:
+            pre_round = pre_round._replace(client=_poisoned(pre_round.client, spec.poison, True))
     return algorithm._replace(
-        client_update=update if spec.poison is None else _poisoned(update, spec.poison),
+        client_update=update,
+        pre_round=pre_round,
         messages=chain(algorithm.messages, stateless(apply)),
         hparams={**algorithm.hparams, **spec.hparams},
         options={**algorithm.options, "attack": {"attack": attack, **options}},
     )
 
 
-def _poisoned(update: Callable, poison: Callable) -> Callable:
-    """``update`` on the batches a malicious client is given by ``poison``: the engine
-    passes the client's id and the run's constants where the client update takes them."""
+def _poisoned(fn: Callable, poison: Callable, full_pass: bool = False) -> Callable:
+    """``fn``, a client update (or with ``full_pass`` a pre-round pass's client function),
+    on the batches a malicious client is given by ``poison``. The engine passes the
+    client's id and the run's constants (and a pass's client the config's ``hparams=``)
+    where the function takes them."""
+    data = 2 if full_pass else 3  # the batches' position: after the states (and hparams)
 
-    def client_update(hparams, server_state, client_state, batches, mask, key, *, client_id,
-                      run, **extra):  # fmt: skip
+    def poisoned(*args, client_id, run, **extra):
         if run.get("num_classes") is None:
             raise ValueError(
                 "attack = 'labelflip' flips a classifier's labels: this problem declares no "
                 "num_classes (a regression, or a plugin's model without it); use a message "
                 "attack (signflip, gaussian, alie, ipm)."
             )
+        hparams = extra.pop("hparams") if full_pass else args[0]
         fraction = hparams["byzantine_fraction"]
         bad = malicious.is_malicious(run["run_key"], run["num_clients"], fraction, client_id)
-        batches = poison(batches, bad, run["num_classes"])
-        return update(hparams, server_state, client_state, batches, mask, key, **extra)
+        args = [*args[:data], poison(args[data], bad, run["num_classes"]), *args[data + 1 :]]
+        return fn(*args, **extra)
 
-    # The inner update's own keywords (draw=, model_state=, ...) stay visible to the engine.
-    signature = inspect.signature(update)
+    # The inner function's own keywords (draw=, model_state=, ...) stay visible to the engine.
+    signature = inspect.signature(fn)
     params = list(signature.parameters.values())
     tail = [p for p in params if p.kind is p.VAR_KEYWORD]
-    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in ("client_id", "run")]
+    names = ("hparams", "client_id", "run") if full_pass else ("client_id", "run")
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in names]
     head = [p for p in params if p.kind is not p.VAR_KEYWORD]
-    client_update.__signature__ = signature.replace(parameters=[*head, *added, *tail])
-    return client_update
+    poisoned.__signature__ = signature.replace(parameters=[*head, *added, *tail])
+    return poisoned
 
 
 class AggregatorSpec(NamedTuple):
@@ -380,7 +410,7 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
             f"so aggregator = {aggregator!r} cannot stand in for its mean: use fedavg, "
             "fedprox, scaffold or feddyn."
         )
-    _refuse_pre_round(algorithm, f"aggregator = {aggregator!r}")
+    _refuse_warm_start(algorithm, f"aggregator = {aggregator!r}")
     size = int(options.get("bucket_size", 1))
 
     def apply(outputs: ClientOutput, context: MessageContext, centre=None):
@@ -418,7 +448,11 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
                 f"weighting = 'uniform', not {weighting!r}."
             )
 
+    def on_pass(outputs, context):  # a pre-round pass's centre is its own
+        return apply(outputs, context, context.server.pass_centre if spec.centred else None)
+
     changes = {
+        "pre_round": _on_pass(algorithm.pre_round, on_pass),
         "hparams": {**algorithm.hparams, **spec.hparams},
         "check": check,
         "options": {**algorithm.options, "aggregator": {"aggregator": aggregator, **options}},

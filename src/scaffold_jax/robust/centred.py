@@ -26,10 +26,12 @@ from scaffold_jax.types import Algorithm, FullDataPass, ServerOutput
 class CentredServerState(NamedTuple):
     """Attributes: inner (the algorithm's server state), centre (``[D]`` float32: the
     previous round's aggregate of the clients' whole messages, before η_g or any server
-    optimizer; zeros before the first round)."""
+    optimizer; zeros before the first round), pass_centre (the same for the message of a
+    pre-round pass, Mime's full-batch gradient; None without one)."""
 
     inner: Any
     centre: jax.Array
+    pass_centre: jax.Array | None = None
 
 
 def _inner_first(fn: Callable, position: int = 0) -> Callable:
@@ -45,13 +47,19 @@ def _inner_first(fn: Callable, position: int = 0) -> Callable:
     return wrapped
 
 
-def _full_pass(full_pass: FullDataPass | None) -> FullDataPass | None:
+def _width(tree) -> int:
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
+
+
+def _centred_pass(full_pass: FullDataPass | None) -> FullDataPass | None:
+    """A pre-round pass on the inner state whose aggregate (released by the robust
+    transform on it) becomes the next round's ``pass_centre``."""
     if full_pass is None:
         return None
 
-    @functools.wraps(full_pass.server)
-    def server(state, *args, **kwargs):
-        return state._replace(inner=full_pass.server(state.inner, *args, **kwargs))
+    def server(state, mean, released):
+        received = full_pass.server(state.inner, mean)
+        return state._replace(inner=received, pass_centre=released["robust_centre"])
 
     return full_pass._replace(client=_inner_first(full_pass.client), server=server)
 
@@ -60,11 +68,16 @@ def with_centre(algorithm: Algorithm, apply: Callable, **changes) -> Algorithm:
     """``algorithm`` with a :class:`CentredServerState` and the robust transform ``apply``
     last in its message pipeline (``changes``: the wrapper's other fields)."""
     inner = algorithm
+    pre_round = _centred_pass(changes.pop("pre_round", inner.pre_round))
 
     def init(params):
         server, client = inner.init(params)
-        width = sum(math.prod(a.shape) for a in jax.tree.leaves(uplink_like(inner, params)))
-        return CentredServerState(server, jnp.zeros(width, jnp.float32)), client
+        centre = jnp.zeros(_width(uplink_like(inner, params)), jnp.float32)
+        pass_centre = None
+        if inner.pre_round is not None:
+            sends = inner.pre_round.sends or (lambda params: params)
+            pass_centre = jnp.zeros(_width(jax.eval_shape(sends, params)), jnp.float32)
+        return CentredServerState(server, centre, pass_centre), client
 
     def transform(outputs, states, context):
         released = {}
@@ -81,7 +94,7 @@ def with_centre(algorithm: Algorithm, apply: Callable, **changes) -> Algorithm:
         extra = {k: v for k, v in given.items() if takes(inner.server_update, k)}
         result = inner.server_update(hparams, state.inner, outputs, total_weight, **extra)
         new, metrics = result if isinstance(result, ServerOutput) else (result, {})
-        return ServerOutput(CentredServerState(new, released["robust_centre"]), metrics)
+        return ServerOutput(state._replace(inner=new, centre=released["robust_centre"]), metrics)
 
     personal = None
     if inner.personal is not None:
@@ -96,8 +109,7 @@ def with_centre(algorithm: Algorithm, apply: Callable, **changes) -> Algorithm:
         server_update=server_update,
         server_params=lambda state: inner.server_params(state.inner),
         downlink=None if inner.downlink is None else lambda state: inner.downlink(state.inner),
-        pre_round=_full_pass(inner.pre_round),
-        warm_start=_full_pass(inner.warm_start),
+        pre_round=pre_round,
         client_sync=sync,
         personal=personal,
         messages=MessageTransform(

@@ -191,11 +191,13 @@ def site(tmp_path_factory):
     return out, warnings
 
 
+@pytest.mark.slow  # the Sphinx build: ~22 s of the quick tier
 def test_the_site_builds_with_zero_warnings(site):
     _, warnings = site
     assert warnings == []
 
 
+@pytest.mark.slow  # the Sphinx build: ~22 s of the quick tier
 def test_every_page_of_the_manual_is_built_and_reachable_from_the_index(site):
     out, _ = site
     reached, todo = set(), [out / "index.html"]
@@ -223,6 +225,7 @@ def test_every_page_of_the_manual_is_built_and_reachable_from_the_index(site):
     assert sorted(built - pages - {"genindex", "search"}) == []
 
 
+@pytest.mark.slow  # the Sphinx build: ~22 s of the quick tier
 def test_every_internal_link_and_anchor_resolves(site):
     out, _ = site
     # pdoc's pages have their own test (test_docs.py); _static holds the theme's templates.
@@ -245,6 +248,7 @@ def test_every_internal_link_and_anchor_resolves(site):
     assert broken == []
 
 
+@pytest.mark.slow  # the Sphinx build: ~22 s of the quick tier
 def test_the_tutorials_are_the_notebooks(site, tmp_path):
     """The site's tutorials are the notebooks (copied in by the build, not committed): the
     same cells; an executed copy is kept until its notebook changes, then replaced."""

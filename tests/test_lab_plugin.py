@@ -165,7 +165,7 @@ def test_natural_datasets_are_unaffected_by_the_plugin(lab):
         config.replace(size_sigma=2.0).validate()
 
 
-@pytest.mark.slow  # a real table (~16 s); plugins from the command line: test_plugins
+@pytest.mark.slow  # a real table (~16 s); plugins from the command line: test_doc_blocks
 @pytest.mark.skipif(not os.path.isdir(FASHION), reason="needs Debian's dataset-fashion-mnist")
 def test_reproduce_takes_plugins_for_its_extra_methods(tmp_path):
     out = tmp_path / "table3"
@@ -243,6 +243,7 @@ def test_a_weighting_with_an_option_weighs_the_round_and_the_objective(blobs, la
         config.replace(weight_cap=3.0).validate()
 
 
+@pytest.mark.slow  # sweeps resumed from the command line: ~6 s
 def test_a_sweep_resumes_only_onto_its_own_data(lab, tmp_path, capsys):
     """A finished sweep resumed with more rounds continues every cell from its
     checkpoints (each round once in the records); resumed after its data changed in place

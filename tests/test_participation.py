@@ -489,6 +489,7 @@ def test_privacy_and_scaffnew_refuse_partial_participation(data, problem):
 
 
 # ------------------------------------------------------------------ the command line
+@pytest.mark.slow  # command-line runs, sweeps and resumes: ~11 s
 def test_the_command_line_runs_sweeps_resumes_and_reports_participation(tmp_path, capsys):
     """`run` with all three kinds on: the records carry what happened, the summary line says
     it, a resume with the same models continues and one with another model is refused;

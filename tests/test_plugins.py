@@ -91,6 +91,7 @@ TINY = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow  # a run and a sweep from the command line: ~10 s
 @needs_fashion
 def test_from_the_command_line_run_and_sweep(tmp_path):
     base = ["--plugin", PLUGIN, "--algorithm", "damped_fedavg", *TINY]

@@ -157,6 +157,7 @@ def test_a_sweep_refuses_to_resume_under_another_sampler_or_participation(tmp_pa
     assert sj.sweep.sweep(_sim(), _data(), hp, seeds, resume=True, **args).num_chunks == 1
 
 
+@pytest.mark.slow  # command-line runs resumed: ~10 s each
 def test_the_command_line_refuses_other_versions_unless_accepted(tmp_path, monkeypatch, capsys):
     from scaffold_jax import loop, versions
 
@@ -228,6 +229,7 @@ def test_another_train_eval_sample_is_refused_on_resume(finished, tmp_path, caps
     assert "train_eval_examples: 4096 in the run, 10 now" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # command-line runs resumed: ~10 s each
 def test_the_same_data_from_another_folder_resumes_and_other_data_is_refused(tmp_path, capsys):
     """--data-dir may move (the data's fingerprint is compared, not the folder)."""
     fashion = Path("/usr/share/datasets/fashion-mnist")
@@ -275,6 +277,7 @@ def _plugin_run(tmp_path, plugin, *extra):
                  "--out", str(tmp_path / "run"), *extra])  # fmt: skip
 
 
+@pytest.mark.slow  # command-line runs resumed: ~10 s each
 def test_a_plugin_edited_since_the_run_is_refused_on_resume(tmp_path, capsys):
     plugin = tmp_path / "damped.py"
     plugin.write_text(PLUGIN)
@@ -395,6 +398,7 @@ SMALL = ["run", "--dataset", "synthetic", "--num-clients", "2", "--clients-per-r
 DEVICES = "seconds_per_example,down_bytes_per_s,up_bytes_per_s\n0.01,1e6,1e6\n0.02,1e6,1e6\n"
 
 
+@pytest.mark.slow  # command-line runs resumed: ~6 s
 def test_the_compressed_entries_spelled_out_resume_as_all(tmp_path, capsys):
     argv = [*SMALL, "--compression", "topk", "--out", str(tmp_path / "run")]
     assert main(argv) == 0
@@ -418,6 +422,7 @@ def test_the_same_devices_at_another_path_resume_and_other_devices_are_refused(t
     assert "holds another run (profile_file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # command-line runs resumed: ~10 s each
 def test_a_sweep_resumes_with_its_grid_values_in_another_order(tmp_path):
     argv = ["sweep", "--dataset", "synthetic", "--clients-per-round", "2", "--rounds", "2",
             "--eval-every", "1", "--quiet", "--out", str(tmp_path / "sweep")]  # fmt: skip

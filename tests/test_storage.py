@@ -304,6 +304,7 @@ sys.exit(main(argv))
 """
 
 
+@pytest.mark.slow  # ~7 s; the quick tier keeps the other disk-full test
 def test_a_disk_full_at_a_checkpoint_is_one_line_whatever_orbax_reports_besides(tmp_path):
     """The one clear line, and no traceback after it, however orbax's threads, tasks and
     event loops report the same failure (a run in 7 printed an 8-line asyncio traceback)."""

@@ -145,6 +145,7 @@ def test_one_compilation_for_the_whole_grid(setup, base, small_data):
     assert again.compile_seconds < result.compile_seconds
 
 
+@pytest.mark.slow  # a CNN's sweep and single runs: ~19 s
 def test_a_cnn_sweep_equals_its_single_runs_and_evaluates_without_grouped_convolutions():
     """A model with convolutions on CPU: its configs' local steps and evaluations run
     config by config (vmapped configs would make each convolution a grouped one), with

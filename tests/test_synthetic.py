@@ -452,7 +452,8 @@ def test_the_quadratic_family_runs_from_the_command_line_with_its_constants(tmp_
     assert "brings its own loss" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("num_clients", [20_000, pytest.param(1_000_000, marks=pytest.mark.slow)])
+@pytest.mark.slow  # command-line runs of ~9 s and minutes
+@pytest.mark.parametrize("num_clients", [20_000, 1_000_000])
 def test_procedural_synthetic_runs_from_the_command_line(tmp_path, num_clients):
     """Synthetic(alpha, beta) generated inside the round: N clients cost their counts only."""
     from scaffold_jax.cli import main

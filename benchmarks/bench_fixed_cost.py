@@ -9,6 +9,9 @@ Per workload and algorithm (SCAFFOLD, FedAvg):
   floor nothing), K vmapped local steps (SCAFFOLD's corrected step y ← y − η(g − c_i + c)),
   aggregate, scatter the client table, R rounds in one ``lax.scan``. Nothing a run
   records (losses, metrics) and no checks: a lower bound, not a rival.
+* ``floor_draws``: the same, drawing each round's ids (``jr.choice`` without replacement)
+  and batch rows (``jr.randint``) on the device, as the plainest program a user would
+  write does: the engine draws them too, so this is the like-for-like floor.
 
 Both are timed interleaved (one call of R rounds per program in turn, the minimum and the
 median over ``--repeats``), and their optimised HLO is read for its structure per round:
@@ -16,7 +19,9 @@ the operations and fusions executed (each computation's top-level instructions, 
 loop's body times its trip count where XLA knows it; a loop whose count is data, like the
 sampler's collision passes, counted once and listed), while loops, sorts, host transfers
 and copies. On an accelerator each executed top-level operation is roughly a kernel launch,
-so that count, not the CPU time, is what a fixed cost of milliseconds is made of.
+so that count, not the CPU time, is what a fixed cost of milliseconds is made of; and as
+``launch_ops`` with each random-bits loop (XLA's CPU lowering rolls jax.random's threefry
+hash into a loop of 5 trips, an accelerator runs it as one fused kernel) counted as one.
 
 Workloads: ``tiny`` (N = 100 × 8 examples, d = 16, 2 classes, S = 10, K = 5, B = 2) and
 ``W1`` (benchmarks/workloads.py). Also measured: ``Simulation.run``'s cost per call
@@ -99,8 +104,10 @@ def engine(name, problem, data, plan, s, rounds):
     return (lambda st: compiled(hp, st, data, key)[0]), state, compiled
 
 
-def floor(name, problem, data, plan, s, rounds, seed=1):
-    """``(run, state, compiled)``: the plainest program of the same math (module docstring)."""
+def floor(name, problem, data, plan, s, rounds, seed=1, device_draws=False):
+    """``(run, state, compiled)``: the plainest program of the same math (module docstring);
+    with ``device_draws`` it draws each round's ids (``jr.choice`` without replacement) and
+    batch rows (``jr.randint``) itself, as the plainest on-device program would."""
     n = data.num_clients
     k, b = plan.shape(int(data.max_count))
     rng = np.random.default_rng(seed)
@@ -108,6 +115,9 @@ def floor(name, problem, data, plan, s, rounds, seed=1):
     counts = np.asarray(data.counts)[np.asarray(ids)]
     rows = rng.integers(0, 2**31, (rounds, s, k, b)) % counts[..., None, None]
     rows = jnp.asarray(rows + np.asarray(data.offsets)[np.asarray(ids)][..., None, None], jnp.int32)
+    if device_draws:  # the scan carries round keys instead of drawn ids and rows
+        ids, rows = jr.split(jr.key(seed), rounds), None
+    all_counts, all_offsets = jnp.asarray(data.counts), jnp.asarray(data.offsets)
     examples = data.examples
     scaffold = name == "scaffold"
 
@@ -133,6 +143,12 @@ def floor(name, problem, data, plan, s, rounds, seed=1):
         def one(carry, round_inputs):
             x, c, table = carry
             round_ids, batch_rows = round_inputs
+            if device_draws:
+                pick, rows_key = jr.split(round_ids)
+                round_ids = jr.choice(pick, n, (s,), replace=False)
+                counts_now = all_counts[round_ids][:, None, None]
+                batch_rows = jr.randint(rows_key, (s, k, b), 0, counts_now)
+                batch_rows = batch_rows + all_offsets[round_ids][:, None, None]
             c_i = jax.tree.map(lambda t: t[round_ids], table)
             dy, dc = jax.vmap(client, in_axes=(None, None, 0, 0))(x, c, c_i, batch_rows)
             x = jax.tree.map(lambda a, d: a + jnp.mean(d, axis=0), x, dy)
@@ -159,6 +175,10 @@ _CALLED = re.compile(
     r"(?:body|condition|to_apply|true_computation|false_computation|calls)=%?([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# A while loop of jax.random's hash (its op_name names the random function it serves).
+_RANDOM = re.compile(
+    r'op_name="[^"]*(?:threefry|_randint|_uniform|_bits|_gumbel|_permutation|_choice)'
+)
 
 
 def structure(hlo: str, rounds: int) -> dict:
@@ -184,10 +204,13 @@ def structure(hlo: str, rounds: int) -> dict:
     def count(name: str) -> dict:
         if name in memo:
             return memo[name]
-        total = dict.fromkeys(("ops", "whiles", "sorts", "host_transfers", "copies"), 0)
+        fields = ("ops", "launch_ops", "whiles", "random_loops", "sorts", "host_transfers",
+                  "copies")  # fmt: skip
+        total = dict.fromkeys(fields, 0)
         for line in bodies.get(name, []):
             op = _INSTRUCTION.match(line).group(1)
             total["ops"] += 1
+            total["launch_ops"] += 1
             total["sorts"] += op == "sort"
             total["copies"] += op in ("copy", "copy-start")
             total["host_transfers"] += op in ("infeed", "outfeed", "send", "recv") or (
@@ -198,13 +221,19 @@ def structure(hlo: str, rounds: int) -> dict:
                 continue  # one launch, whatever it fuses
             if op == "while":
                 total["whiles"] += 1
+                # A random-bits loop: XLA's CPU lowering rolls the threefry hash into a
+                # loop of 5 trips; on an accelerator it is one fused kernel, so it counts
+                # as one launch however many operations it executes here.
+                random = _RANDOM.search(line) is not None
+                total["random_loops"] += random
                 trip = _TRIP.search(line)
                 if trip is None:
                     unknown.append(name)
                 times = int(trip.group(1)) if trip else 1
                 for callee in called:
                     for key, value in count(callee).items():
-                        total[key] += times * value
+                        if not (random and key == "launch_ops"):
+                            total[key] += times * value
             elif op == "conditional":
                 branches = _BRANCHES.search(line)
                 names = (
@@ -275,6 +304,7 @@ def main(argv=None) -> None:
             built = {
                 "engine": engine(name, problem, data, plan, s, rounds),
                 "floor": floor(name, problem, data, plan, s, rounds),
+                "floor_draws": floor(name, problem, data, plan, s, rounds, device_draws=True),
             }
             timing = interleaved(
                 {k: (r, st) for k, (r, st, _) in built.items()}, args.repeats, rounds
@@ -284,16 +314,24 @@ def main(argv=None) -> None:
             for k in built:
                 row[f"{k}_ms_min"], row[f"{k}_ms_median"] = timing[k]
                 row.update({f"{k}_{field}": value for field, value in shape[k].items()})
-            row["time_ratio"] = row["engine_ms_min"] / row["floor_ms_min"]
-            row["ops_ratio"] = row["engine_ops"] / row["floor_ops"]
+            for k in ("floor", "floor_draws"):
+                row[f"time_ratio_{k}"] = row["engine_ms_min"] / row[f"{k}_ms_min"]
+                row[f"ops_ratio_{k}"] = row["engine_ops"] / row[f"{k}_ops"]
+                row[f"launch_ratio_{k}"] = row["engine_launch_ops"] / row[f"{k}_launch_ops"]
             rows.append(row)
             print(
                 f"{workload:5s} {name:8s} engine {row['engine_ms_min']:.3f} ms/round (median "
-                f"{row['engine_ms_median']:.3f}), floor {row['floor_ms_min']:.3f} "
-                f"({row['time_ratio']:.2f}x); ops/round {row['engine_ops']:.0f} vs "
-                f"{row['floor_ops']:.0f} ({row['ops_ratio']:.2f}x); whiles "
-                f"{row['engine_whiles']:.1f} vs {row['floor_whiles']:.1f}; sorts "
-                f"{row['engine_sorts']:.1f}; copies {row['engine_copies']:.1f} vs "
+                f"{row['engine_ms_median']:.3f}); floor {row['floor_ms_min']:.3f} "
+                f"({row['time_ratio_floor']:.2f}x), drawing on the device "
+                f"{row['floor_draws_ms_min']:.3f} ({row['time_ratio_floor_draws']:.2f}x); "
+                f"ops/round {row['engine_ops']:.0f} vs {row['floor_ops']:.0f} / "
+                f"{row['floor_draws_ops']:.0f}; random loops as one launch "
+                f"{row['engine_launch_ops']:.0f} vs {row['floor_launch_ops']:.0f} / "
+                f"{row['floor_draws_launch_ops']:.0f} ({row['launch_ratio_floor']:.2f}x / "
+                f"{row['launch_ratio_floor_draws']:.2f}x); whiles {row['engine_whiles']:.1f} "
+                f"(random {row['engine_random_loops']:.1f}) vs {row['floor_whiles']:.1f} / "
+                f"{row['floor_draws_whiles']:.1f}; sorts {row['engine_sorts']:.1f} vs "
+                f"{row['floor_draws_sorts']:.1f}; copies {row['engine_copies']:.1f} vs "
                 f"{row['floor_copies']:.1f}; data-dependent whiles "
                 f"{row['engine_data_dependent_whiles']}",
                 flush=True,

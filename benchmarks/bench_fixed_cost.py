@@ -20,8 +20,10 @@ loop's body times its trip count where XLA knows it; a loop whose count is data,
 sampler's collision passes, counted once and listed), while loops, sorts, host transfers
 and copies. On an accelerator each executed top-level operation is roughly a kernel launch,
 so that count, not the CPU time, is what a fixed cost of milliseconds is made of; and as
-``launch_ops`` with each random-bits loop (XLA's CPU lowering rolls jax.random's threefry
-hash into a loop of 5 trips, an accelerator runs it as one fused kernel) counted as one.
+``launch_ops``, the operations that run a kernel (not tuples, their elements, parameters,
+constants or bitcasts), each random-bits loop counted as one (XLA's CPU lowering rolls
+jax.random's threefry hash into a loop of 5 trips; an accelerator runs it as one fused
+kernel).
 
 Workloads: ``tiny`` (N = 100 × 8 examples, d = 16, 2 classes, S = 10, K = 5, B = 2) and
 ``W1`` (benchmarks/workloads.py). Also measured: ``Simulation.run``'s cost per call
@@ -175,6 +177,8 @@ _CALLED = re.compile(
     r"(?:body|condition|to_apply|true_computation|false_computation|calls)=%?([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# Operations that name or reshape buffers and run no kernel.
+_FREE = {"get-tuple-element", "tuple", "parameter", "constant", "bitcast"}
 # A while loop of jax.random's hash (its op_name names the random function it serves).
 _RANDOM = re.compile(
     r'op_name="[^"]*(?:threefry|_randint|_uniform|_bits|_gumbel|_permutation|_choice)'
@@ -210,7 +214,7 @@ def structure(hlo: str, rounds: int) -> dict:
         for line in bodies.get(name, []):
             op = _INSTRUCTION.match(line).group(1)
             total["ops"] += 1
-            total["launch_ops"] += 1
+            total["launch_ops"] += op not in _FREE
             total["sorts"] += op == "sort"
             total["copies"] += op in ("copy", "copy-start")
             total["host_transfers"] += op in ("infeed", "outfeed", "send", "recv") or (
@@ -292,12 +296,84 @@ def run_overhead(problem, data, plan, s, calls: int = 5) -> dict:
             "beyond_rounds_ms": 1e3 * (min(whole) - min(rounds_only))}  # fmt: skip
 
 
+def sampler_share(repeats: int) -> dict:
+    """The tiny SCAFFOLD round with the default sampler, with a one-draw stand-in in its
+    place (S consecutive ids from a random start: not uniform, only a cost probe), and
+    the device-drawing floor, interleaved: µs per round (min, median)."""
+    from scaffold_jax import sampling
+
+    problem, data, plan, s, rounds = setups(False)["tiny"]
+    programs = {"engine": engine("scaffold", problem, data, plan, s, rounds)[:2]}
+    default = sampling.sample_clients
+    sampling.sample_clients = lambda key, n, k: (
+        (jnp.arange(k, dtype=jnp.int32) * 7 + jr.randint(key, (), 0, n)) % n
+    )
+    try:
+        programs["one_draw_sampler"] = engine("scaffold", problem, data, plan, s, rounds)[:2]
+    finally:
+        sampling.sample_clients = default
+    drawing = floor("scaffold", problem, data, plan, s, rounds, device_draws=True)
+    programs["floor_draws"] = drawing[:2]
+    timing = interleaved(programs, repeats, rounds)
+    return {k: (1e3 * lo, 1e3 * mid) for k, (lo, mid) in timing.items()}
+
+
+def sampler_costs() -> list[dict]:
+    """µs per draw of S distinct ids among N (jitted, 100 draws a call, min of 5): the
+    default (Floyd's), top-k of N uniforms, top-k of N random words, ``jr.choice``."""
+    from scaffold_jax.sampling import sample_clients
+
+    candidates = {
+        "floyd": sample_clients,
+        "topk_uniform": lambda key, n, s: jax.lax.top_k(jr.uniform(key, (n,)), s)[1],
+        "topk_bits": lambda key, n, s: jax.lax.top_k(jr.bits(key, (n,), jnp.uint32), s)[1],
+        "choice": lambda key, n, s: jr.choice(key, n, (s,), replace=False),
+    }
+    rows = []
+    for n, s in [(100, 10), (1000, 100), (10_000, 1000), (1_000_000, 100)]:
+        row = {"num_clients": n, "clients_per_round": s}
+        for name, draw in candidates.items():
+
+            def hundred(key, draw=draw, n=n, s=s):
+                def one(i, acc):
+                    return acc + jnp.sum(draw(jr.fold_in(key, i), n, s).astype(jnp.int32))
+
+                return jax.lax.fori_loop(0, 100, one, jnp.int32(0))
+
+            run = jax.jit(hundred)
+            run(jr.key(0)).block_until_ready()
+            best = float("inf")
+            for repeat in range(5):
+                start = time.perf_counter()
+                run(jr.key(repeat + 1)).block_until_ready()
+                best = min(best, time.perf_counter() - start)
+            row[f"{name}_us"] = best / 100 * 1e6
+        rows.append(row)
+        print(f"N = {n}, S = {s}: " + ", ".join(
+            f"{k} {row[f'{k}_us']:.1f} us" for k in candidates), flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes (seconds)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", help="write the JSON result here")
+    parser.add_argument(
+        "--samplers",
+        action="store_true",
+        help="instead: the default sampler's share of the tiny round, and what drawing S "
+        "of N ids costs by four methods (~8 min, most of it jr.choice at N = 10^6)",
+    )
     args = parser.parse_args(argv)
+    if args.samplers:
+        share = sampler_share(args.repeats)
+        for k, (lo, mid) in share.items():
+            print(f"tiny SCAFFOLD, {k}: {lo:.1f} us/round (median {mid:.1f})", flush=True)
+        result = {"tiny_round_us": share, "draw_us": sampler_costs()}
+        if args.out:
+            write_json(args.out, result)
+        return
     rows = []
     for workload, (problem, data, plan, s, rounds) in setups(args.quick).items():
         for name in ("scaffold", "fedavg"):

@@ -53,7 +53,7 @@ from scaffold_jax.types import resolve_hparams
 
 FRACTION = 0.2  # the attacked rows' byzantine_fraction
 
-#: label -> (aggregator, its options, attack)
+#: label -> (aggregator, its hyper-parameters, attack)
 VARIANTS = {
     "mean": ("mean", {}, "none"),
     "median": ("median", {}, "none"),
@@ -73,12 +73,12 @@ TARGETS = {"median": 1.3, "trimmed_mean": 1.3, "krum": 1.5, "cclip": 1.5, "geome
 
 def program(w, name, data, problem, label):
     """``(run, state, compile_s, temp_bytes)`` of R rounds of one variant."""
-    aggregator, options, attack = VARIANTS[label]
+    aggregator, chosen, attack = VARIANTS[label]
     algorithm = workloads.make_algorithm(name, problem.loss_fn)
     algorithm = robust.attacked(algorithm, attack)
-    algorithm = robust.robustly_aggregated(algorithm, aggregator, **options)
+    algorithm = robust.robustly_aggregated(algorithm, aggregator)
     sim = sj.Simulation(algorithm, problem, w.plan, w.clients_per_round, weighting="uniform")
-    extra = {"byzantine_fraction": FRACTION} if attack != "none" else {}
+    extra = {**chosen, **({"byzantine_fraction": FRACTION} if attack != "none" else {})}
     hp = resolve_hparams(algorithm, {**workloads.make_hparams(name), **extra})
     state, key = sim.init(data), jr.key(0)
     run, compile_s, temp = compiled_rounds(sim, hp, state, data, key, w.rounds)

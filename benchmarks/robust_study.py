@@ -53,9 +53,10 @@ def first_at(records, target):
 def run_cell(algorithm, attack, aggregator, bucket, data, problem, plan, args) -> list[dict]:
     """One sweep: the rows of each fraction f (means ± std over the seeds)."""
     wrapped = robust.attacked(sj.algorithms.make(algorithm, problem.loss_fn), attack)
-    options = {"bucket_size": bucket} if aggregator != "mean" else {}
-    wrapped = robust.robustly_aggregated(wrapped, aggregator, **options)
+    wrapped = robust.robustly_aggregated(wrapped, aggregator)
     extra = {"trim_fraction": [0.2]} if aggregator == "trimmed_mean" else {}
+    if aggregator != "mean":
+        extra["bucket_size"] = [bucket]
     if aggregator == "cclip":
         extra["clip_radius"] = [args.clip_radius]
     sim = sj.Simulation(wrapped, problem, plan, args.clients_per_round)

@@ -1675,11 +1675,17 @@ CASES = [
          "aggregators act on; turn them off (warm_controls=False).",
          lambda ctx: sj.robust.attacked(sj.scaffold(ctx.problem.loss_fn, warm_controls=True),
                                         "alie")),
-    Case("bucketing-the-mean", "robustly_aggregated(scaffold, 'mean', bucket_size=2)",
+    Case("bucketing-the-mean", "--aggregator mean --bucket-size 2", "RunConfig.validate",
+         ConfigError,
+         "invalid config: bucket_size = 2 does not apply to aggregator = 'mean': it is median, "
+         "trimmed_mean, krum, multikrum, geomed, cclip's; remove it or choose one of those.",
+         lambda ctx: RunConfig(aggregator="mean", hparams={"bucket_size": 2}).validate()),
+    Case("bucket-size-as-option", "robustly_aggregated(scaffold, 'median', bucket_size=2)",
          "robustly_aggregated", ValueError,
-         "bucket_size > 1 with aggregator = 'mean' is the uniform mean again: choose a robust "
-         "aggregator (median, trimmed_mean, krum, multikrum, geomed, cclip).",
-         lambda ctx: sj.robust.robustly_aggregated(sj.scaffold(ctx.problem.loss_fn), "mean",
+         "aggregator = 'median' takes no option 'bucket_size' (its options: none); bucket_size "
+         "is a hyper-parameter of the robust aggregators: give it with the others "
+         "(sj.hparams(...)).",
+         lambda ctx: sj.robust.robustly_aggregated(sj.scaffold(ctx.problem.loss_fn), "median",
                                                    bucket_size=2)),
     Case("byzantine-fraction-half", "--attack signflip --byzantine-fraction 0.5",
          "RunConfig.validate", ConfigError,

@@ -24,6 +24,7 @@ def api(tmp_path_factory):
     return folder, docs.build_api(folder)
 
 
+@pytest.mark.slow  # the API reference build: ~11 s of the quick tier
 def test_the_api_reference_builds_without_a_warning(api):
     folder, problems = api
     assert problems == []
@@ -32,6 +33,7 @@ def test_the_api_reference_builds_without_a_warning(api):
     assert 'href="loop.html#drive"' in page  # ... and :func:`...` references are links
 
 
+@pytest.mark.slow  # the API reference build: ~11 s of the quick tier
 def test_every_public_module_has_a_page_listed_by_its_package(api):
     """Not only what ``__all__`` names: ``experiments``, ``results``, ``types``, ``paper``,
     ``algorithms.common``... each have a page, and their package's page links it."""

@@ -166,7 +166,12 @@ def _check_against_reference(kind, problem, data, profile_file, concurrency, siz
 @pytest.mark.parametrize("kind", ["fedavg", "scaffold"])
 @pytest.mark.parametrize(
     ("concurrency", "size"),
-    [(4, 2), (3, 1), pytest.param(3, 3, marks=pytest.mark.slow), (6, 4)],
+    [
+        (4, 2),
+        (3, 1),
+        pytest.param(3, 3, marks=pytest.mark.slow),
+        pytest.param(6, 4, marks=pytest.mark.slow),
+    ],
 )
 def test_fedbuff_equals_the_event_driven_reference(
     kind, concurrency, size, data, problem, profile_file

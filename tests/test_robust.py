@@ -149,7 +149,9 @@ def test_the_contracts_identities_equal_the_mean_over_rounds(setting, aggregator
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_a_sweep_over_the_fraction_is_one_program_equal_to_its_single_runs(setting):
+def test_a_sweep_over_the_fraction_and_bucket_size_is_one_program_equal_to_its_single_runs(
+    setting,
+):
     from scaffold_jax.sweep import grid, sweep
 
     problem, data = setting
@@ -157,15 +159,23 @@ def test_a_sweep_over_the_fraction_is_one_program_equal_to_its_single_runs(setti
         robust.attacked(sj.scaffold(problem.loss_fn), "ipm"), "median"
     )
     sim = sj.Simulation(algorithm, problem, PLAN, 4, weighting="uniform")
-    hparams, seeds, _ = grid(client_lr=[LR], byzantine_fraction=[0.0, 0.25, 0.375], seeds=[3])
+    hparams, seeds, configs = grid(client_lr=[LR], byzantine_fraction=[0.0, 0.375],
+                                   bucket_size=[1, 2, 3], seeds=[3])  # fmt: skip
     result = sweep(sim, data, hparams, seeds, num_rounds=3)
-    for i, f in enumerate(np.asarray(hparams.byzantine_fraction)):
-        single = sim.run(data, sj.hparams(client_lr=LR, byzantine_fraction=float(f)),
-                         num_rounds=3, seed=3)  # fmt: skip
+    finals = {}
+    for i, config in enumerate(configs):
+        hp = sj.hparams(**{k: v for k, v in config.items() if k != "seed"})
+        single = sim.run(data, hp, num_rounds=3, seed=3)
         for a, b in zip(jax.tree.leaves(single.state.server),
                         jax.tree.leaves(jax.tree.map(lambda x: x[i], result.server_states)),
                         strict=True):  # fmt: skip
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        finals[config["byzantine_fraction"], config["bucket_size"]] = _vector(
+            single.state.server.params
+        )
+    # The bucket size is read: buckets of 2 or 3 aggregate other rows than s = 1.
+    assert not np.allclose(finals[0.375, 1], finals[0.375, 2])
+    assert not np.allclose(finals[0.375, 2], finals[0.375, 3])
 
 
 def test_the_malicious_set_is_nested_in_the_fraction_and_fixed_for_the_run(setting):
@@ -183,8 +193,8 @@ def test_refusals_name_the_problem(setting):
         sj.privacy.private(robust.robustly_aggregated(scaffold, "median"))
     with pytest.raises(ValueError, match="reads each client's output on its own"):
         robust.robustly_aggregated(sj.fednova(problem.loss_fn), "median")
-    with pytest.raises(ValueError, match="bucket_size > 1 with aggregator = 'mean'"):
-        robust.robustly_aggregated(scaffold, "mean", bucket_size=2)
+    with pytest.raises(ValueError, match="takes no option 'bucket_size'.*hyper-parameter"):
+        robust.robustly_aggregated(scaffold, "median", bucket_size=2)
     sim = sj.Simulation(robust.robustly_aggregated(scaffold, "median"), problem, PLAN, 4,
                         weighting="num_examples")  # fmt: skip
     with pytest.raises(ValueError, match="use weighting = 'uniform', not 'num_examples'"):

@@ -28,7 +28,7 @@ from scaffold_jax.registry import ConfigError, Registry, did_you_mean, in_one_li
 from scaffold_jax.robust import AGGREGATORS, ATTACKS
 from scaffold_jax.types import FLOAT32_TINY, STATE_POLICIES, STEP_SIZES, allowed_range
 from scaffold_jax.weighting import WEIGHTINGS
-from scaffold_jax.wrappers import chosen_hparams
+from scaffold_jax.wrappers import WRAPPERS, chosen_hparams
 
 MAX_CLIENTS = 2**31 - 1  # client ids are int32
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -245,18 +245,24 @@ def _check_hparams(config: ConfigFields, check: Checker, errors: list[str]) -> N
             value != everywhere[name].default
         ):
             takes = ", ".join(k for k in declared_here if k not in STEP_SIZES) or "none"
-            owners = [n for n, spec in COMPRESSORS.items() if name in spec.hparams]
-            if owners:  # a compressor's (qsgd's bits, topk's fraction)
+            for _, wrapper in WRAPPERS.items():  # a wrapper kind's (qsgd's bits, cclip's τ)
+                owners = [n for n, spec in wrapper.kinds.items() if name in spec.hparams]
+                if owners:
+                    chosen = getattr(config, wrapper.field)
+                    whose, which = " and ".join(owners), f"that {wrapper.field}"
+                    if len(owners) > 2:
+                        whose, which = ", ".join(owners), "one of those"
+                    errors.append(
+                        f"{name} = {value!r} does not apply to {wrapper.field} = {chosen!r}: "
+                        f"it is {whose}'s; remove it or choose {which}."
+                    )
+                    break
+            else:
                 errors.append(
-                    f"{name} = {value!r} does not apply to compression = "
-                    f"{config.compression!r}: it is {' and '.join(owners)}'s; remove it or "
-                    f"choose that compression."
+                    f"{name} = {value!r} does not apply to algorithm = {config.algorithm!r}, "
+                    f"which takes {takes}; remove it or choose an algorithm that declares it."
                 )
-                continue
-            errors.append(
-                f"{name} = {value!r} does not apply to algorithm = {config.algorithm!r}, "
-                f"which takes {takes}; remove it or choose an algorithm that declares it."
-            )
+            continue
 
 
 def _check_declared(check: Checker, name: str, value: Any, declared: Any) -> bool:

@@ -282,10 +282,10 @@ class AggregatorSpec(NamedTuple):
     centred: bool = False  # reads ``centre``, the previous round's aggregate (else None)
 
 
-#: The options every robust aggregator takes.
+#: The hyper-parameter every robust aggregator takes: a sweep over it is one program.
 BUCKETING = {
-    "bucket_size": Option(1, "bucketing before the aggregator: the mean of random buckets "
-                          "of s reporting clients (1: none)", "int", low=1, high=10**9),
+    "bucket_size": HParam(1.0, "bucketing before the aggregator: the mean of random buckets "
+                          "of s reporting clients (1: none)", minimum=1, integer=True),
 }  # fmt: skip
 
 
@@ -321,9 +321,8 @@ AGGREGATORS.register(
     "median",
     AggregatorSpec(
         lambda rows, mask, hp, opt, ctx, centre: (aggregators.median(rows, mask), None),
-        {},
+        {**BUCKETING},
         "coordinate-wise median",
-        BUCKETING,
     ),
 )
 AGGREGATORS.register(
@@ -339,29 +338,28 @@ AGGREGATORS.register(
                 "trimmed_mean: fraction β of each end dropped per coordinate, in [0, 0.5)",
                 allow_zero=True,
                 maximum=0.4999999,
-            )
+            ),
+            **BUCKETING,
         },
         "coordinate-wise trimmed mean",
-        BUCKETING,
     ),
 )
 AGGREGATORS.register(
     "krum",
     AggregatorSpec(
         _krum,
-        {},
+        {**BUCKETING},
         "Krum: the message closest to its n − F − 2 nearest",
-        {**BUCKETING, **_KRUM_OPTIONS},
+        {**_KRUM_OPTIONS},
     ),
 )
 AGGREGATORS.register(
     "multikrum",
     AggregatorSpec(
         _multikrum,
-        {},
+        {**BUCKETING},
         "Multi-Krum: the mean of the m best Krum scores",
         {
-            **BUCKETING,
             **_KRUM_OPTIONS,
             "krum_m": Option(
                 None,
@@ -375,15 +373,15 @@ AGGREGATORS.register(
 )
 AGGREGATORS.register("geomed", AggregatorSpec(
     lambda rows, mask, hp, opt, ctx, centre: (aggregators.geomed(
-        rows, mask, opt.get("geomed_iters", 8)), None), {},
-    "geometric median (RFA, smoothed Weiszfeld)", {**BUCKETING, "geomed_iters": Option(
+        rows, mask, opt.get("geomed_iters", 8)), None), {**BUCKETING},
+    "geometric median (RFA, smoothed Weiszfeld)", {"geomed_iters": Option(
         8, "geomed: Weiszfeld iterations T", "int", low=1, high=10_000)}))  # fmt: skip
 AGGREGATORS.register("cclip", AggregatorSpec(
     lambda rows, mask, hp, opt, ctx, centre: (aggregators.cclip(
         rows, mask, centre, hp.clip_radius, opt.get("cclip_iters", 1)), None),
     {"clip_radius": HParam(1.0, "cclip: radius τ of the clipping around the previous "
-                           "aggregate (inf: the mean)", allow_inf=True)},
-    "centered clipping around the previous round's aggregate", {**BUCKETING, "cclip_iters":
+                           "aggregate (inf: the mean)", allow_inf=True), **BUCKETING},
+    "centered clipping around the previous round's aggregate", {"cclip_iters":
     Option(1, "cclip: iterations L", "int", low=1, high=10_000)}, centred=True))  # fmt: skip
 
 
@@ -391,12 +389,21 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
     """``algorithm`` whose server aggregates the reporting messages with the registered
     ``aggregator`` (see the module docstring); ``"mean"`` returns it unchanged."""
     spec = AGGREGATORS[aggregator]
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        hparams = [name for name in unknown if name in BUCKETING or any(
+            name in other.hparams for _, other in AGGREGATORS.items())]  # fmt: skip
+        raise ValueError(
+            f"aggregator = {aggregator!r} takes no option {', '.join(map(repr, unknown))} "
+            f"(its options: {', '.join(spec.options) or 'none'})"
+            + (
+                f"; {', '.join(hparams)} is a hyper-parameter of the robust aggregators: give "
+                "it with the others (sj.hparams(...))."
+                if hparams
+                else "."
+            )  # fmt: skip
+        )
     if spec.aggregate is None:
-        if options.get("bucket_size", 1) != 1:
-            raise ValueError(
-                "bucket_size > 1 with aggregator = 'mean' is the uniform mean again: choose "
-                "a robust aggregator (median, trimmed_mean, krum, multikrum, geomed, cclip)."
-            )
         return algorithm
     if "privacy" in algorithm.options:
         raise ValueError(
@@ -411,27 +418,28 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
             "fedprox, scaffold or feddyn."
         )
     _refuse_warm_start(algorithm, f"aggregator = {aggregator!r}")
-    size = int(options.get("bucket_size", 1))
 
     def apply(outputs: ClientOutput, context: MessageContext, centre=None):
         reporting = outputs.weight > 0
         entries = _entries(outputs)
-        rows = _flat(entries, reporting.shape[0])
-        mask, of = reporting, None
-        if size > 1:
-            key = jr.fold_in(context.key, _BUCKET_STREAM)
-            rows, mask, of = aggregators.bucket(rows, reporting, key, size)
-        agg, selected = spec.aggregate(rows, mask, context.hparams, options, context, centre)
         n = reporting.shape[0]
-        flat = jnp.where(reporting[:, None], jnp.broadcast_to(agg, (n, agg.shape[0])),
-                         _flat(entries, n))  # fmt: skip
+        messages = _flat(entries, n)
+        key = jr.fold_in(context.key, _BUCKET_STREAM)
+        size = context.hparams["bucket_size"]
+        # s = 1 runs the aggregator on the rows themselves (no permutation: bitwise the
+        # aggregator alone); a sweep over s runs both branches, one program.
+        alone = jnp.where(reporting, jnp.arange(n, dtype=jnp.int32), -1)  # each row its own
+        rows, mask, of = jax.lax.cond(
+            size > 1,
+            lambda rows: aggregators.bucket(rows, reporting, key, size),
+            lambda rows: (rows, reporting, alone),
+            messages,
+        )
+        agg, selected = spec.aggregate(rows, mask, context.hparams, options, context, centre)
+        flat = jnp.where(reporting[:, None], jnp.broadcast_to(agg, (n, agg.shape[0])), messages)
         metrics = {}
-        if selected is not None:
-            bad = malicious_rows(context) & reporting
-            if of is not None:  # the malicious clients inside the selected buckets
-                bad = selected[jnp.maximum(of, 0)] & (of >= 0) & bad
-            else:
-                bad = selected & bad
+        if selected is not None:  # the malicious clients inside the selected rows (buckets)
+            bad = selected[jnp.maximum(of, 0)] & (of >= 0) & malicious_rows(context)
             metrics["aggregator_selected_malicious"] = jnp.sum(bad.astype(jnp.float32))
         # (cclip returns its centre when nobody reported: the centre then stays.)
         released = {"metrics": metrics, **({"robust_centre": agg} if spec.centred else {})}

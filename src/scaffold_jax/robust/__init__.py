@@ -391,17 +391,14 @@ def robustly_aggregated(algorithm: Algorithm, aggregator: str, **options) -> Alg
     spec = AGGREGATORS[aggregator]
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
-        hparams = [name for name in unknown if name in BUCKETING or any(
-            name in other.hparams for _, other in AGGREGATORS.items())]  # fmt: skip
+        hparams = [n for n in unknown if any(n in o.hparams for _, o in AGGREGATORS.items())]
+        hint = "."
+        if hparams:
+            hint = (f"; {', '.join(hparams)} is a hyper-parameter of the robust aggregators: "
+                    "give it with the others (sj.hparams(...)).")  # fmt: skip
         raise ValueError(
             f"aggregator = {aggregator!r} takes no option {', '.join(map(repr, unknown))} "
-            f"(its options: {', '.join(spec.options) or 'none'})"
-            + (
-                f"; {', '.join(hparams)} is a hyper-parameter of the robust aggregators: give "
-                "it with the others (sj.hparams(...))."
-                if hparams
-                else "."
-            )  # fmt: skip
+            f"(its options: {', '.join(spec.options) or 'none'}){hint}"
         )
     if spec.aggregate is None:
         return algorithm

@@ -431,6 +431,7 @@ def test_other_exits_pass_through_main(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- diagnose
+@pytest.mark.slow  # the diagnosis from the command line: ~5 s
 @needs_fashion
 def test_diagnose_prints_the_papers_constants_and_writes_its_folder(tmp_path, capsys):
     config = tmp_path / "tiny.toml"

@@ -233,7 +233,9 @@ def _params():
         for i, line in enumerate(_commands(page)):
             if line.startswith(("make", "source .venv/bin/activate", "pip")):
                 continue
-            marks = [] if any(f in line for f in FAST) else [pytest.mark.slow]
+            # (A documented sweep compiles a grid's program: ~10 s, the slow tier's.)
+            fast = any(f in line for f in FAST) and "scaffold-jax sweep" not in line
+            marks = [] if fast else [pytest.mark.slow]
             name = f"{_name(page)} {i:02d} {line[:50]}"
             params.append(pytest.param(page, line, id=name, marks=marks))
     return params

@@ -302,6 +302,7 @@ def test_a_sweep_of_fedbuff_configs_equals_their_single_runs(data, problem, prof
         assert last["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # command-line runs and a resume: ~4 s
 def test_fedbuff_from_the_command_line_and_a_changed_concurrency_refused(tmp_path, capsys):
     from scaffold_jax.cli import main
 

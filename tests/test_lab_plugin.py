@@ -115,6 +115,7 @@ def test_the_sampler_chooses_the_rounds_clients(blobs, lab):
         sim.replace(sampler=bad).init(built.data)
 
 
+@pytest.mark.slow  # command-line runs: ~4 s (the extending page's run stays quick)
 def test_the_command_line_runs_every_plugin_entry(blobs, tmp_path):
     out = tmp_path / "run"
     argv = [

@@ -6,7 +6,8 @@ in a subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be 
 jax is imported, so it cannot share this process), and compares the final states,
 sampled ids and evaluations. The subprocess also stops each sharded run at round 2 with a
 checkpoint and resumes it (``resume=True``), which must give the uninterrupted sharded run
-bit for bit. The subprocess is this file run as a script.
+bit for bit. The subprocess is this file run as a script; its tests are in the slow tier
+(~35 s), the one-device mesh's in the quick one.
 """
 
 from __future__ import annotations
@@ -289,6 +290,7 @@ def eight_devices(tmp_path_factory):
     return report, sharded, references
 
 
+@pytest.mark.slow  # eight CPU devices in a subprocess: ~35 s (the one-device mesh stays quick)
 @pytest.mark.parametrize("name", list(CASES))
 def test_eight_devices_match_one_device(eight_devices, name):
     """SCAFFOLD with sampling gives the same run unsharded on 1 device and on 8."""
@@ -306,6 +308,7 @@ def test_eight_devices_match_one_device(eight_devices, name):
         np.testing.assert_allclose(got[key], want, rtol=tol, atol=atol, err_msg=key)
 
 
+@pytest.mark.slow  # eight CPU devices in a subprocess: ~35 s (the one-device mesh stays quick)
 @pytest.mark.parametrize("name", list(CASES))
 def test_eight_devices_resume_bitwise(eight_devices, name):
     """A sharded run stopped at round 2 and resumed with resume=True is the uninterrupted
@@ -332,6 +335,7 @@ def test_eight_devices_resume_bitwise(eight_devices, name):
             np.testing.assert_allclose(got[key], want, rtol=tol, atol=atol, err_msg=key)
 
 
+@pytest.mark.slow  # eight CPU devices in a subprocess: ~35 s (the one-device mesh stays quick)
 def test_eight_device_layout(eight_devices):
     """Table rows split in equal blocks, server replicated, examples split when even."""
     report = eight_devices[0]
@@ -350,6 +354,7 @@ def test_eight_device_layout(eight_devices):
     assert report["federated_s12"]["model_spec"] is None
 
 
+@pytest.mark.slow  # eight CPU devices in a subprocess: ~35 s (the one-device mesh stays quick)
 def test_round_moves_sampled_rows_not_the_table(eight_devices):
     """The compiled rounds' collectives carry [S, ...] rows and [P] sums, never [N, ...]."""
     found = eight_devices[0]["collectives"]
@@ -367,6 +372,7 @@ def test_round_moves_sampled_rows_not_the_table(eight_devices):
     assert ("all-gather", clients_per_round) in leading, found
 
 
+@pytest.mark.slow  # eight CPU devices in a subprocess: ~35 s (the one-device mesh stays quick)
 def test_uneven_table_is_refused(eight_devices):
     for message in eight_devices[0]["errors"]:
         assert message is not None and "multiple of 8" in message, message

@@ -174,6 +174,7 @@ def test_shakespeare_with_the_char_lstm_runs_and_resumes_from_the_command_line(t
     assert_resumes_for_one_more_round(argv, out)
 
 
+@pytest.mark.slow  # a CNN run from the command line: ~6 s
 @needs_fashion
 def test_fashion_mnist_with_the_cnn_runs_from_the_command_line(tmp_path):
     out = tmp_path / "cnn"

@@ -326,6 +326,7 @@ def _records(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # the accountant's calibration from the command line: ~4 s
 def test_the_command_line_calibrates_the_noise_for_a_target_epsilon(tmp_path):
     """--dp-epsilon 3 over 10 Poisson rounds: the last record's epsilon is within 1% of 3
     and not above it, and the calibrated multiplier is in the summary; a resume to more

@@ -73,7 +73,9 @@ SHORTEN = ["--rounds", "2", "--eval-every", "1"]
 
 #: The commands the default suite runs (a few seconds each: small data or one short run
 #: of each kind); every other command runs under ``-m slow`` (a fresh clone's suite stays
-#: within its time, and `make test-slow` runs them all).
+#: within its time, and `make test-slow` runs them all). A page's commands share its
+#: folder in order (extending.md writes the blobs its later commands read), so a pattern
+#: here keeps whole chains in one tier.
 FAST = (
     "--dataset quadratic",
     "python tests/plugins/lab.py",
@@ -233,9 +235,7 @@ def _params():
         for i, line in enumerate(_commands(page)):
             if line.startswith(("make", "source .venv/bin/activate", "pip")):
                 continue
-            # (A documented sweep compiles a grid's program: ~10 s, the slow tier's.)
-            fast = any(f in line for f in FAST) and "scaffold-jax sweep" not in line
-            marks = [] if fast else [pytest.mark.slow]
+            marks = [] if any(f in line for f in FAST) else [pytest.mark.slow]
             name = f"{_name(page)} {i:02d} {line[:50]}"
             params.append(pytest.param(page, line, id=name, marks=marks))
     return params

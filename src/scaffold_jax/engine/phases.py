@@ -226,15 +226,16 @@ def full_data_pass(full_pass, server, rows, ids, weights, data, chunk, aggregati
     privacy's aggregation), and those of the ``aggregation`` keywords (``cohort_size``,
     ``key``, ``hparams``) it takes. A ``pre_round`` pass gives the round's message
     ``context`` (its ``transform`` acts on the messages first) and the run's constants
-    ``run`` (for a client function that takes ``client_id=``)."""
-    extra = {}
-    if run and takes(full_pass.client, "client_id"):
-        extra = {"hparams": context.hparams, "run": run}
+    ``run``: a client function gets those of ``hparams=``, ``client_id=`` and ``run=`` it
+    takes."""
+    given = {"hparams": context.hparams, "run": run} if run else {}
+    extra = {k: v for k, v in given.items() if takes(full_pass.client, k)}
+    with_id = bool(run) and takes(full_pass.client, "client_id")
 
     def one(client_id, row):
         batches, mask = data.client_batches(client_id, jr.key(0), FULL_DATA)
         batch = jax.tree.map(lambda a: a[0], batches)
-        who = {"client_id": client_id} if extra else {}
+        who = {"client_id": client_id} if with_id else {}
         return full_pass.client(server, row, batch, mask[0], **extra, **who)
 
     rows, messages = over_clients(one, (ids, rows), chunk)

@@ -16,7 +16,7 @@ from conftest import (
 
 import scaffold_jax as sj
 from scaffold_jax import resources
-from scaffold_jax.sampling import sample_clients
+from scaffold_jax.sampling import floyd_ids, sample_clients
 
 
 # --------------------------------------------------------------------------- reference loop
@@ -292,6 +292,58 @@ def test_the_round_traces_once_and_keeps_the_client_axis(small_data, small_probl
     assert int(state.round) == 3
 
 
+def _loops_whose_trip_count_is_data(sim, data) -> int:
+    state = sim.init(data)
+    hp = sj.types.resolve_hparams(sim.algorithm, sj.hparams(0.1))
+    text = sim.run_rounds.lower(hp, state, data, jr.key(0), num_rounds=2).compile().as_text()
+    return sum(" while(" in line and "known_trip_count" not in line for line in text.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("plan", "expected"),
+    [(sj.BatchPlan.fixed(3, 4), 0), (sj.BatchPlan.full(2), 0), (sj.BatchPlan.epochs(4, 1), 1)],
+)
+def test_the_round_reads_no_loop_condition_back_where_no_client_stops_early(
+    small_data, small_problem, plan, expected
+):
+    """Where every client takes all K steps (a fixed or full plan, no stragglers) the
+    round has no loop whose trip count is data, which an accelerator would read back to
+    the host after every trip: the sampler's and the local steps' loops have counts the
+    compiler knows. An epochs plan keeps its local loop data-bounded (a chunk stops with
+    its longest client)."""
+    sim = sj.Simulation(sj.scaffold(small_problem.loss_fn), small_problem, plan, 3)
+    assert _loops_whose_trip_count_is_data(sim, small_data) == expected
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "apfl"])
+def test_all_k_steps_equal_stopping_after_the_last_non_empty_one(
+    small_data, small_problem, algorithm, monkeypatch
+):
+    """The known-count loop the engine uses where no client stops early gives the same
+    bits as the data-bounded loop (empty steps are no-ops), for local_sgd (SCAFFOLD) and
+    the personalized algorithms' masked loop (APFL): the full plan's small clients pad
+    their batches, and a client of 2 examples under fixed(3, 4) has short batches."""
+    from scaffold_jax import local
+    from scaffold_jax.algorithms import apfl
+    from scaffold_jax.engine import phases
+
+    def run():
+        build = sj.scaffold if algorithm == "scaffold" else apfl
+        sim = sj.Simulation(
+            build(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 4), 4
+        )
+        return sim.run(small_data, sj.hparams(0.2), num_rounds=3, seed=4)
+
+    static = run()
+    monkeypatch.setattr(phases, "every_step_runs", lambda yes: local.every_step_runs(False))
+    bounded = run()
+    for a, b in zip(jax.tree.leaves(static.state), jax.tree.leaves(bounded.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(
+        static.round_metrics["local_loss"], bounded.round_metrics["local_loss"]
+    )
+
+
 def test_client_table_is_donated(small_data, small_problem):
     sim = sj.Simulation(
         sj.scaffold(small_problem.loss_fn), small_problem, sj.BatchPlan.fixed(3, 2), 3
@@ -492,9 +544,17 @@ def test_client_sampling_is_uniform_over_subsets(n, s):
         assert np.all(np.abs(pair - p) <= 5 * np.sqrt(p * (1 - p) / draws))
 
 
+def _floyd_sequential(draws, n):
+    chosen = []
+    for i, j in enumerate(draws):
+        t = n - len(draws) + i
+        chosen.append(t if int(j) in chosen else int(j))
+    return chosen
+
+
 @pytest.mark.parametrize(("n", "s"), [(7, 2), (10, 3), (50, 20), (200, 60), (1000, 100)])
 def test_the_parallel_sampler_is_floyds_sequential_algorithm_bit_for_bit(n, s):
-    """sample_clients (S draws at once, collisions settled in a few [S, S] passes) against
+    """sample_clients (S draws at once, collisions settled by pointer doubling) against
     Floyd's algorithm written as the plain loop of S dependent steps over the same draws
     (step i's j_i from the i-th key of ``split(key, S)``): the same ids for 200 keys, so
     every seed samples what it always did. The sizes reach chains of collisions (S = 60
@@ -506,13 +566,6 @@ def test_the_parallel_sampler_is_floyds_sequential_algorithm_bit_for_bit(n, s):
             jr.split(key, s), last
         )
 
-    def floyd(j):
-        chosen = []
-        for i in range(s):
-            t = n - s + i
-            chosen.append(t if int(j[i]) in chosen else int(j[i]))
-        return chosen
-
     keys = jr.split(jr.key(n + s), 200)
     first = [int(jr.randint(k, (), 0, n - s + i + 1, dtype=jnp.int32))
              for i, k in enumerate(jr.split(keys[0], s))]  # fmt: skip
@@ -520,7 +573,25 @@ def test_the_parallel_sampler_is_floyds_sequential_algorithm_bit_for_bit(n, s):
     all_draws = np.asarray(jax.jit(jax.vmap(draws))(keys))
     sampled = np.asarray(jax.jit(jax.vmap(lambda k: sample_clients(k, n, s)))(keys))
     for j, ids in zip(all_draws, sampled, strict=True):
-        assert ids.tolist() == floyd(j)
+        assert ids.tolist() == _floyd_sequential(j, n)
+
+
+@pytest.mark.parametrize(("n", "s"), [(5, 1), (9, 8), (12, 9), (40, 33), (300, 257)])
+def test_floyd_ids_settle_the_longest_chains_of_collisions(n, s):
+    """floyd_ids against the sequential loop on draws no key is likely to give: a chain in
+    which every step collides because the one before it did (j_0 = j_1 = 0, then
+    j_i = t_{i-1}: S − 1 links, the most ⌈log2 S⌉ doubling passes must settle), and 300
+    draw vectors crowded into the t range (N − S small), where chains are long."""
+    offset = n - s
+    chain = [0] + [0] * (s > 1) + [offset + i - 1 for i in range(2, s)]
+    rng = np.random.default_rng(s)
+    crowded = [[int(rng.integers(max(0, offset + i - 4), offset + i + 1)) for i in range(s)]
+               for _ in range(300)]  # fmt: skip
+    for draws in [chain, *crowded]:
+        got = np.asarray(floyd_ids(jnp.asarray(draws, jnp.int32), n)).tolist()
+        assert got == _floyd_sequential(draws, n)
+    if s > 2:  # the chain really is one: every step after the first collided
+        assert _floyd_sequential(chain, n)[1:] == list(range(offset + 1, n))
 
 
 @pytest.mark.slow

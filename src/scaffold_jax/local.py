@@ -1,6 +1,6 @@
 """The local solver shared by every local-update algorithm.
 
-K masked steps as one ``lax.while_loop`` that stops after the last non-empty step (of
+K masked steps as one loop (:func:`step_loop`) that stops after the last non-empty step (of
 the client, or of the longest client vmapped beside it), with a gradient-correction hook
 through which SCAFFOLD (``g + (c − c_i)``), FedProx (``g + μ (y − x)``), FedDyn and Mime
 (``g − ∇f_i(x; ζ) + c``) plug in, and an optional optax transformation of the corrected
@@ -10,6 +10,8 @@ engine vmaps it across the sampled clients.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from collections.abc import Callable
 from typing import NamedTuple
@@ -129,8 +131,8 @@ def local_sgd(
     if not takes_key(loss_fn):
         key = None  # nothing to split per step: the loss is deterministic
 
-    def step(carry):
-        k, y, opt_state, loss_sum, taken, stats = carry
+    def step(k, carry):
+        y, opt_state, loss_sum, taken, stats = carry
         batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), batches)
         batch_mask = jax.lax.dynamic_index_in_dim(mask, k, keepdims=False)
         step_key = None if key is None else jax.random.fold_in(key, k)
@@ -150,25 +152,61 @@ def local_sgd(
             stats = optax.tree.where(active, stats.advance(y, batch, batch_mask, step_key), stats)
         y_next = optax.tree.where(active, optax.tree.add_scale(y, -client_lr, grad), y)
         loss_sum = loss_sum + jnp.where(active, loss.astype(jnp.float32), 0.0)
-        return k + 1, y_next, opt_state, loss_sum, taken + active.astype(jnp.int32), stats
+        return y_next, opt_state, loss_sum, taken + active.astype(jnp.int32), stats
 
-    # The loop runs to this client's last non-empty step, not over all K padded steps: a
-    # client of an epochs plan takes E·ceil(n_i / B) steps, and the engine runs clients of
-    # similar step counts side by side (Simulation.round_fn), so a chunk of vmapped
-    # clients loops only as long as its longest client. The empty steps skipped were
-    # no-ops, so the result is the padded computation's.
     has_data = jnp.sum(mask, axis=tuple(range(1, mask.ndim))) > 0
-    last = _longest_of_chunk(
-        jnp.max(jnp.where(has_data, jnp.arange(mask.shape[0], dtype=jnp.int32), -1))
-    )
     opt_state = () if optimizer is None else optimizer.init(params)
     zero = jnp.zeros((), jnp.int32)
-    carry = (zero, params, opt_state, jnp.zeros((), jnp.float32), zero, model_state)
-    _, y, _, loss_sum, num_steps, model_state = jax.lax.while_loop(
-        lambda c: c[0] <= last, step, carry
-    )
+    carry = (params, opt_state, jnp.zeros((), jnp.float32), zero, model_state)
+    y, _, loss_sum, num_steps, model_state = step_loop(step, carry, has_data)
     mean_loss = loss_sum / jnp.maximum(num_steps, 1).astype(jnp.float32)
     return y, LocalResult(num_steps=num_steps, mean_loss=mean_loss, model_state=model_state)
+
+
+# Set while the engine traces the clients' work of a round in which stopping early saves
+# nothing (every client vmapped side by side takes all K steps): see `every_step_runs`.
+_EVERY_STEP_RUNS = contextvars.ContextVar("scaffold_jax_every_step_runs", default=False)
+
+
+@contextlib.contextmanager
+def every_step_runs(yes: bool = True):
+    """While active, :func:`step_loop` runs all K steps as a loop of K trips known to the
+    compiler instead of stopping after the last non-empty one.
+
+    The results are the same either way (an empty step leaves the carry as it was); what
+    differs is the program: a loop whose trip count is data makes an accelerator read its
+    condition back to the host after every trip (a synchronisation per local step), while a
+    loop of known trip count runs without one. The engine turns it on when no client of
+    the round can stop early: a plan whose K is every client's and no stragglers.
+    """
+    token = _EVERY_STEP_RUNS.set(yes)
+    try:
+        yield
+    finally:
+        _EVERY_STEP_RUNS.reset(token)
+
+
+def step_loop(step: Callable, carry, active: Array):
+    """``carry`` after ``step(k, carry)`` for k = 0, 1, ... through the last ``active``
+    step (``[K]`` bool) of the client, or of the longest client vmapped beside it; all K
+    under :func:`every_step_runs`. ``step`` must leave the carry as it was on an inactive
+    step: the loop decides only how far to run, never which steps count.
+
+    The loop runs to this client's last non-empty step, not over all K padded steps: a
+    client of an epochs plan takes E·ceil(n_i / B) steps, and the engine runs clients of
+    similar step counts side by side (Simulation.round_fn), so a chunk of vmapped clients
+    loops only as long as its longest client.
+    """
+    num_steps = active.shape[0]
+    if _EVERY_STEP_RUNS.get():
+        return jax.lax.fori_loop(0, num_steps, step, carry)
+    last = _longest_of_chunk(jnp.max(jnp.where(active, jnp.arange(num_steps, dtype=jnp.int32), -1)))
+
+    def body(state):
+        k, inner = state
+        return k + 1, step(k, inner)
+
+    return jax.lax.while_loop(lambda s: s[0] <= last, body, (jnp.zeros((), jnp.int32), carry))[1]
 
 
 def _longest_of_chunk(last: Array) -> Array:

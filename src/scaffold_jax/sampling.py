@@ -53,16 +53,7 @@ def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> 
 
     Every S-subset of the N clients is equally likely. For S << N these are the ids of
     Floyd's algorithm (O(S²) work, no O(N) pass), computed in parallel rather than in a
-    loop of S dependent steps; otherwise a permutation of all N ids.
-
-    Floyd's step i draws j_i in [0, t_i] (t_i = N − S + i) and takes j_i unless an earlier
-    step took it, in which case it takes t_i (which no earlier step can have taken). The
-    draws are independent, so they are made at once; whether step i "collided" depends
-    only on the steps before it, so iterating "collided_i = j_i is among the earlier
-    choices" from no collisions settles one more step per pass at least, and stops at the
-    sequential answer, bit for bit, after as many passes as the longest chain of
-    collisions (one or two when S << N), each an [S, S] comparison. On an accelerator
-    this replaces S sequential steps, each a kernel launch or more, by a few.
+    loop of S dependent steps (:func:`floyd_ids`); otherwise a permutation of all N ids.
     """
     n, s = num_clients, clients_per_round
     if s == n or s * s > 16 * n * max(1, n.bit_length()):
@@ -71,19 +62,38 @@ def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> 
     draws = jax.vmap(lambda k, t: jr.randint(k, (), 0, t + 1, dtype=jnp.int32))(
         jr.split(key, s), last
     )
-    earlier = jnp.tril(jnp.ones((s, s), bool), -1)  # [i, k]: step k comes before step i
+    return floyd_ids(draws, n)
 
-    def taken(collided):
-        return jnp.where(collided, last, draws)
 
-    def settle(carry):
-        collided, _ = carry
-        now = jnp.any(earlier & (taken(collided)[None, :] == draws[:, None]), axis=1)
-        return now, jnp.any(now != collided)
+def floyd_ids(draws: jax.Array, num_clients: int) -> jax.Array:
+    """The ids Floyd's algorithm chooses from its draws ``j_i`` in ``[0, t_i]`` (int32
+    ``[S]``, t_i = N − S + i), with no loop whose length is data.
 
-    start = (jnp.zeros((s,), bool), jnp.bool_(True))
-    collided, _ = jax.lax.while_loop(lambda carry: carry[1], settle, start)
-    return taken(collided)
+    Floyd's step i takes j_i unless an earlier step took it, in which case it takes t_i
+    (which no earlier step can have taken). Step i "collides" exactly when
+
+    * an earlier step drew the same j (j_k = j_i, k < i): if step k did not collide it
+      took j_i, and if it did, j_i was taken before step k; or
+    * the one earlier step k with t_k = j_i (k = j_i − (N − S), if 0 <= k < i) collided,
+      so took t_k = j_i.
+
+    So ``collided_i = repeat_i or collided_parent(i)``, pointers to earlier steps that
+    ⌈log2 S⌉ pointer-doubling passes settle whatever the draws: the sequential
+    algorithm's ids, bit for bit, from one [S, S] comparison and a fixed number of
+    [S] gathers. On an accelerator this replaces S dependent steps, and any loop whose
+    trip count is read back to the host each round, by a handful of kernels.
+    """
+    s = draws.shape[0]
+    offset = num_clients - s
+    step = jnp.arange(s, dtype=jnp.int32)
+    earlier = step[None, :] < step[:, None]  # [i, k]: step k comes before step i
+    collided = jnp.any(earlier & (draws[None, :] == draws[:, None]), axis=1)
+    parent = draws - offset
+    parent = jnp.where((parent >= 0) & (parent < step), parent, step)  # a root: itself
+    for _ in range((s - 1).bit_length()):  # after m passes a step has seen 2^m of its chain
+        collided = collided | collided[parent]
+        parent = parent[parent]
+    return jnp.where(collided, offset + step, draws)
 
 
 def sample_available(key: jax.Array, available: jax.Array, width: int):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaffold_jax.local import _longest_of_chunk, takes_key
+from scaffold_jax.local import step_loop, takes_key
 
 
 def active_steps(mask: jax.Array) -> jax.Array:
@@ -22,15 +22,9 @@ def active_steps(mask: jax.Array) -> jax.Array:
 def masked_steps(step, carry, active: jax.Array):
     """``carry`` after ``step(k, carry)`` for every k with ``active[k]``, in order; the
     others leave it unchanged (they are skipped past the last active one)."""
-    last = _longest_of_chunk(
-        jnp.max(jnp.where(active, jnp.arange(active.shape[0], dtype=jnp.int32), -1))
+    return step_loop(
+        lambda k, inner: optax.tree.where(active[k], step(k, inner), inner), carry, active
     )
-
-    def body(state):
-        k, inner = state
-        return k + 1, optax.tree.where(active[k], step(k, inner), inner)
-
-    return jax.lax.while_loop(lambda s: s[0] <= last, body, (jnp.zeros((), jnp.int32), carry))[1]
 
 
 def step_keys(loss_fn, key):

@@ -55,7 +55,7 @@ from scaffold_jax.engine.keys import (
     server_key,
     shared_key,
 )
-from scaffold_jax.local import takes
+from scaffold_jax.local import every_step_runs, takes
 from scaffold_jax.messages import MessageContext
 from scaffold_jax.sampling import split_sample
 from scaffold_jax.tree import set_rows, take_rows, weighted_mean
@@ -418,7 +418,11 @@ def local_work(ctx, hparams, server_in, rows: Rows, draw: Draw, cohort: Cohort, 
         order = jnp.argsort(-steps, stable=True)
         work = jax.tree.map(lambda a: a[order], work)
         active = None if present is None else present[order]
-    new_rows, outputs = over_clients(one, work, chunk, active)
+    # A loop of K trips the compiler knows where no client can stop early (the same
+    # results: empty steps are no-ops); on an accelerator a loop whose trip count is data
+    # reads its condition back to the host after every step.
+    with every_step_runs(not plan.steps_vary and ctx.participation.stragglers is None):
+        new_rows, outputs = over_clients(one, work, chunk, active)
     if sort:
         back = jnp.argsort(order)
         new_rows, outputs = jax.tree.map(lambda a: a[back], (new_rows, outputs))

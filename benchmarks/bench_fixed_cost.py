@@ -17,7 +17,7 @@ Both are timed interleaved (one call of R rounds per program in turn, the minimu
 median over ``--repeats``), and their optimised HLO is read for its structure per round:
 the operations and fusions executed (each computation's top-level instructions, a while
 loop's body times its trip count where XLA knows it; a loop whose count is data, like the
-sampler's collision passes, counted once and listed), while loops, sorts, host transfers
+local steps of an epochs plan, counted once and listed), while loops, sorts, host transfers
 and copies. On an accelerator each executed top-level operation is roughly a kernel launch,
 so that count, not the CPU time, is what a fixed cost of milliseconds is made of; and as
 ``launch_ops``, the operations that run a kernel (not tuples, their elements, parameters,

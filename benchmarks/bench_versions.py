@@ -42,14 +42,20 @@ for _ in range(repeats):
     start = time.perf_counter()
     state = jax.block_until_ready(run(state))
     times.append((time.perf_counter() - start) / w.rounds)
-print(json.dumps({"ms": 1e3 * min(times), "compile_s": compile_s[0]}))
+import scaffold_jax
+print(json.dumps({"ms": 1e3 * min(times), "compile_s": compile_s[0],
+                  "package": scaffold_jax.__file__}))
 """
 
 
 def child(tree: Path, workload: str, algorithm: str, repeats: int, env=None) -> dict:
     """Times ``workload``/``algorithm`` in a fresh process running ``tree``'s package (with
-    ``env`` added to the environment, e.g. ``XLA_FLAGS``)."""
-    env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
+    ``env`` added to the environment, e.g. ``XLA_FLAGS``).
+
+    The package is ``tree/src``'s: with the tree's root on the path instead, an editable
+    install of this checkout wins and both "versions" are this one (as every comparison
+    made with this script between the move to a src/ layout and its fix was)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree / "src")}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, workload, algorithm, str(repeats), str(ROOT / "benchmarks")],
         cwd=tree,
@@ -58,7 +64,10 @@ def child(tree: Path, workload: str, algorithm: str, repeats: int, env=None) -> 
         text=True,
         check=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(result["package"]).resolve().is_relative_to((tree / "src").resolve()):
+        raise RuntimeError(f"timed {result['package']}, not {tree}'s package")
+    return result
 
 
 def main(argv=None) -> dict:

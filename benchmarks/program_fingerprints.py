@@ -12,6 +12,12 @@ XLA program, so their single runs take the same time and give the same bits: a s
 and quieter check than timing both on a shared machine. A differing fingerprint says only
 that the program changed; time it then (bench_workloads.py, bench_models.py).
 
+Beside each fingerprint, the program's structure per round (bench_fixed_cost.structure):
+its kernel launches (operations that run a kernel, a random-bits loop as one) and its
+loops whose trip count is data (on an accelerator each trip of one reads its condition
+back to the host). A loop whose trip count is data is counted as one trip, so a launch
+count beside one is a lower bound.
+
 Examples (compare two checkouts):
   python benchmarks/program_fingerprints.py --out before.json
   git checkout other && python benchmarks/program_fingerprints.py --compare before.json
@@ -32,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import workloads  # noqa: E402
+from bench_fixed_cost import structure  # noqa: E402
 from common import write_json  # noqa: E402
 
 import scaffold_jax as sj  # noqa: E402
@@ -136,20 +143,39 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the fingerprints here (JSON)")
     parser.add_argument("--compare", help="fingerprints of another checkout (JSON) to compare")
     args = parser.parse_args(argv)
-    found = {}
+    found, shapes = {}, {}
+
+    def record(key: str, compiled) -> None:
+        text = compiled.as_text()
+        found[key] = fingerprint(text)
+        shape = structure(text, rounds=2)
+        shapes[key] = {k: shape[k] for k in ("launch_ops", "data_dependent_whiles")}
+        print(key, found[key], shapes[key], flush=True, file=sys.stderr)
+
     for name, alg, sim, data, hp in programs():
         lowered = sim.run_rounds.lower(hp, sim.init(data), data, jr.key(0), num_rounds=2)
-        found[f"{name}/{alg}"] = fingerprint(lowered.compile().as_text())
-        print(f"{name}/{alg}", found[f"{name}/{alg}"], flush=True, file=sys.stderr)
+        record(f"{name}/{alg}", lowered.compile())
     for name, alg in (("W1", "scaffold"), ("W1", "fedavg"), ("W6", "scaffold")):
-        found[f"{name}/sweep-{alg}"] = fingerprint(sweep_program(name, alg).compile().as_text())
-    other = json.loads(Path(args.compare).read_text())["programs"] if args.compare else {}
-    print(f"| program | fingerprint | {'same as --compare' if other else ''} |")
-    print("|---|---|---|")
+        record(f"{name}/sweep-{alg}", sweep_program(name, alg).compile())
+    before = json.loads(Path(args.compare).read_text()) if args.compare else {}
+    other, other_shapes = before.get("programs", {}), before.get("structure", {})
+    print("| program | fingerprint | launches/round | loops whose trip count is data |"
+          + (" same as --compare |" if other else ""))  # fmt: skip
+    print("|---|---|---|---|" + ("---|" if other else ""))
     for key, value in found.items():
-        same = "" if not other else ("same" if other.get(key) == value else "**changed**")
-        print(f"| {key} | {value} | {same} |")
-    out = {"jax": jax.__version__, "backend": jax.default_backend(), "programs": found}
+        launches, loops = shapes[key]["launch_ops"], shapes[key]["data_dependent_whiles"]
+        if key in other_shapes:
+            was = other_shapes[key]
+            launches = f"{was['launch_ops']} -> {launches}"
+            loops = f"{was['data_dependent_whiles']} -> {loops}"
+        same = "" if not other else (" same |" if other.get(key) == value else " **changed** |")
+        print(f"| {key} | {value} | {launches} | {loops} |{same}")
+    out = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "programs": found,
+        "structure": shapes,
+    }
     write_json(args.out, out)
     return out
 

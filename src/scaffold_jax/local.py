@@ -1,11 +1,11 @@
 """The local solver shared by every local-update algorithm.
 
-K masked steps as one loop (:func:`step_loop`) that stops after the last non-empty step (of
-the client, or of the longest client vmapped beside it), with a gradient-correction hook
-through which SCAFFOLD (``g + (c − c_i)``), FedProx (``g + μ (y − x)``), FedDyn and Mime
-(``g − ∇f_i(x; ζ) + c``) plug in, and an optional optax transformation of the corrected
-gradient (a local optimizer, or Mime's frozen base optimizer). Written for ONE client; the
-engine vmaps it across the sampled clients.
+K masked steps as one loop (:func:`step_loop`: all K where no client can stop early, else
+up to the last non-empty step of the client or of the longest client vmapped beside it),
+with a gradient-correction hook through which SCAFFOLD (``g + (c − c_i)``), FedProx
+(``g + μ (y − x)``), FedDyn and Mime (``g − ∇f_i(x; ζ) + c``) plug in, and an optional
+optax transformation of the corrected gradient (a local optimizer, or Mime's frozen base
+optimizer). Written for ONE client; the engine vmaps it across the sampled clients.
 """
 
 from __future__ import annotations
